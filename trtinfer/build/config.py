@@ -1,0 +1,42 @@
+"""Build stage configuration."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trtinfer.errors import ConfigError
+from trtinfer.export.config import ExportConfig
+
+PRECISIONS = ("fp32",)  # fp16/bf16/int8/int4 arrive with the passes and quantization stages
+TARGETS = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Settings of :func:`trtinfer.build.build`.
+
+    ``max_seq_len=None`` takes the model's ``max_position_embeddings`` capped at 4096.
+    ``target`` is the execution provider the ONNX Runtime offline optimization is done for.
+    """
+
+    backend: str = "onnxruntime"
+    precision: str = "fp32"
+    target: str = "cpu"
+    max_batch_size: int = 16
+    max_seq_len: int | None = None
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision '{self.precision}' is not available in this version; supported: "
+                              f"{', '.join(PRECISIONS)}")
+        if self.target not in TARGETS:
+            raise ConfigError(f"target must be one of {TARGETS}, got {self.target!r}")
+        if self.max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for the manifest."""
+        return asdict(self)

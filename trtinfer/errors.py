@@ -1,0 +1,60 @@
+"""One exception hierarchy for trtinfer.
+
+Every error says what was expected, what was found and what to do. The CLI prints ``str(err)`` as one line and
+exits non-zero; ``--debug`` shows the traceback.
+"""
+from __future__ import annotations
+
+
+class TrtInferError(Exception):
+    """Base class of every error trtinfer raises on purpose."""
+
+    exit_code = 1
+
+
+class ConfigError(TrtInferError, ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+    exit_code = 2
+
+
+class ModelSourceError(TrtInferError):
+    """A MODEL argument could not be resolved to a loadable model."""
+
+    exit_code = 2
+
+
+class UnsupportedArchitectureError(TrtInferError):
+    """The model's architecture has no registered export spec."""
+
+    exit_code = 2
+
+
+class ExportError(TrtInferError):
+    """Tracing or writing the ONNX graph failed."""
+
+
+class ValidationError(ExportError):
+    """The exported graph's outputs differ from PyTorch eager beyond tolerance."""
+
+
+class BuildError(TrtInferError):
+    """Building an engine directory failed."""
+
+
+class EngineLoadError(TrtInferError):
+    """An engine directory is missing, incomplete or from an incompatible version."""
+
+    exit_code = 2
+
+
+class InputError(TrtInferError, ValueError):
+    """Inputs to the runtime break the engine's limits or contract."""
+
+    exit_code = 2
+
+
+class BackendUnavailableError(TrtInferError):
+    """The requested backend or execution provider is not installed on this machine."""
+
+    exit_code = 3

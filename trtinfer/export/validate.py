@@ -1,0 +1,103 @@
+"""Compare an exported decoder graph with PyTorch eager: prefill, then one decode step.
+
+The reference is the unwrapped transformers model with its own masks and cache, so the check covers our
+mask construction as well as the trace. Present KV is compared on real (unpadded) positions only, and on the
+positions transformers keeps: its sliding layers drop the oldest ones.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """Max abs differences ONNX Runtime vs eager, the tolerance applied, and whether it passed."""
+
+    prefill_logits_max_abs_diff: float
+    decode_logits_max_abs_diff: float
+    present_max_abs_diff: float
+    logits_scale: float
+    tolerance: float
+    top1_agree: bool
+    passed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+
+def _reference_step(model: Any, ids: Any, mask: Any, pos: Any, cache: Any) -> tuple[np.ndarray, Any]:
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1:].float().numpy(), out.past_key_values
+
+
+def validate_decoder(onnx_path: Path, model: Any, geometry: dict[str, Any], atol: float, last_only: bool) -> ValidationReport:
+    """Run prefill (batch 2, one row left-padded) and one decode step in ORT and eager; compare."""
+    import onnxruntime as ort
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    n_layers, kv, hd = geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"]
+    rng = np.random.default_rng(0)
+    seq, pad = 9, 3
+    ids = rng.integers(0, geometry["vocab_size"], size=(2, seq), dtype=np.int64)
+    mask = np.ones((2, seq), dtype=np.int64)
+    mask[0, :pad] = 0
+    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+
+    feed: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+    for i in range(n_layers):
+        feed[f"past_key_values.{i}.key"] = np.zeros((2, kv, 0, hd), np.float32)
+        feed[f"past_key_values.{i}.value"] = np.zeros((2, kv, 0, hd), np.float32)
+    outs = sess.run(None, feed)
+    ort_logits = outs[0][:, -1:] if not last_only else outs[0]
+
+    cache = DynamicCache(config=model.config)
+    t = torch.from_numpy
+    ref_logits, cache = _reference_step(model, t(ids), t(mask), t(pos), cache)
+    prefill_diff = float(np.abs(ort_logits - ref_logits).max())
+    top1 = bool((ort_logits.argmax(-1) == ref_logits.argmax(-1)).all())
+    scale = float(max(1.0, np.abs(ref_logits).max()))
+
+    # one decode step on the presents
+    nxt = ref_logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+    mask2 = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+    pos2 = pos[:, -1:] + 1
+    feed2: dict[str, np.ndarray] = {"input_ids": nxt, "attention_mask": mask2, "position_ids": pos2}
+    for i in range(n_layers):
+        feed2[f"past_key_values.{i}.key"] = outs[1 + 2 * i]
+        feed2[f"past_key_values.{i}.value"] = outs[2 + 2 * i]
+    outs2 = sess.run(None, feed2)
+    ref2, cache = _reference_step(model, t(nxt), t(mask2), t(pos2), cache)
+    decode_diff = float(np.abs(outs2[0][:, -1:] - ref2).max())
+    top1 = top1 and bool((outs2[0][:, -1:].argmax(-1) == ref2.argmax(-1)).all())
+    scale = max(scale, float(np.abs(ref2).max()))
+
+    present_diff, present_scale = 0.0, 1.0
+    real = mask2.astype(bool)
+    for i, layer in enumerate(cache.layers):
+        for j, ref_t in enumerate((layer.keys, layer.values)):
+            ours = outs2[1 + 2 * i + j]
+            ref = ref_t.float().numpy()
+            keep = ref.shape[2]  # sliding layers keep only the newest positions
+            ours, row_mask = ours[:, :, -keep:], real[:, -keep:]
+            diff = np.abs(ours - ref) * row_mask[:, None, :, None]
+            present_diff = max(present_diff, float(diff.max()))
+            present_scale = max(present_scale, float(np.abs(ref).max()))
+
+    tol = atol * scale
+    passed = top1 and max(prefill_diff, decode_diff) <= tol and present_diff <= atol * present_scale
+    report = ValidationReport(prefill_diff, decode_diff, present_diff, scale, tol, top1, passed)
+    log.info("validation vs eager: %s", report)
+    return report

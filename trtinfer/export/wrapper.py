@@ -1,0 +1,89 @@
+"""The traced module: flat KV tensors in, flat KV tensors out, masks built explicitly.
+
+We build the 4D additive masks ourselves instead of letting transformers do it, because its mask code takes
+shortcuts on the *values* of the traced mask (skipping it when nothing is padded), which a trace would freeze.
+Every layer keeps its full KV history; sliding-window layers see only the last ``window`` positions through their
+mask. That is exactly the attention transformers computes with its cropped sliding cache, at the cost of keeping
+older positions around.
+
+    input_ids [B,S] --> HF model (eager attention) --> logits [B,1|S,V]
+    attention_mask [B,P+S] --> full / sliding 4D masks [B,1,S,P+S]
+    past_key_values.i.key|value [B,KV,P,D] --> DynamicCache --> present.i.key|value [B,KV,P+S,D]
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from trtinfer.export.architectures import FULL, SLIDING
+
+
+def build_masks(
+    attention_mask: torch.Tensor, seq_len: torch.Tensor | int, window: int | None, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Additive 4D masks ``[B,1,S,T]`` (0 = attend, dtype-min = blocked) from a 2D padding mask ``[B,T]``.
+
+    Query ``i`` sits at cache index ``T-S+i``. Sliding layers also block keys ``window`` or more positions back,
+    matching transformers' ``sliding_window_overlay`` (``kv_idx > q_idx - window``).
+    """
+    total = attention_mask.shape[1]
+    kv_idx = torch.arange(total, device=attention_mask.device)
+    q_idx = torch.arange(seq_len, device=attention_mask.device) + (total - seq_len)
+    causal = kv_idx[None, :] <= q_idx[:, None]  # [S,T]
+    keep = attention_mask[:, None, None, :].bool() & causal[None, None]  # [B,1,S,T]
+    zero = torch.zeros((), dtype=dtype)
+    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
+    masks = {FULL: torch.where(keep, zero, blocked)}
+    if window:
+        in_window = (q_idx[:, None] - kv_idx[None, :]) < window
+        masks[SLIDING] = torch.where(keep & in_window[None, None], zero, blocked)
+    return masks
+
+
+def cache_from_flat(past: tuple[torch.Tensor, ...]) -> DynamicCache:
+    """A DynamicCache of full (never cropped) layers holding the given key/value pairs."""
+    cache = DynamicCache()
+    for i in range(0, len(past), 2):
+        layer = DynamicLayer()
+        layer.dtype, layer.device = past[i].dtype, past[i].device
+        layer.keys, layer.values = past[i], past[i + 1]
+        layer.is_initialized = True
+        cache.layers.append(layer)
+    return cache
+
+
+class DecoderWithPast(torch.nn.Module):
+    """Wrap a HF causal LM into the flat signature the ONNX graph exposes."""
+
+    def __init__(self, model: Any, geometry: dict[str, Any], mask_mapping: bool, last_logits_only: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.layer_types: list[str] = geometry["layer_types"]
+        self.window: int | None = geometry["sliding_window"]
+        self.mask_mapping = mask_mapping
+        self.last_logits_only = last_logits_only
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        dtype = past[0].dtype if past else torch.float32
+        masks = build_masks(attention_mask, input_ids.shape[1], self.window, dtype)
+        mask: Any = masks if self.mask_mapping else masks[self.layer_types[0]]
+        cache = cache_from_flat(past)
+        total = attention_mask.shape[1]
+        cache_position = torch.arange(input_ids.shape[1]) + (total - input_ids.shape[1])
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            cache_position=cache_position,
+            use_cache=True,
+            logits_to_keep=1 if self.last_logits_only else 0,
+        )
+        flat: list[torch.Tensor] = []
+        for layer in out.past_key_values.layers:
+            flat += [layer.keys, layer.values]
+        return (out.logits, *flat)

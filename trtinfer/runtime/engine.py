@@ -1,0 +1,113 @@
+"""``trtinfer.load(DIR)``: an engine = manifest + tokenizer + backend session + generation loop."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from trtinfer.errors import InputError
+from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
+from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent
+from trtinfer.runtime.manifest import Manifest, read_manifest
+from trtinfer.runtime.session import DecoderSession, open_session
+from trtinfer.runtime.tokenizer import EngineTokenizer
+
+_GEN_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)}
+
+
+class Engine:
+    """A loaded engine. Generate with :meth:`generate`, stream with :meth:`stream`; close or use ``with``."""
+
+    def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
+        self.path = Path(engine_dir)
+        self.manifest: Manifest = read_manifest(self.path)
+        self.config = config or RuntimeConfig()
+        self.tokenizer = EngineTokenizer(self.path, self.manifest.raw.get("tokenizer", {}))
+        self.session: DecoderSession = open_session(self.path, self.manifest, self.config)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the backend session."""
+        self.session.close()
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _prompt_ids(self, prompts: Sequence[str] | str | None, input_ids: Sequence[Sequence[int]] | None,
+                    chat: bool) -> list[list[int]]:
+        if (prompts is None) == (input_ids is None):
+            raise InputError("give exactly one of prompts (list of strings) or input_ids (list of token-id lists)")
+        if input_ids is not None:
+            if not all(isinstance(row, (list, tuple)) or hasattr(row, "tolist") for row in input_ids):
+                raise InputError("input_ids must be a list of token-id lists, one per prompt")
+            return [[int(t) for t in row] for row in input_ids]
+        assert prompts is not None
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not all(isinstance(p, str) for p in prompts):
+            raise InputError("prompts must be strings; pass token ids through input_ids=")
+        if chat:
+            return [self.tokenizer.encode_chat(p) for p in prompts]
+        return [self.tokenizer.encode(p) for p in prompts]
+
+    def _generation(self, prompts: Any, input_ids: Any, chat: bool, kwargs: dict[str, Any]) -> Generation:
+        unknown = set(kwargs) - _GEN_FIELDS
+        if unknown:
+            raise InputError(f"unknown generation option(s) {sorted(unknown)}; known: {sorted(_GEN_FIELDS)}")
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = (kwargs["stop"],)
+        if kwargs.get("stop") is not None:
+            kwargs["stop"] = tuple(kwargs["stop"])
+        else:
+            kwargs.pop("stop", None)
+        if kwargs.get("eos_token_ids") is not None:
+            kwargs["eos_token_ids"] = tuple(kwargs["eos_token_ids"])
+        cfg = GenerationConfig(**kwargs)
+        ids = self._prompt_ids(prompts, input_ids, chat)
+        return Generation(self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size,
+                          self.manifest.max_seq_len)
+
+    def generate(self, prompts: Sequence[str] | str | None = None, *,
+                 input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False,
+                 **kwargs: Any) -> list[GenerationResult]:
+        """Generate for a batch of prompts; one :class:`GenerationResult` per prompt, in order.
+
+        Keyword options are those of :class:`GenerationConfig` (``max_new_tokens``, ``min_new_tokens``,
+        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``seed``, ``stop``, ...).
+        ``chat=True`` renders each prompt as a user message through the model's chat template.
+        """
+        gen = self._generation(prompts, input_ids, chat, kwargs)
+        for _ in gen.events():
+            pass
+        return gen.results
+
+    def stream(self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None, chat: bool = False,
+               **kwargs: Any) -> Iterator[str]:
+        """Generate for one prompt, yielding text deltas as tokens arrive."""
+        rows = None if input_ids is None else [list(input_ids)]
+        prompts = None if prompt is None else [prompt]
+        for ev in self._generation(prompts, rows, chat, kwargs).events():
+            if ev.text:
+                yield ev.text
+
+    def stream_batch(self, prompts: Sequence[str] | None = None, *,
+                     input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False,
+                     **kwargs: Any) -> Iterator[StreamEvent]:
+        """Generate for a batch, yielding a :class:`StreamEvent` per prompt per step."""
+        yield from self._generation(prompts, input_ids, chat, kwargs).events()
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest as a dict."""
+        return json.loads(json.dumps(self.manifest.raw))
+
+
+def load(engine_dir: str | Path, config: RuntimeConfig | None = None, **overrides: Any) -> Engine:
+    """Load an engine directory built by ``trtinfer build``; ``overrides`` are :class:`RuntimeConfig` fields."""
+    if overrides:
+        config = dataclasses.replace(config or RuntimeConfig(), **overrides)
+    return Engine(engine_dir, config)

@@ -1,0 +1,160 @@
+"""Batched generation over a :class:`DecoderSession`: ragged left-padded prefill, then batched decode.
+
+Rows that finish leave the batch (their KV rows are dropped on the backend), so they stop costing compute.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trtinfer.errors import InputError
+from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.sampling import select_next
+from trtinfer.runtime.session import DecoderSession
+from trtinfer.runtime.tokenizer import EngineTokenizer, IncrementalDecoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Timings:
+    """Per-prompt timings, as llama.cpp reports them: prompt eval and per-token eval."""
+
+    prompt_tokens: int = 0
+    batch_size: int = 1
+    prefill_ms: float = 0.0  # time to first token (prefill of the whole batch + first selection)
+    decode_ms: list[float] = field(default_factory=list)  # one entry per decode step this row took part in
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode speed of this row (tokens after the first / their time)."""
+        total = sum(self.decode_ms)
+        return len(self.decode_ms) / total * 1000.0 if total > 0 else 0.0
+
+    @property
+    def total_ms(self) -> float:
+        """Prefill plus all decode steps."""
+        return self.prefill_ms + sum(self.decode_ms)
+
+    def to_dict(self) -> dict[str, float | int]:
+        """JSON-friendly summary."""
+        return {"prompt_tokens": self.prompt_tokens, "batch_size": self.batch_size,
+                "prefill_ms": round(self.prefill_ms, 3), "decode_steps": len(self.decode_ms),
+                "decode_ms_per_token": round(sum(self.decode_ms) / max(1, len(self.decode_ms)), 3),
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2), "total_ms": round(self.total_ms, 3)}
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's output: new token ids (EOS included, as transformers returns it), text, why it stopped."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) | "length" (max_new_tokens or the engine's max_seq_len)
+    prompt_ids: list[int]
+    timings: Timings
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """A text delta of prompt ``index``; ``finish_reason`` is set on its last event."""
+
+    index: int
+    text: str
+    token_id: int | None
+    finish_reason: str | None = None
+
+
+class Generation:
+    """One batched generation. Iterate :meth:`events` for streaming; read :attr:`results` after."""
+
+    def __init__(self, session: DecoderSession, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
+                 cfg: GenerationConfig, max_batch_size: int, max_seq_len: int) -> None:
+        if not prompts:
+            raise InputError("no prompts given: pass at least one prompt or input_ids row")
+        if len(prompts) > max_batch_size:
+            raise InputError(f"batch of {len(prompts)} prompts exceeds the engine's max batch size {max_batch_size}; "
+                             "split it, or rebuild with a larger --max-batch-size")
+        vocab = session.manifest.geometry["vocab_size"]
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise InputError(f"prompt {i} is empty (0 tokens); give at least one token")
+            if len(p) >= max_seq_len:
+                raise InputError(f"prompt {i} has {len(p)} tokens; the engine's max sequence length is {max_seq_len} "
+                                 "(prompt + at least one new token); shorten it or rebuild with a larger --max-seq-len")
+            bad = [t for t in p if not 0 <= int(t) < vocab]
+            if bad:
+                raise InputError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        self.session, self.tok, self.cfg = session, tokenizer, cfg
+        self.prompts = [list(map(int, p)) for p in prompts]
+        self.max_seq_len = max_seq_len
+        self.eos = () if cfg.ignore_eos else tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None
+                                                   else tokenizer.eos_token_ids)
+        self.results: list[GenerationResult] = []
+
+    def events(self) -> Iterator[StreamEvent]:
+        """Run the generation, yielding text deltas as tokens arrive; fills :attr:`results`."""
+        cfg, n = self.cfg, len(self.prompts)
+        width = max(len(p) for p in self.prompts)
+        ids = np.full((n, width), self.tok.pad_token_id, dtype=np.int64)
+        mask = np.zeros((n, width), dtype=np.int64)
+        for r, p in enumerate(self.prompts):  # left padding: every row's last token is at the same column
+            ids[r, width - len(p):] = p
+            mask[r, width - len(p):] = 1
+        pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        seeds = np.random.SeedSequence(cfg.seed).spawn(n) if cfg.do_sample else []
+        rngs = [np.random.default_rng(s) for s in seeds]
+        timings = [Timings(prompt_tokens=len(p), batch_size=n) for p in self.prompts]
+        decoders = [IncrementalDecoder(self.tok, cfg.stop) for _ in range(n)]
+        generated: list[list[int]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        seen = [np.asarray(p, dtype=np.int64) for p in self.prompts]
+
+        active = list(range(n))  # batch row -> prompt index
+        t0 = time.perf_counter()
+        logits, kv = self.session.run(ids, mask, pos, self.session.empty_cache(n))
+        step = 0
+        while True:
+            tokens = select_next(logits, cfg, [seen[i] for i in active], step, self.eos, [rngs[i] for i in active]
+                                 if rngs else [])
+            elapsed = (time.perf_counter() - t0) * 1000.0
+            for i in active:
+                if step == 0:
+                    timings[i].prefill_ms = elapsed
+                else:
+                    timings[i].decode_ms.append(elapsed)
+            step += 1
+            keep: list[int] = []
+            for row, i in enumerate(active):
+                tok = int(tokens[row])
+                generated[i].append(tok)
+                seen[i] = np.append(seen[i], tok)
+                delta = decoders[i].add(tok)
+                if decoders[i].stopped or tok in self.eos:
+                    finish[i] = "stop"
+                elif len(generated[i]) >= cfg.max_new_tokens or width + step >= self.max_seq_len:
+                    finish[i] = "length"
+                if finish[i] is not None:
+                    delta += decoders[i].flush()
+                else:
+                    keep.append(row)
+                yield StreamEvent(i, delta, tok, finish[i])
+            if not keep:
+                break
+            if len(keep) < len(active):
+                kv = self.session.select_rows(kv, keep)
+                mask, pos, tokens = mask[keep], pos[keep], tokens[keep]
+                active = [active[r] for r in keep]
+            mask = np.concatenate([mask, np.ones((len(active), 1), np.int64)], axis=1)
+            pos = pos[:, -1:] + 1
+            t0 = time.perf_counter()
+            logits, kv = self.session.run(tokens[:, None].astype(np.int64), mask, pos, kv)
+
+        self.results = [
+            GenerationResult(generated[i], decoders[i].text, finish[i] or "length", self.prompts[i], timings[i])
+            for i in range(n)
+        ]
