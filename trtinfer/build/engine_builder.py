@@ -64,6 +64,29 @@ def _versions() -> dict[str, str]:
             "transformers": transformers.__version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
+def _manifest(config: BuildConfig, info: dict[str, Any], files: dict[str, str], tok_info: dict[str, Any],
+              out: Path, max_seq: int, t_start: float) -> dict[str, Any]:
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "backend": config.backend,
+        "precision": config.precision,
+        "target": config.target,
+        "architecture": info["architecture"],
+        "model_type": info["model_type"],
+        "source": info["source"],
+        "limits": {"max_batch_size": config.max_batch_size, "max_seq_len": max_seq},
+        "geometry": info["geometry"],
+        "io": info["io"],
+        "files": files,
+        "tokenizer": tok_info,
+        "export": {"config": info["config"], "seconds": info["export_seconds"], "validation": info["validation"]},
+        "build_config": config.to_dict(),
+        "op_histogram": op_histogram(out / files["decoder"]),
+        "versions": _versions(),
+        "build_seconds": round(time.perf_counter() - t_start, 2),
+    }
+
+
 def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None = None, *,
           overwrite: bool = False, progress: bool = True) -> Path:
     """Build an engine for MODEL into ``output_dir``; returns the directory. Exports are cached by content hash."""
@@ -78,43 +101,20 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
     if out.exists() and not overwrite:
         raise BuildError(f"{out} already exists; choose another -o or pass --force to replace it")
     t_start = time.perf_counter()
-    steps = tqdm(total=4, desc="resolve model", disable=not progress, unit="step")
-    resolved = resolve_model(model)
-    steps.update()
-    steps.set_description("export + validate")
-    exported = export_cached(resolved, config.export)
-    steps.update()
-    info = exported.info
-    geo = info["geometry"]
-    max_seq = config.max_seq_len or min(geo.get("max_position_embeddings") or 4096, 4096)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        steps.set_description(f"{config.backend} optimize")
-        files = backend(exported, tmp, config)
+    resolved = resolve_model(model)  # bad MODEL fails here, before any progress output
+    with tqdm(total=3, desc="export + validate", disable=not progress, unit="step") as steps:
+        exported = export_cached(resolved, config.export)
         steps.update()
-        steps.set_description("package")
-        tok_info = _tokenizer_info(resolved.path, tmp)
-        decoder = tmp / files["decoder"]
-        manifest = {
-            "manifest_version": MANIFEST_VERSION,
-            "backend": config.backend,
-            "precision": config.precision,
-            "target": config.target,
-            "architecture": info["architecture"],
-            "model_type": info["model_type"],
-            "source": info["source"],
-            "limits": {"max_batch_size": config.max_batch_size, "max_seq_len": max_seq},
-            "geometry": geo,
-            "io": info["io"],
-            "files": files,
-            "tokenizer": tok_info,
-            "export": {"config": info["config"], "seconds": info["export_seconds"], "validation": info["validation"]},
-            "build_config": config.to_dict(),
-            "op_histogram": op_histogram(decoder),
-            "versions": _versions(),
-            "build_seconds": round(time.perf_counter() - t_start, 2),
-        }
-        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
-        steps.update()
-    steps.close()
+        info = exported.info
+        geo = info["geometry"]
+        max_seq = config.max_seq_len or min(geo.get("max_position_embeddings") or 4096, 4096)
+        with atomic_dir(out, overwrite=overwrite) as tmp:
+            steps.set_description(f"{config.backend} optimize")
+            files = backend(exported, tmp, config)
+            steps.update()
+            steps.set_description("package")
+            manifest = _manifest(config, info, files, _tokenizer_info(resolved.path, tmp), tmp, max_seq, t_start)
+            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+            steps.update()
     log.info("built %s in %.1f s", out, time.perf_counter() - t_start)
     return out

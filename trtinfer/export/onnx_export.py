@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 ONNX_NAME = "model.onnx"
 DATA_NAME = "model.onnx.data"
 INFO_NAME = "export.json"
-EXPORT_FORMAT = 1  # bump when the graph contract changes (invalidates cached exports)
+EXPORT_FORMAT = 2  # bump when the graph contract changes (invalidates cached exports)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _trace(model: Any, geometry: dict[str, Any], mask_mapping: bool, config: Exp
     import onnx
     import torch
 
-    from trtinfer.export.wrapper import DecoderWithPast
+    from trtinfer.export.wrapper import DecoderWithPast, traced_attention
 
     wrapper = DecoderWithPast(model, geometry, mask_mapping, config.logits == "last").eval()
     b, s, p = 2, 7, 5  # distinct sizes so no dimension is mistaken for another
@@ -96,7 +96,7 @@ def _trace(model: Any, geometry: dict[str, Any], mask_mapping: bool, config: Exp
     }
     raw = out / "raw"
     raw.mkdir()
-    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), traced_attention(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             wrapper, (ids, mask, pos, *past), str(raw / ONNX_NAME), input_names=names_in, output_names=names_out,

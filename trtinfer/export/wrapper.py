@@ -12,9 +12,12 @@ older positions around.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from trtinfer.export.architectures import FULL, SLIDING
@@ -40,6 +43,46 @@ def build_masks(
         in_window = (q_idx[:, None] - kv_idx[None, :]) < window
         masks[SLIDING] = torch.where(keep & in_window[None, None], zero, blocked)
     return masks
+
+
+def gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                  softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Eager attention without ``repeat_kv``: the G query heads sharing a KV head become G*S query rows.
+
+    transformers' eager path copies every KV head G times per layer and step (``repeat_kv``); at batch 8 that is
+    most of a decode step's memory traffic. Folding the group into the query rows reads K/V once:
+    ``q [B,H,S,D] -> [B,KV,G*S,D]``, ``scores = q @ k^T -> [B,KV,G*S,T]``, mask broadcast over G.
+    """
+    b, h, s, d = query.shape
+    kvh, t = key.shape[1], key.shape[2]
+    g = h // kvh
+    if scaling is None:
+        scaling = d**-0.5
+    q = query.reshape(b, kvh, g * s, d)
+    scores = torch.matmul(q, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = (scores.view(b, kvh, g, s, t) + attention_mask[:, :, None, :, :t]).view(b, kvh, g * s, t)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, value)  # [B,KV,G*S,D]
+    return out.view(b, h, s, d).transpose(1, 2).contiguous(), None
+
+
+GQA_ATTENTION = "trtinfer_gqa"
+AttentionInterface.register(GQA_ATTENTION, gqa_attention)
+
+
+@contextmanager
+def traced_attention(model: Any) -> Iterator[None]:
+    """Switch ``model`` to :func:`gqa_attention` for tracing; restore its attention implementation after."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(GQA_ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 def cache_from_flat(past: tuple[torch.Tensor, ...]) -> DynamicCache:

@@ -1,0 +1,76 @@
+"""CLI round trip and one-line errors (subprocess, as a user runs it)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args, check=True):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    p = subprocess.run([sys.executable, "-m", "trtinfer", *map(str, args)], capture_output=True, text=True, env=env)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def assert_one_line_error(p, needle):
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("trtinfer")]
+    assert lines and needle in lines[-1], p.stderr
+
+
+def test_build_generate_inspect_round_trip(tiny_model_dir, tmp_path):
+    out = tmp_path / "eng"
+    p = cli("-q", "build", tiny_model_dir("llama"), "-o", out, "--max-batch-size", "4")
+    assert "built" in p.stdout
+    g = json.loads(cli("generate", out, "-p", "Hello", "-p", "The history", "-n", "5", "--json").stdout)
+    assert len(g) == 2 and all(len(r["token_ids"]) <= 5 for r in g)
+    s = cli("generate", out, "-p", "Hello", "-n", "5", "--stream", "--min-new-tokens", "5")
+    assert s.stdout.strip() == g[0]["text"].strip() or len(s.stdout) > 0
+    chat = json.loads(cli("generate", out, "-p", "Hello", "-n", "3", "--chat", "--json", "--seed", "1",
+                          "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9").stdout)
+    assert chat[0]["timings"]["prompt_tokens"] > 2
+    m = json.loads(cli("inspect", out, "--json").stdout)
+    assert m["limits"]["max_batch_size"] == 4 and m["op_histogram"]["MatMul"] > 0
+    assert m["export"]["validation"]["passed"]
+    assert "SimplifiedLayerNormalization" in cli("inspect", out).stdout
+    bad = cli("build", tiny_model_dir("llama"), "-o", out, check=False)
+    assert_one_line_error(bad, "already exists")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["build", "/nonexistent/model", "-o", "{tmp}/x"], "not found"),
+    (["build", "{src}", "-o", "{tmp}/x", "--precision", "int3"], "precision"),
+    (["build", "{src}", "-o", "{tmp}/x", "--backend", "foo"], "unknown backend"),
+    (["generate", "{tmp}/none", "-p", "hi"], "does not exist"),
+    (["inspect", "{tmp}"], "manifest.json"),
+    (["bench", "{tmp}/none"], "does not exist"),
+])
+def test_bad_input_is_one_line(args, needle, tiny_model_dir, tmp_path):
+    args = [a.format(tmp=tmp_path, src=tiny_model_dir("llama")) for a in args]
+    p = cli(*args, check=False)
+    assert_one_line_error(p, needle)
+    assert not (tmp_path / "x").exists()
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".x.tmp")]
+
+
+def test_failed_build_leaves_nothing(tmp_path):
+    from transformers import BloomConfig, BloomForCausalLM
+
+    BloomForCausalLM(BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "m")
+    p = cli("build", tmp_path / "m", "-o", tmp_path / "eng", check=False)
+    assert_one_line_error(p, "not supported")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["m"]
+
+
+def test_generate_bad_options_one_line(tiny_engine):
+    eng = tiny_engine("llama")
+    assert_one_line_error(cli("generate", eng, "-p", "hi", "--temperature", "-1", check=False), "temperature")
+    assert_one_line_error(cli("generate", eng, "-p", "a", "-p", "b", "--stream", check=False), "exactly one")
+    p = cli("generate", eng, "-p", "hi", "--top-p", "2", "--debug", check=False)
+    assert p.returncode != 0 and "Traceback" in p.stderr  # --debug shows it

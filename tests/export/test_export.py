@@ -1,0 +1,93 @@
+"""Export + validation of every registered architecture on tiny random configs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from tiny_models import ARCHS
+from trtinfer.errors import ConfigError, ModelSourceError, UnsupportedArchitectureError
+from trtinfer.export import ExportConfig, export, supported_model_types
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_validates_against_eager(arch, tiny_model_dir, tmp_path):
+    res = export(tiny_model_dir(arch), tmp_path / "out")
+    v = res.info["validation"]
+    assert v["passed"] and v["top1_agree"]
+    assert v["decode_logits_max_abs_diff"] < 1e-4
+    assert v["present_max_abs_diff"] < 1e-4
+    model = onnx.load(str(res.onnx_path), load_external_data=False)
+    names_in = [i.name for i in model.graph.input]
+    n = res.info["geometry"]["num_layers"]
+    assert names_in[:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert names_in[3:] == [f"past_key_values.{i}.{k}" for i in range(n) for k in ("key", "value")]
+    assert [o.name for o in model.graph.output][1:] == [f"present.{i}.{k}" for i in range(n) for k in ("key", "value")]
+    dims = [d.dim_param for d in model.graph.input[3].type.tensor_type.shape.dim]
+    assert dims[0] == "batch" and dims[2] == "past_sequence"
+    assert (tmp_path / "out" / "model.onnx.data").is_file()
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["architecture"] == res.info["architecture"]
+
+
+def test_dynamic_shapes_other_than_traced(tiny_model_dir, tmp_path):
+    """Batch 3, sequence 1..11 and past 0..20 all run and give finite logits."""
+    res = export(tiny_model_dir("llama"), tmp_path / "out")
+    sess = ort.InferenceSession(str(res.onnx_path), providers=["CPUExecutionProvider"])
+    g = res.info["geometry"]
+    for b, s, p in [(1, 1, 0), (3, 11, 0), (3, 1, 20), (4, 5, 7)]:
+        feed = {"input_ids": np.ones((b, s), np.int64), "attention_mask": np.ones((b, p + s), np.int64),
+                "position_ids": np.tile(np.arange(p, p + s), (b, 1))}
+        for i in range(g["num_layers"]):
+            for k in ("key", "value"):
+                feed[f"past_key_values.{i}.{k}"] = np.random.rand(b, g["num_kv_heads"], p, g["head_dim"]).astype("f4")
+        out = sess.run(None, feed)
+        assert out[0].shape == (b, 1, g["vocab_size"])
+        assert out[1].shape == (b, g["num_kv_heads"], p + s, g["head_dim"])
+        assert np.isfinite(out[0]).all()
+
+
+def test_all_logits_mode(tiny_model_dir, tmp_path):
+    res = export(tiny_model_dir("qwen2"), tmp_path / "out", ExportConfig(logits="all"))
+    assert res.info["io"]["outputs"][0]["shape"][1] == "sequence"
+    assert res.info["validation"]["passed"]
+
+
+def test_unknown_architecture_is_refused_listing_supported(tmp_path):
+    import torch
+    from transformers import BloomConfig, BloomForCausalLM
+
+    BloomForCausalLM(BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "m")
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        export(tmp_path / "m", tmp_path / "out")
+    assert "bloom" in str(e.value) and "llama" in str(e.value) and "gemma3_text" in str(e.value)
+    assert not (tmp_path / "out").exists()
+    assert torch  # imported for the model save above
+
+
+def test_supported_types_cover_issue_list():
+    assert {"llama", "gemma3_text", "qwen2", "qwen3", "mistral", "phi3", "gpt2"} <= set(supported_model_types())
+
+
+@pytest.mark.parametrize("kw", [{"logits": "some"}, {"opset": 9}, {"atol": 0}])
+def test_bad_export_config(kw):
+    with pytest.raises(ConfigError):
+        ExportConfig(**kw)
+
+
+def test_bad_sources(tmp_path):
+    from trtinfer.export import resolve_model
+
+    with pytest.raises(ModelSourceError, match="not found"):
+        resolve_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelSourceError, match="config.json"):
+        resolve_model(tmp_path / "empty")
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(ModelSourceError, match="not a .gguf"):
+        resolve_model(tmp_path / "x.txt")
+    (tmp_path / "bad.gguf").write_bytes(b"NOPE" + b"\0" * 64)
+    with pytest.raises(ModelSourceError, match="magic"):
+        resolve_model(tmp_path / "bad.gguf")

@@ -1,0 +1,6 @@
+"""``python -m trtinfer``."""
+import sys
+
+from trtinfer.cli import main
+
+sys.exit(main())

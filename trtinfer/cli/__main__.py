@@ -1,0 +1,6 @@
+"""``python -m trtinfer.cli``."""
+import sys
+
+from trtinfer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,40 @@
+"""``trtinfer build MODEL -o DIR``: one command from model to engine directory."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    """Register the verb."""
+    p = sub.add_parser("build", help="build an engine directory from MODEL")
+    p.add_argument("model", help="HF folder, .gguf file, or alias (gemma-3-270m, smollm2-135m)")
+    p.add_argument("-o", "--output", required=True, help="engine directory to create")
+    p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
+    p.add_argument("--precision", default="fp32", help="weights/compute precision (default: fp32)")
+    p.add_argument("--target", default="cpu", choices=("cpu", "cuda"), help="execution provider to optimize for")
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-seq-len", type=int, default=None, help="default: min(model's max positions, 4096)")
+    p.add_argument("--atol", type=float, default=1e-4, help="export validation tolerance")
+    p.add_argument("--force", action="store_true", help="replace an existing engine directory")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the verb."""
+    import json
+
+    from trtinfer.build import BuildConfig, build
+    from trtinfer.export import ExportConfig
+    from trtinfer.runtime.manifest import read_manifest
+
+    cfg = BuildConfig(backend=args.backend, precision=args.precision, target=args.target,
+                      max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                      export=ExportConfig(atol=args.atol))
+    out = build(args.model, args.output, cfg, overwrite=args.force, progress=not args.quiet)
+    m = read_manifest(out).raw
+    v = m["export"]["validation"] or {}
+    print(f"built {out}: {m['architecture']} {m['geometry']['num_layers']} layers, {m['backend']} {m['precision']}, "
+          f"max batch {m['limits']['max_batch_size']}, max seq {m['limits']['max_seq_len']}, "
+          f"validation max|diff| {json.dumps(v.get('decode_logits_max_abs_diff'))}, {m['build_seconds']} s")
+    return 0

@@ -1,0 +1,64 @@
+"""``trtinfer generate DIR --prompt TEXT``: generate with an engine; ``--stream`` prints tokens as they come."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    """Register the verb."""
+    p = sub.add_parser("generate", help="generate text with an engine directory")
+    p.add_argument("engine", help="engine directory from `trtinfer build`")
+    p.add_argument("-p", "--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=64)
+    p.add_argument("--min-new-tokens", type=int, default=0)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy (implied by temperature/top-k/top-p)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string; repeatable")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument("--provider", choices=("cpu", "cuda"), default="cpu")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the verb."""
+    import trtinfer
+    from trtinfer.errors import InputError
+
+    sample = args.sample or any(v is not None for v in (args.temperature, args.top_k, args.top_p))
+    kw: dict[str, Any] = dict(
+        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=sample,
+        temperature=1.0 if args.temperature is None else args.temperature, top_k=args.top_k or 0,
+        top_p=1.0 if args.top_p is None else args.top_p, repetition_penalty=args.repetition_penalty,
+        seed=args.seed, stop=args.stop,
+    )
+    with trtinfer.load(args.engine, provider=args.provider) as engine:
+        if args.stream:
+            if len(args.prompt) != 1:
+                raise InputError("--stream takes exactly one --prompt")
+            for delta in engine.stream(args.prompt[0], chat=args.chat, **kw):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            return 0
+        results = engine.generate(args.prompt, chat=args.chat, **kw)
+    if args.json:
+        print(json.dumps([{"prompt": p, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                           "timings": r.timings.to_dict()} for p, r in zip(args.prompt, results)], indent=2))
+        return 0
+    for i, r in enumerate(results):
+        if len(results) > 1:
+            print(f"--- [{i}] {r.finish_reason}")
+        print(r.text)
+    t = results[0].timings
+    print(f"prompt eval: {t.prefill_ms:.1f} ms / {t.prompt_tokens} tokens (batch {t.batch_size}); "
+          f"eval: {t.decode_tokens_per_s:.1f} tokens/s per sequence over {len(t.decode_ms)} steps", file=sys.stderr)
+    return 0

@@ -1,0 +1,56 @@
+"""``trtinfer inspect DIR``: manifest, I/O and op histogram of an engine."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    """Register the verb."""
+    p = sub.add_parser("inspect", help="show an engine's manifest, I/O and op histogram")
+    p.add_argument("engine", help="engine directory")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p.set_defaults(func=run)
+
+
+def _shape(t: dict[str, Any]) -> str:
+    return "[" + ", ".join(str(d) for d in t["shape"]) + "]"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the verb."""
+    from pathlib import Path
+
+    from trtinfer.runtime.manifest import read_manifest
+
+    m = read_manifest(Path(args.engine)).raw
+    if args.json:
+        print(json.dumps(m, indent=2))
+        return 0
+    g, lim = m["geometry"], m["limits"]
+    print(f"engine       {args.engine}")
+    print(f"model        {m['architecture']} ({m['model_type']}) from {m['source']['model']} "
+          f"sha256 {m['source']['sha256'][:16]}")
+    print(f"backend      {m['backend']} / {m['target']} / {m['precision']}")
+    print(f"geometry     {g['num_layers']} layers, {g['num_attention_heads']} heads, {g['num_kv_heads']} KV heads, "
+          f"head dim {g['head_dim']}, vocab {g['vocab_size']}, sliding window {g['sliding_window']}")
+    print(f"limits       max batch {lim['max_batch_size']}, max seq {lim['max_seq_len']}")
+    v = m["export"]["validation"]
+    if v:
+        print(f"validation   logits max|diff| prefill {v['prefill_logits_max_abs_diff']:.2e} decode "
+              f"{v['decode_logits_max_abs_diff']:.2e} (tol {v['tolerance']:.2e}), present {v['present_max_abs_diff']:.2e}")
+    ins, outs = m["io"]["inputs"], m["io"]["outputs"]
+    print("inputs")
+    for t in ins[:5]:
+        print(f"  {t['name']:<32} {t['dtype']:<8} {_shape(t)}")
+    if len(ins) > 5:
+        print(f"  ... {len(ins) - 5} more past_key_values inputs")
+    print("outputs")
+    for t in outs[:3]:
+        print(f"  {t['name']:<32} {t['dtype']:<8} {_shape(t)}")
+    if len(outs) > 3:
+        print(f"  ... {len(outs) - 3} more present outputs")
+    print("ops          " + ", ".join(f"{k} {v}" for k, v in m["op_histogram"].items()))
+    print(f"versions     " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+    return 0
