@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tiny_models import ARCHS, make_tiny_model  # noqa: E402
+from tiny_models import ARCHS, make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +44,7 @@ def tiny_engine(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+def pytest_collection_modifyitems(config, items):
     """Mark GPU tests skipped with a reason when no CUDA provider is present."""
     try:
         import onnxruntime as ort

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trtinfer
 from trtinfer.build import build
+from trtinfer.errors import InputError
 from trtinfer.export import resolve_model
 
 pytestmark = pytest.mark.slow
@@ -78,6 +79,10 @@ def test_gemma_prompt_beyond_sliding_window(real):
 def test_chat_generation(real):
     name, engine, src, model = real
     tok = AutoTokenizer.from_pretrained(src)
+    if tok.chat_template is None:  # Gemma-3-270M is a base model: its GGUF carries no chat template
+        with trtinfer.load(engine) as eng, pytest.raises(InputError, match="no chat template"):
+            eng.generate(["Hi"], chat=True)
+        return
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     ref_ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     ref_ids = list(ref_ids["input_ids"] if hasattr(ref_ids, "keys") else ref_ids)

@@ -36,7 +36,7 @@ def save_tokenizer(out: Path, add_bos: bool = False) -> None:
     fast.save_pretrained(out)
 
 
-def make_config(arch: str):  # noqa: ANN201 - returns a transformers config
+def make_config(arch: str):
     """A tiny config of ``arch`` with weights large enough that greedy choices are not near-ties."""
     import transformers as tf
 

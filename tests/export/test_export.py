@@ -7,8 +7,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-
 from tiny_models import ARCHS
+
 from trtinfer.errors import ConfigError, ModelSourceError, UnsupportedArchitectureError
 from trtinfer.export import ExportConfig, export, supported_model_types
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ARCHS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trtinfer
-from tiny_models import ARCHS
 
 PROMPTS = ["The history of the city", "Hello", "A quick brown fox jumps over the lazy dog while the cat"]
 

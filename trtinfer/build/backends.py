@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+
 from trtinfer.build.config import BuildConfig
 from trtinfer.errors import BuildError, ConfigError
 from trtinfer.export.onnx_export import DATA_NAME, ExportResult

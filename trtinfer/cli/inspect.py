@@ -52,5 +52,5 @@ def run(args: argparse.Namespace) -> int:
     if len(outs) > 3:
         print(f"  ... {len(outs) - 3} more present outputs")
     print("ops          " + ", ".join(f"{k} {v}" for k, v in m["op_histogram"].items()))
-    print(f"versions     " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+    print("versions     " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     return 0

@@ -33,7 +33,7 @@ def build_masks(
     """
     total = attention_mask.shape[1]
     kv_idx = torch.arange(total, device=attention_mask.device)
-    q_idx = torch.arange(seq_len, device=attention_mask.device) + (total - seq_len)
+    q_idx = torch.arange(seq_len, device=attention_mask.device) + (total - seq_len)  # type: ignore[arg-type]
     causal = kv_idx[None, :] <= q_idx[:, None]  # [S,T]
     keep = attention_mask[:, None, None, :].bool() & causal[None, None]  # [B,1,S,T]
     zero = torch.zeros((), dtype=dtype)

@@ -24,7 +24,8 @@ class EngineTokenizer:
         self._tok = Tokenizer.from_file(str(path))
         self.info = info
         self.eos_token_ids: tuple[int, ...] = tuple(info.get("eos_token_ids") or ())
-        self.pad_token_id: int = int(info.get("pad_token_id") if info.get("pad_token_id") is not None else 0)
+        pad = info.get("pad_token_id")
+        self.pad_token_id: int = int(pad) if pad is not None else 0
         self.vocab_size = self._tok.get_vocab_size()
         tpl = engine_dir / "chat_template.jinja"
         self.chat_template: str | None = tpl.read_text() if tpl.is_file() else None
