@@ -51,6 +51,14 @@ def _prompt_ids(engine_dir: Path, prompt_len: int) -> list[int]:
 
 
 def _peak_mib() -> float:
+    """This process's peak RSS. VmHWM belongs to the process image; ru_maxrss would carry over the parent's peak
+    across fork+exec and report the driver's memory instead of the worker's."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
