@@ -7,7 +7,7 @@ from typing import Any
 from trtinfer.errors import ConfigError
 from trtinfer.export.config import ExportConfig
 
-PRECISIONS = ("fp32",)  # fp16/bf16/int8/int4 arrive with the passes and quantization stages
+PRECISIONS = ("fp32", "fp16", "bf16")  # int8/int4 arrive with the quantization stage
 TARGETS = ("cpu", "cuda")
 
 
@@ -16,7 +16,10 @@ class BuildConfig:
     """Settings of :func:`trtinfer.build.build`.
 
     ``max_seq_len=None`` takes the model's ``max_position_embeddings`` capped at 4096.
-    ``target`` is the execution provider the ONNX Runtime offline optimization is done for.
+    ``target`` is the execution provider the passes and ONNX Runtime's offline optimization are done for.
+    ``precision`` fp16/bf16 keeps norms, softmax, residual sums and logits in fp32 (meant for GPU targets: ONNX
+    Runtime's CPU kernels are fp32-first). ``keep_io_types`` keeps KV inputs/outputs in fp32 with low precision.
+    ``disable_passes`` names pipeline passes to skip (``trtinfer optimize --list`` shows them).
     """
 
     backend: str = "onnxruntime"
@@ -24,6 +27,8 @@ class BuildConfig:
     target: str = "cpu"
     max_batch_size: int = 16
     max_seq_len: int | None = None
+    keep_io_types: bool = False
+    disable_passes: tuple[str, ...] = ()
     export: ExportConfig = field(default_factory=ExportConfig)
 
     def __post_init__(self) -> None:
@@ -39,4 +44,6 @@ class BuildConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the manifest."""
-        return asdict(self)
+        d = asdict(self)
+        d["disable_passes"] = list(self.disable_passes)
+        return d

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._cache import atomic_dir
-from trtinfer.build.backends import get_build_backend, op_histogram
+from trtinfer.build.backends import fused_op_counts, get_build_backend, graph_io, op_histogram
 from trtinfer.build.config import BuildConfig
 from trtinfer.errors import BuildError
 from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
@@ -66,6 +66,8 @@ def _versions() -> dict[str, str]:
 
 def _manifest(config: BuildConfig, info: dict[str, Any], files: dict[str, str], tok_info: dict[str, Any],
               out: Path, max_seq: int, t_start: float) -> dict[str, Any]:
+    hist = op_histogram(out / files["decoder"])
+    report = json.loads((out / files["fusion_report"]).read_text()) if "fusion_report" in files else {}
     return {
         "manifest_version": MANIFEST_VERSION,
         "backend": config.backend,
@@ -76,12 +78,16 @@ def _manifest(config: BuildConfig, info: dict[str, Any], files: dict[str, str], 
         "source": info["source"],
         "limits": {"max_batch_size": config.max_batch_size, "max_seq_len": max_seq},
         "geometry": info["geometry"],
-        "io": info["io"],
+        "io": graph_io(out / files["decoder"]),
+        "kv_layout": "shared_buffer" if any(t["name"] == "seqlens_k" for t in graph_io(out / files["decoder"])["inputs"])
+        else "concat",
         "files": files,
         "tokenizer": tok_info,
         "export": {"config": info["config"], "seconds": info["export_seconds"], "validation": info["validation"]},
         "build_config": config.to_dict(),
-        "op_histogram": op_histogram(out / files["decoder"]),
+        "op_histogram": hist,
+        "fusion_report": report,
+        "fused_ops": fused_op_counts(hist, info["geometry"], report),
         "versions": _versions(),
         "build_seconds": round(time.perf_counter() - t_start, 2),
     }

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     level = logging.DEBUG if debug else (logging.WARNING if args.quiet else logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("httpx", "urllib3", "transformers", "torch"):
+    for noisy in ("httpx", "urllib3", "transformers", "torch", "onnxscript", "onnx_ir"):
         logging.getLogger(noisy).setLevel(logging.ERROR if not debug else logging.DEBUG)
     if args.verb is None:
         parser.print_help(sys.stderr)

@@ -28,6 +28,9 @@ class ArchSpec:
     model_types: tuple[str, ...]
     mask_mapping: bool = False
     sliding_everywhere: bool = False
+    norm: str = "rms"  # "rms" (RMSNorm) | "layer" (LayerNorm): what the norm fusions look for
+    norms_per_layer: int = 2  # norms each decoder layer holds (q/k norms and post-norms included)
+    rotary: bool = True  # rotary position embedding inside attention (GPT-2: learned positions instead)
 
     def geometry(self, config: Any) -> dict[str, Any]:
         """Number of layers, KV heads, head dim, vocab and per-layer attention type of ``config``."""
@@ -51,6 +54,10 @@ class ArchSpec:
             "layer_types": layer_types,
             "sliding_window": int(window) if window else None,
             "max_position_embeddings": int(getattr(config, "max_position_embeddings", 0) or 0) or None,
+            # what the fusion passes should find: one final norm after the layers
+            "norm": self.norm,
+            "num_norms": n_layers * self.norms_per_layer + 1,
+            "rotary": self.rotary,
         }
 
 
@@ -83,6 +90,6 @@ register(ArchSpec("llama", ("llama",)))
 register(ArchSpec("mistral", ("mistral",), sliding_everywhere=True))
 register(ArchSpec("phi3", ("phi3",), sliding_everywhere=True))
 register(ArchSpec("qwen2", ("qwen2",), mask_mapping=True))
-register(ArchSpec("qwen3", ("qwen3",), mask_mapping=True))
-register(ArchSpec("gemma3", ("gemma3_text",), mask_mapping=True))
-register(ArchSpec("gpt2", ("gpt2",)))
+register(ArchSpec("qwen3", ("qwen3",), mask_mapping=True, norms_per_layer=4))
+register(ArchSpec("gemma3", ("gemma3_text",), mask_mapping=True, norms_per_layer=6))
+register(ArchSpec("gpt2", ("gpt2",), norm="layer", rotary=False))

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 ONNX_NAME = "model.onnx"
 DATA_NAME = "model.onnx.data"
 INFO_NAME = "export.json"
-EXPORT_FORMAT = 2  # bump when the graph contract changes (invalidates cached exports)
+EXPORT_FORMAT = 3  # bump when the graph contract changes (invalidates cached exports)
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,8 @@ def _trace(model: Any, geometry: dict[str, Any], mask_mapping: bool, config: Exp
             dynamic_axes=dyn, opset_version=config.opset, do_constant_folding=True, dynamo=False,
         )
     proto = onnx.load(str(raw / ONNX_NAME), load_external_data=True)
+    # the passes read their expectations (layers, norms, windows) from here when run on the file alone
+    onnx.helper.set_model_props(proto, {"trtinfer.geometry": json.dumps(geometry)})
     onnx.save_model(proto, str(out / ONNX_NAME), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=DATA_NAME, size_threshold=1024)
     for f in raw.iterdir():

@@ -1,4 +1,4 @@
-"""Batched generation over a :class:`DecoderSession`: ragged left-padded prefill, then batched decode.
+"""Batched generation over a :class:`DecoderSession`: one ragged prefill, then batched decode.
 
 Rows that finish leave the batch (their KV rows are dropped on the backend), so they stop costing compute.
 """
@@ -100,12 +100,6 @@ class Generation:
         """Run the generation, yielding text deltas as tokens arrive; fills :attr:`results`."""
         cfg, n = self.cfg, len(self.prompts)
         width = max(len(p) for p in self.prompts)
-        ids = np.full((n, width), self.tok.pad_token_id, dtype=np.int64)
-        mask = np.zeros((n, width), dtype=np.int64)
-        for r, p in enumerate(self.prompts):  # left padding: every row's last token is at the same column
-            ids[r, width - len(p):] = p
-            mask[r, width - len(p):] = 1
-        pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         seeds = np.random.SeedSequence(cfg.seed).spawn(n) if cfg.do_sample else []
         rngs = [np.random.default_rng(s) for s in seeds]
         timings = [Timings(prompt_tokens=len(p), batch_size=n) for p in self.prompts]
@@ -116,7 +110,9 @@ class Generation:
 
         active = list(range(n))  # batch row -> prompt index
         t0 = time.perf_counter()
-        logits, kv = self.session.run(ids, mask, pos, self.session.empty_cache(n))
+        # the KV buffers need room for the longest prompt plus every token this generation may add
+        capacity = min(self.max_seq_len, width + cfg.max_new_tokens + 1)
+        logits, kv = self.session.prefill(self.prompts, capacity)
         step = 0
         while True:
             tokens = select_next(logits, cfg, [seen[i] for i in active], step, self.eos, [rngs[i] for i in active]
@@ -147,12 +143,10 @@ class Generation:
                 break
             if len(keep) < len(active):
                 kv = self.session.select_rows(kv, keep)
-                mask, pos, tokens = mask[keep], pos[keep], tokens[keep]
+                tokens = tokens[keep]
                 active = [active[r] for r in keep]
-            mask = np.concatenate([mask, np.ones((len(active), 1), np.int64)], axis=1)
-            pos = pos[:, -1:] + 1
             t0 = time.perf_counter()
-            logits, kv = self.session.run(tokens[:, None].astype(np.int64), mask, pos, kv)
+            logits, kv = self.session.decode(tokens, kv)
 
         self.results = [
             GenerationResult(generated[i], decoders[i].text, finish[i] or "length", self.prompts[i], timings[i])

@@ -1,7 +1,7 @@
 """Backend sessions behind one interface: the generator drives a :class:`DecoderSession` and never knows which.
 
-A session runs the decoder graph on host-side ``input_ids/attention_mask/position_ids`` and an opaque
-:class:`KVCache` (backend values that stay where the backend keeps them) and returns last-position logits as numpy.
+A session turns prompts and next tokens into the graph's inputs for the engine's KV layout, keeps the KV cache as
+backend values (on the device for CUDA) in an opaque :class:`KVCache`, and returns next-token logits as numpy.
 """
 from __future__ import annotations
 
@@ -21,16 +21,33 @@ log = logging.getLogger(__name__)
 
 
 class KVCache:
-    """Per-layer key/value tensors owned by a backend, in graph-input order; ``length`` = cached positions."""
+    """Per-layer key/value tensors owned by a backend, in graph-input order, and how many tokens each row holds.
 
-    def __init__(self, values: list[Any], batch: int, length: int) -> None:
+    ``lengths[b]`` counts row ``b``'s real tokens (prompt + generated so far). ``mask`` is the growing 2D padding
+    mask of the concat layout (None for shared buffers); ``capacity`` is the shared buffers' length (0 for concat).
+    """
+
+    def __init__(self, values: list[Any], lengths: np.ndarray, mask: np.ndarray | None = None,
+                 capacity: int = 0) -> None:
         self.values = values
-        self.batch = batch
-        self.length = length
+        self.lengths = lengths
+        self.mask = mask
+        self.capacity = capacity
+
+    @property
+    def batch(self) -> int:
+        """Rows in the cache."""
+        return int(self.lengths.shape[0])
 
 
 class DecoderSession(ABC):
-    """The one interface every backend implements. Use as a context manager."""
+    """The one interface every backend implements. Use as a context manager.
+
+    The generator calls :meth:`prefill` once with the prompts, then :meth:`decode` with one token per row; how
+    prompts are padded and how the KV cache grows is the session's business (it follows the engine's KV layout:
+    ``concat`` = left padding + attention mask, cache grows by concatenation; ``shared_buffer`` = right padding +
+    ``seqlens_k``, past and present bound to one preallocated buffer).
+    """
 
     def __init__(self, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> None:
         self.engine_dir = engine_dir
@@ -41,6 +58,8 @@ class DecoderSession(ABC):
         self.output_names = [t["name"] for t in io["outputs"]]
         self.past_names = [n for n in self.input_names if n.startswith("past_key_values.")]
         self.present_names = [n for n in self.output_names if n.startswith("present.")]
+        self.kv_layout = str(manifest.raw.get("kv_layout", "concat"))
+        self.pad_token_id = int(manifest.raw.get("tokenizer", {}).get("pad_token_id") or 0)
 
     def __enter__(self) -> DecoderSession:
         return self
@@ -51,27 +70,13 @@ class DecoderSession(ABC):
     def close(self) -> None:
         """Release backend resources."""
 
-    def check_inputs(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                     kv: KVCache) -> None:
-        """Check dtypes and shapes against the graph contract; say expected vs got."""
-        b, s = input_ids.shape
-        expected = {"input_ids": (b, s), "attention_mask": (b, kv.length + s), "position_ids": (b, s)}
-        for name, arr in (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)):
-            if arr.dtype != np.int64:
-                raise InputError(f"{name} must be int64, got {arr.dtype}")
-            if arr.shape != expected[name]:
-                raise InputError(f"{name} must have shape {expected[name]}, got {arr.shape}")
-        if kv.batch != b:
-            raise InputError(f"KV cache holds batch {kv.batch}, inputs have batch {b}")
+    @abstractmethod
+    def prefill(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:
+        """Run the prompts as one padded batch; ``capacity`` bounds prompt + new tokens. Returns logits ``[B, V]``."""
 
     @abstractmethod
-    def empty_cache(self, batch: int) -> KVCache:
-        """A KV cache with zero cached positions for ``batch`` rows."""
-
-    @abstractmethod
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-            kv: KVCache) -> tuple[np.ndarray, KVCache]:
-        """One forward pass; returns logits ``[B, V]`` of the last position and the grown cache."""
+    def decode(self, tokens: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
+        """Feed one token per row (``tokens [B]``); returns next-token logits ``[B, V]`` and the updated cache."""
 
     @abstractmethod
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
@@ -135,6 +140,7 @@ class OrtDecoderSession(DecoderSession):
         self.select_sess = ort.InferenceSession(str(select), so, providers=providers)
         geo = manifest.geometry
         self._kv_shape = (geo["num_kv_heads"], geo["head_dim"])
+        self._needs_positions = "position_ids" in self.input_names
         self._pinned: dict[tuple[str, tuple[int, ...]], Any] = {}
 
     # --- host buffers -------------------------------------------------------------------------------------
@@ -157,29 +163,71 @@ class OrtDecoderSession(DecoderSession):
         return self._pinned[key][1]  # type: ignore[no-any-return]
 
     # --- interface ------------------------------------------------------------------------------------------
-    def empty_cache(self, batch: int) -> KVCache:
-        kv, hd = self._kv_shape
-        zero = np.zeros((batch, kv, 0, hd), np.float32)
-        vals = [self._ort.OrtValue.ortvalue_from_numpy(zero, self.device, self.config.device_id)
-                for _ in self.past_names]
-        return KVCache(vals, batch, 0)
+    def _kv_value(self, shape: tuple[int, ...]) -> Any:
+        return self._ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), self.device, self.config.device_id)
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-            kv: KVCache) -> tuple[np.ndarray, KVCache]:
-        self.check_inputs(input_ids, attention_mask, position_ids, kv)
+    def _run(self, feeds: dict[str, np.ndarray], kv_in: list[Any], kv_out: list[Any] | None) -> tuple[np.ndarray, list[Any]]:
+        """One forward pass. ``kv_out`` None: presents are new values (concat); else bound in place (shared)."""
         io = self.sess.io_binding()
-        self._bind_host_input(io, "input_ids", input_ids)
-        self._bind_host_input(io, "attention_mask", attention_mask)
-        self._bind_host_input(io, "position_ids", position_ids)
-        for name, val in zip(self.past_names, kv.values):
+        for name, arr in feeds.items():
+            self._bind_host_input(io, name, arr)
+        for name, val in zip(self.past_names, kv_in):
             io.bind_ortvalue_input(name, val)
         io.bind_output("logits", "cpu")
-        for name in self.present_names:
-            io.bind_output(name, self.device, self.config.device_id)
+        for i, name in enumerate(self.present_names):
+            if kv_out is None:
+                io.bind_output(name, self.device, self.config.device_id)
+            else:
+                io.bind_ortvalue_output(name, kv_out[i])
         self.sess.run_with_iobinding(io)
         outs = io.get_outputs()
         logits = outs[0].numpy()
-        return logits[:, -1, :], KVCache(list(outs[1:]), kv.batch, kv.length + input_ids.shape[1])
+        return logits[:, -1, :], (list(outs[1:]) if kv_out is None else kv_out)
+
+    def prefill(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:
+        n, width = len(prompts), max(len(p) for p in prompts)
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        ids = np.full((n, width), self.pad_token_id, dtype=np.int64)
+        kvh, hd = self._kv_shape
+        if self.kv_layout == "shared_buffer":
+            for r, p in enumerate(prompts):  # right padding: row r's tokens sit at 0..len-1, as in its buffer
+                ids[r, :len(p)] = p
+            cap = max(capacity, width)
+            bufs = [self._kv_value((n, kvh, cap, hd)) for _ in self.past_names]
+            feeds = {"input_ids": ids, "seqlens_k": (lengths - 1).astype(np.int32),
+                     "total_sequence_length": np.array(width, dtype=np.int32)}
+            if self._needs_positions:
+                feeds["position_ids"] = np.broadcast_to(np.arange(width, dtype=np.int64), (n, width)).copy()
+            logits, vals = self._run(feeds, bufs, bufs)
+            return logits, KVCache(vals, lengths, capacity=cap)
+        mask = np.zeros((n, width), dtype=np.int64)
+        for r, p in enumerate(prompts):  # left padding: every row's last token is at the same column
+            ids[r, width - len(p):] = p
+            mask[r, width - len(p):] = 1
+        pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        empty = [self._kv_value((n, kvh, 0, hd)) for _ in self.past_names]
+        logits, vals = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, empty, None)
+        return logits, KVCache(vals, lengths, mask=mask)
+
+    def decode(self, tokens: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+        if tokens.shape[0] != kv.batch:
+            raise InputError(f"decode got {tokens.shape[0]} tokens for a cache of {kv.batch} rows")
+        pos = kv.lengths[:, None].astype(np.int64)
+        if self.kv_layout == "shared_buffer":
+            if int(kv.lengths.max()) + 1 > kv.capacity:
+                raise InputError(f"KV buffers hold {kv.capacity} positions; a row would need "
+                                 f"{int(kv.lengths.max()) + 1}: raise max_new_tokens' bound or the engine's max_seq_len")
+            feeds = {"input_ids": tokens, "seqlens_k": kv.lengths.astype(np.int32),
+                     "total_sequence_length": np.array(int(kv.lengths.max()) + 1, dtype=np.int32)}
+            if self._needs_positions:
+                feeds["position_ids"] = pos
+            logits, vals = self._run(feeds, kv.values, kv.values)
+            return logits, KVCache(vals, kv.lengths + 1, capacity=kv.capacity)
+        assert kv.mask is not None
+        mask = np.concatenate([kv.mask, np.ones((kv.batch, 1), np.int64)], axis=1)
+        logits, vals = self._run({"input_ids": tokens, "attention_mask": mask, "position_ids": pos}, kv.values, None)
+        return logits, KVCache(vals, kv.lengths + 1, mask=mask)
 
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
         io = self.select_sess.io_binding()
@@ -188,4 +236,6 @@ class OrtDecoderSession(DecoderSession):
             io.bind_ortvalue_input(f"kv.{i}", val)
             io.bind_output(f"out.{i}", self.device, self.config.device_id)
         self.select_sess.run_with_iobinding(io)
-        return KVCache(list(io.get_outputs()), len(rows), kv.length)
+        idx = list(rows)
+        return KVCache(list(io.get_outputs()), kv.lengths[idx], None if kv.mask is None else kv.mask[idx],
+                       kv.capacity)

@@ -1,0 +1,41 @@
+"""Pass stage configuration."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trtinfer.errors import ConfigError
+
+TARGETS = ("onnxruntime-cpu", "onnxruntime-cuda", "tensorrt")
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """Settings of :func:`trtinfer.passes.optimize`.
+
+    ``target`` picks the pipeline. ``max_seq_len`` sizes the rotary cos/sin caches of fused attention (positions
+    the engine will ever see). ``precision`` fp16/bf16 converts weights and compute after the fusions, keeping
+    ``keep_fp32_ops`` (norms, softmax, residual adds, logits) in fp32; ``keep_io_types`` leaves graph inputs and
+    outputs (logits, KV) in fp32. ``disable`` names passes to skip (see ``trtinfer optimize --list``).
+    """
+
+    target: str = "onnxruntime-cpu"
+    max_seq_len: int = 4096
+    precision: str = "fp32"
+    keep_io_types: bool = False
+    disable: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ConfigError(f"unknown pass target '{self.target}'; known: {', '.join(TARGETS)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got '{self.precision}'")
+        if self.max_seq_len < 2:
+            raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for manifests and reports."""
+        d = asdict(self)
+        d["disable"] = list(self.disable)
+        return d

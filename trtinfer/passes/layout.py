@@ -1,0 +1,104 @@
+"""KV layout for GroupQueryAttention graphs: past and present share one preallocated buffer per layer.
+
+After :mod:`trtinfer.passes.attention` fused every layer, the graph contract changes to::
+
+    input_ids [B,S], seqlens_k [B] int32 (tokens in the row after this step - 1), total_sequence_length [] int32,
+    (position_ids [B,S] only if something besides rotary still reads it, e.g. GPT-2's learned positions),
+    past_key_values.i.key/value [B,KV,max_sequence,D]  ->  logits [B,1,V], present.i.key/value [B,KV,max_sequence,D]
+
+The runtime binds ``past`` and ``present`` to the same buffer, so decode writes one new position in place instead
+of concatenating (copying) the whole cache every step. Prompts are right-padded; each row's logits come from its
+own last real token: ``index = min(seqlens_k, S - 1)`` (first prompt: the row's last token; decode: position 0).
+"""
+from __future__ import annotations
+
+import logging
+
+import onnx_ir as ir
+
+from trtinfer.passes.attention import SEQLENS, TOTAL_SEQ
+from trtinfer.passes.registry import PassContext, register_pass
+
+log = logging.getLogger(__name__)
+
+LAYOUT_KEY = "trtinfer.kv_layout"
+SHARED = "shared_buffer"
+CONCAT = "concat"
+INT64_MAX = 2**63 - 1
+
+
+def _const_list(v: ir.Value | None) -> list[int] | None:
+    if v is None or v.const_value is None:
+        return None
+    return [int(x) for x in v.const_value.numpy().reshape(-1)]
+
+
+def _last_token_slice(graph: ir.Graph) -> ir.Node | None:
+    """The ``hidden[:, -1:, :]`` Slice that ``logits_to_keep=1`` traced (exactly one), or None."""
+    found = []
+    for node in graph:
+        if node.op_type != "Slice" or len(node.inputs) < 4:
+            continue
+        starts, ends, axes = (_const_list(node.inputs[i]) for i in (1, 2, 3))
+        if starts == [-1] and ends is not None and ends[0] >= 2**31 - 1 and axes == [1]:
+            found.append(node)
+    return found[0] if len(found) == 1 else None
+
+
+def _gather_last_tokens(graph: ir.Graph, sl: ir.Node, seqlens: ir.Value) -> None:
+    """Replace ``hidden[:, -1:]`` by ``hidden[b, min(seqlens_k[b], S-1)]`` (right padding)."""
+    hidden = sl.inputs[0]
+    assert hidden is not None
+    tape = ir.tape.Tape()
+    one = tape.op("Constant", [], attributes={"value": ir.tensor([1], dtype=ir.DataType.INT64)})
+    shape = tape.op("Shape", [hidden], attributes={"start": 1, "end": 2})
+    last = tape.op("Sub", [shape, one])
+    idx = tape.op("Cast", [seqlens], attributes={"to": ir.DataType.INT64})
+    idx = tape.op("Min", [idx, last])
+    idx = tape.op("Unsqueeze", [idx, one])  # [B,1]
+    picked = tape.op("GatherND", [hidden, idx], attributes={"batch_dims": 1})  # [B,D]
+    out = tape.op("Unsqueeze", [picked, one])  # [B,1,D]
+    graph.insert_before(sl, tape.nodes)
+    sl.outputs[0].replace_all_uses_with(out)
+    graph.remove(sl, safe=True)
+
+
+def share_kv_buffers(model: ir.Model, ctx: PassContext) -> bool:
+    """Switch the graph contract to the shared-buffer layout; False (untouched) unless every layer is fused."""
+    graph = model.graph
+    n_layers = int(ctx.geometry.get("num_layers", 0))
+    gqa = [n for n in graph if n.op_type == "GroupQueryAttention"]
+    if not n_layers or len(gqa) != n_layers:
+        return False
+    inputs = {v.name: v for v in graph.inputs}
+    seqlens = inputs[SEQLENS]
+    sl = _last_token_slice(graph)
+    if sl is not None:
+        _gather_last_tokens(graph, sl, seqlens)
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+    # inputs nothing reads any more (attention_mask; position_ids when rotary was the only reader) leave the contract
+    used = {id(v) for n in graph for v in n.inputs if v is not None}
+    for v in list(graph.inputs):
+        if id(v) not in used and v.name in ("attention_mask", "position_ids"):
+            graph.inputs.remove(v)
+    for v in list(graph.inputs) + list(graph.outputs):
+        if v.name and (v.name.startswith("past_key_values.") or v.name.startswith("present.")) and v.shape:
+            dims = list(v.shape)
+            dims[2] = ir.SymbolicDim("max_sequence")
+            v.shape = ir.Shape(dims)
+    # the contract order: input_ids, seqlens_k, total_sequence_length, [position_ids], past...
+    order = {"input_ids": 0, SEQLENS: 1, TOTAL_SEQ: 2, "position_ids": 3}
+    ordered = sorted(graph.inputs, key=lambda v: (order.get(v.name or "", 10), list(graph.inputs).index(v)))
+    graph.inputs.clear()
+    graph.inputs.extend(ordered)
+    return True
+
+
+@register_pass("kv_share_buffer", kind="layout")
+def kv_share_buffer(model: ir.Model, ctx: PassContext) -> int:
+    """Past/present KV share one max-length buffer; seqlens replace the growing mask (1 if switched, else 0)."""
+    switched = share_kv_buffers(model, ctx)
+    layout = SHARED if switched else CONCAT
+    model.metadata_props[LAYOUT_KEY] = layout
+    ctx.notes["kv_layout"] = layout
+    return int(switched)
