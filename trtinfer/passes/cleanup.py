@@ -4,17 +4,44 @@ These run first (fusion patterns then see one canonical form) and last (to drop 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import onnx_ir as ir
 
 from trtinfer.passes.registry import PassContext, register_pass
 
 
-def _fold(model: ir.Model) -> None:
-    import onnxscript.optimizer
+# onnxscript's default rewrite rules that matter for traced transformer graphs; its full default set (conv, pad,
+# batch-norm, clip, scatter rules...) costs ~100 s on a 6k-node graph for nothing we use
+_BASIC_RULES = {"CastCast", "CastIdentity", "ExpandIdentity", "ReshapeReshape", "TransposeIdentity",
+                "TransposeTranspose", "UnsqueezeUnsqueeze", "MaterializeReshapeShape"}
 
-    # constant folding + shape propagation (turns Shape->Gather->Concat chains with known dims into constants),
-    # identity/no-op removal, unused nodes and initializers; iterated until nothing changes
-    onnxscript.optimizer.optimize(model, num_iterations=3, onnx_shape_inference=True)
+
+def _rules() -> list[Any]:
+    from onnxscript.rewriter import _DEFAULT_REWRITE_RULES
+
+    # unnamed rules are the no-op eliminations (x+0, x*1, Identity, Dropout in inference...)
+    return [r for r in _DEFAULT_REWRITE_RULES if r.name is None or r.name in _BASIC_RULES]
+
+
+def _fold(model: ir.Model, iterations: int = 2) -> None:
+    from onnxscript import rewriter
+    from onnxscript.optimizer import _constant_folding
+
+    common = ir.passes.common
+    common.ShapeInferencePass()(model)  # dtypes + static shapes, so no-op casts and shape chains are provable
+    rules = rewriter.RewriteRuleSet(_rules())
+    for _ in range(iterations):
+        changed = _constant_folding.FoldConstantsPass(shape_inference=False, input_size_limit=8192,
+                                                      output_size_limit=262144)(model).modified
+        changed |= rules.apply_to_model(model) > 0
+        changed |= common.RemoveUnusedNodesPass()(model).modified
+        if not changed:
+            break
+    common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+    common.DeduplicateInitializersPass()(model)
+    common.CommonSubexpressionEliminationPass()(model)
+    common.RemoveUnusedNodesPass()(model)
 
 
 def remove_redundant_casts(model: ir.Model) -> int:
