@@ -11,7 +11,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", help="HF folder, .gguf file, or alias (gemma-3-270m, smollm2-135m)")
     p.add_argument("-o", "--output", required=True, help="engine directory to create")
     p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
-    p.add_argument("--precision", default="fp32", help="weights/compute precision (default: fp32)")
+    p.add_argument("--precision", default="fp32", help="fp32 (default), fp16 or bf16 (GPU targets)")
+    p.add_argument("--keep-io-types", action="store_true", help="fp16/bf16: keep KV inputs/outputs in fp32")
+    p.add_argument("--disable-pass", action="append", default=[], metavar="PASS", help="skip a pass (repeatable)")
     p.add_argument("--target", default="cpu", choices=("cpu", "cuda"), help="execution provider to optimize for")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=None, help="default: min(model's max positions, 4096)")
@@ -30,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = BuildConfig(backend=args.backend, precision=args.precision, target=args.target,
                       max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                      keep_io_types=args.keep_io_types, disable_passes=tuple(args.disable_pass),
                       export=ExportConfig(atol=args.atol))
     out = build(args.model, args.output, cfg, overwrite=args.force, progress=not args.quiet)
     m = read_manifest(out).raw
@@ -37,4 +40,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"built {out}: {m['architecture']} {m['geometry']['num_layers']} layers, {m['backend']} {m['precision']}, "
           f"max batch {m['limits']['max_batch_size']}, max seq {m['limits']['max_seq_len']}, "
           f"validation max|diff| {json.dumps(v.get('decode_logits_max_abs_diff'))}, {m['build_seconds']} s")
+    fused = m.get("fused_ops", {})
+    print("fused: " + ", ".join(f"{k} {c['count']}" + (f"/{c['expected']}" if c.get("expected") is not None else "")
+                                for k, c in fused.items()) + f"; KV layout {m.get('kv_layout', 'concat')}")
+    for w in (m.get("fusion_report") or {}).get("warnings", []):
+        print(f"warning: {w}")
     return 0

@@ -51,6 +51,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {t['name']:<32} {t['dtype']:<8} {_shape(t)}")
     if len(outs) > 3:
         print(f"  ... {len(outs) - 3} more present outputs")
+    fused = m.get("fused_ops")
+    if fused:
+        print(f"kv layout    {m.get('kv_layout', 'concat')}")
+        parts = []
+        for fam, c in fused.items():
+            exp = c.get("expected")
+            parts.append(f"{fam} {c['count']}" + (f"/{exp}" if exp is not None else ""))
+        print("fused ops    " + ", ".join(parts))
+        rep = m.get("fusion_report") or {}
+        fired = [f"{n} {r['fired']}" + (f"/{r['expected']}" if r.get("expected") is not None else "")
+                 for n, r in rep.get("fusions", {}).items() if r["kind"] == "fusion"]
+        if fired:
+            print(f"passes       ({rep.get('target')}) " + ", ".join(fired))
+        for w in rep.get("warnings", []):
+            print(f"warning      {w}")
     print("ops          " + ", ".join(f"{k} {v}" for k, v in m["op_histogram"].items()))
     print("versions     " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     return 0
