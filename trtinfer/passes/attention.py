@@ -137,7 +137,7 @@ def _evaluate_from_positions(targets: list[ir.Value], n: int) -> list[np.ndarray
         for inp in nd.inputs:
             if inp is not None and inp.is_initializer() and inp.const_value is not None:
                 inits.append(ir.serde.serialize_tensor(inp.const_value))
-                inits[-1].name = inp.name
+                inits[-1].name = inp.name or ""
     proto_nodes = [ir.serde.serialize_node(nd) for nd in nodes]
     out_names = [t.name for t in targets]
     g = onnx.helper.make_graph(
@@ -183,8 +183,9 @@ class GqaFusion(pattern.RewriteRuleClassBase):
         out = op.Reshape(op.Transpose(out, perm=[0, 2, 1, 3]), s5, _allow_other_attributes=True)
         return out, present_k, present_v
 
-    def check(self, context: Any, present_k: ir.Value, present_v: ir.Value, past_k: ir.Value, scale: ir.Value,
-              cos_u: ir.Value | None = None, sin_u: ir.Value | None = None, **_: Any) -> Any:
+    def check(self, context: Any, present_k: ir.Value, present_v: ir.Value, past_k: ir.Value, scale: ir.Value,  # type: ignore[override]
+              cos_u: ir.Value | None = None, sin_u: ir.Value | None = None,
+              **_: Any) -> Any:
         result = pattern.MatchResult()
         m = _PRESENT.match(present_k.name or "")
         if m is None or not present_k.is_graph_output():

@@ -10,7 +10,6 @@ import onnx_ir as ir
 
 from trtinfer.passes.registry import PassContext, register_pass
 
-
 # onnxscript's default rewrite rules that matter for traced transformer graphs; its full default set (conv, pad,
 # batch-norm, clip, scatter rules...) costs ~100 s on a 6k-node graph for nothing we use
 _BASIC_RULES = {"CastCast", "CastIdentity", "ExpandIdentity", "ReshapeReshape", "TransposeIdentity",

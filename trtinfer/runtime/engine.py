@@ -106,8 +106,17 @@ class Engine:
         return json.loads(json.dumps(self.manifest.raw))
 
 
-def load(engine_dir: str | Path, config: RuntimeConfig | None = None, **overrides: Any) -> Engine:
-    """Load an engine directory built by ``trtinfer build``; ``overrides`` are :class:`RuntimeConfig` fields."""
+def load(engine_dir: str | Path, config: RuntimeConfig | None = None, **overrides: Any) -> Any:
+    """Load an engine directory built by ``trtinfer build``; ``overrides`` are :class:`RuntimeConfig` fields.
+
+    Decoder engines give an :class:`Engine` (generate/stream); encoder engines an
+    :class:`~trtinfer.runtime.encoder.EncoderEngine` (embed).
+    """
     if overrides:
         config = dataclasses.replace(config or RuntimeConfig(), **overrides)
+    kind = read_manifest(Path(engine_dir)).raw.get("kind", "decoder")
+    if kind == "encoder":
+        from trtinfer.runtime.encoder import EncoderEngine
+
+        return EncoderEngine(engine_dir, config)
     return Engine(engine_dir, config)

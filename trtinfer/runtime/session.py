@@ -194,7 +194,7 @@ class OrtDecoderSession(DecoderSession):
                 ids[r, :len(p)] = p
             cap = max(capacity, width)
             bufs = [self._kv_value((n, kvh, cap, hd)) for _ in self.past_names]
-            feeds = {"input_ids": ids, "seqlens_k": (lengths - 1).astype(np.int32),
+            feeds: dict[str, np.ndarray] = {"input_ids": ids, "seqlens_k": (lengths - 1).astype(np.int32),
                      "total_sequence_length": np.array(width, dtype=np.int32)}
             if self._needs_positions:
                 feeds["position_ids"] = np.broadcast_to(np.arange(width, dtype=np.int64), (n, width)).copy()
@@ -218,7 +218,7 @@ class OrtDecoderSession(DecoderSession):
             if int(kv.lengths.max()) + 1 > kv.capacity:
                 raise InputError(f"KV buffers hold {kv.capacity} positions; a row would need "
                                  f"{int(kv.lengths.max()) + 1}: raise max_new_tokens' bound or the engine's max_seq_len")
-            feeds = {"input_ids": tokens, "seqlens_k": kv.lengths.astype(np.int32),
+            feeds: dict[str, np.ndarray] = {"input_ids": tokens, "seqlens_k": kv.lengths.astype(np.int32),
                      "total_sequence_length": np.array(int(kv.lengths.max()) + 1, dtype=np.int32)}
             if self._needs_positions:
                 feeds["position_ids"] = pos

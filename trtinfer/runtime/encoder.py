@@ -1,0 +1,84 @@
+"""Sentence embeddings from an encoder engine: tokenize, run, pool (mean/CLS) and L2-normalize like
+sentence-transformers. Torch-free: onnxruntime + numpy + tokenizers.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trtinfer.errors import EngineLoadError, InputError
+from trtinfer.runtime.config import RuntimeConfig
+from trtinfer.runtime.manifest import Manifest, read_manifest
+
+
+class EncoderEngine:
+    """A loaded encoder engine; :meth:`embed` turns texts into sentence embeddings ``[N, hidden]``."""
+
+    def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
+        import onnxruntime as ort
+        from tokenizers import Tokenizer
+
+        self.path = Path(engine_dir)
+        self.manifest: Manifest = read_manifest(self.path)
+        if self.manifest.raw.get("kind") != "encoder":
+            raise EngineLoadError(f"{self.path} is not an encoder engine; load it with trtinfer.load()")
+        self.config = config or RuntimeConfig()
+        self.pooling: dict[str, Any] = dict(self.manifest.raw.get("pooling", {"mode": "mean", "normalize": False}))
+        self.max_seq_len = self.manifest.max_seq_len
+        tok = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        tok.enable_truncation(self.max_seq_len)
+        tok.enable_padding(pad_id=int(self.manifest.raw.get("tokenizer", {}).get("pad_token_id") or 0))
+        self._tok = tok
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.config.intra_op_threads
+        so.log_severity_level = 3
+        model = self.path / self.manifest.files["encoder"]
+        try:
+            self.sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
+        self._inputs = {i.name for i in self.sess.get_inputs()}
+
+    def __enter__(self) -> EncoderEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing to release beyond the session (kept for symmetry with decoder engines)."""
+
+    def embed(self, texts: Sequence[str], batch_size: int = 32, normalize: bool | None = None) -> np.ndarray:
+        """Embeddings of ``texts`` (float32 ``[N, hidden]``); ``normalize`` None follows the model's config."""
+        if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
+            raise InputError("embed() takes a non-empty list of strings")
+        bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
+        if bad:
+            raise InputError(f"embed() takes strings; items {bad[:5]} are not")
+        if batch_size < 1:
+            raise InputError(f"batch_size must be >= 1, got {batch_size}")
+        norm = self.pooling.get("normalize", False) if normalize is None else normalize
+        out = []
+        for i in range(0, len(texts), batch_size):
+            out.append(self._embed_batch(list(texts[i:i + batch_size]), bool(norm)))
+        return np.concatenate(out, axis=0)
+
+    def _embed_batch(self, texts: list[str], normalize: bool) -> np.ndarray:
+        enc = self._tok.encode_batch(texts)
+        ids = np.array([e.ids for e in enc], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in enc], dtype=np.int64)
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in self._inputs:
+            feeds["token_type_ids"] = np.array([e.type_ids for e in enc], dtype=np.int64)
+        hidden = self.sess.run(None, feeds)[0]
+        if self.pooling.get("mode") == "cls":
+            emb = hidden[:, 0]
+        else:  # mean over real tokens, as sentence-transformers' Pooling does
+            m = mask[:, :, None].astype(np.float32)
+            emb = (hidden * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
+        if normalize:
+            emb = emb / np.clip(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12, None)
+        return emb.astype(np.float32)
