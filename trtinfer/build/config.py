@@ -7,7 +7,7 @@ from typing import Any
 from trtinfer.errors import ConfigError
 from trtinfer.export.config import ExportConfig
 
-PRECISIONS = ("fp32", "fp16", "bf16")  # int8/int4 arrive with the quantization stage
+PRECISIONS = ("fp32",)  # fp16/bf16 need the precision pass (not written yet); int8/int4 the quantization stage
 TARGETS = ("cpu", "cuda")
 
 
@@ -17,8 +17,7 @@ class BuildConfig:
 
     ``max_seq_len=None`` takes the model's ``max_position_embeddings`` capped at 4096.
     ``target`` is the execution provider the passes and ONNX Runtime's offline optimization are done for.
-    ``precision`` fp16/bf16 keeps norms, softmax, residual sums and logits in fp32 (meant for GPU targets: ONNX
-    Runtime's CPU kernels are fp32-first). ``keep_io_types`` keeps KV inputs/outputs in fp32 with low precision.
+    ``precision``: fp32 only in this version. ``keep_io_types`` is reserved for fp16/bf16 builds.
     ``disable_passes`` names pipeline passes to skip (``trtinfer optimize --list`` shows them).
     """
 

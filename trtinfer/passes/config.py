@@ -7,7 +7,7 @@ from typing import Any
 from trtinfer.errors import ConfigError
 
 TARGETS = ("onnxruntime-cpu", "onnxruntime-cuda", "tensorrt")
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32",)  # fp16/bf16 arrive with the precision pass
 
 
 @dataclass(frozen=True)
