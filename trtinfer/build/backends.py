@@ -55,8 +55,7 @@ def run_pipeline(exported: ExportResult, out: Path, config: BuildConfig, target:
     """Run our pass pipeline for ``target`` on the export into ``out/passes/``; returns the graph and its report."""
     from trtinfer.passes import PassConfig, optimize
 
-    max_seq = config.max_seq_len or min(exported.info["geometry"].get("max_position_embeddings") or 4096, 4096)
-    pcfg = PassConfig(target=target, max_seq_len=max_seq, precision=config.precision,
+    pcfg = PassConfig(target=target, max_seq_len=config.max_seq_len_for(exported.info["geometry"]), precision=config.precision,
                       keep_io_types=config.keep_io_types, disable=config.disable_passes)
     dst = out / "passes" / "model.onnx"
     report = optimize(exported.onnx_path, dst, pcfg, geometry=exported.info["geometry"])

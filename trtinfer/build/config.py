@@ -41,6 +41,10 @@ class BuildConfig:
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 
+    def max_seq_len_for(self, geometry: dict[str, Any]) -> int:
+        """The engine's max sequence length: ``max_seq_len``, else the model's positions capped at 4096."""
+        return self.max_seq_len or min(geometry.get("max_position_embeddings") or 4096, 4096)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the manifest."""
         d = asdict(self)

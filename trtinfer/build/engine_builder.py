@@ -67,6 +67,7 @@ def _versions() -> dict[str, str]:
 def _manifest(config: BuildConfig, info: dict[str, Any], files: dict[str, str], tok_info: dict[str, Any],
               out: Path, max_seq: int, t_start: float) -> dict[str, Any]:
     hist = op_histogram(out / files["decoder"])
+    io = graph_io(out / files["decoder"])
     report = json.loads((out / files["fusion_report"]).read_text()) if "fusion_report" in files else {}
     return {
         "manifest_version": MANIFEST_VERSION,
@@ -78,9 +79,8 @@ def _manifest(config: BuildConfig, info: dict[str, Any], files: dict[str, str], 
         "source": info["source"],
         "limits": {"max_batch_size": config.max_batch_size, "max_seq_len": max_seq},
         "geometry": info["geometry"],
-        "io": graph_io(out / files["decoder"]),
-        "kv_layout": "shared_buffer" if any(t["name"] == "seqlens_k" for t in graph_io(out / files["decoder"])["inputs"])
-        else "concat",
+        "io": io,
+        "kv_layout": "shared_buffer" if any(t["name"] == "seqlens_k" for t in io["inputs"]) else "concat",
         "files": files,
         "tokenizer": tok_info,
         "export": {"config": info["config"], "seconds": info["export_seconds"], "validation": info["validation"]},
@@ -122,7 +122,7 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
         steps.update()
         info = exported.info
         geo = info["geometry"]
-        max_seq = config.max_seq_len or min(geo.get("max_position_embeddings") or 4096, 4096)
+        max_seq = config.max_seq_len_for(geo)
         with atomic_dir(out, overwrite=overwrite) as tmp:
             steps.set_description(f"{config.backend} optimize")
             files = backend(exported, tmp, config)

@@ -54,27 +54,6 @@ def _io(geo: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
                                         "shape": ["batch", "sequence", geo["hidden_size"]]}]}
 
 
-def _wrapper_cls() -> Any:
-    import torch
-
-    class Wrapper(torch.nn.Module):
-        """Positional (input_ids, attention_mask, token_type_ids) -> last_hidden_state, for the tracer."""
-
-        def __init__(self, model: Any) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              token_type_ids=token_type_ids).last_hidden_state
-
-    return Wrapper
-
-
-def _Wrapper(model: Any) -> Any:  # noqa: N802 - reads as the class it builds
-    return _wrapper_cls()(model).eval()
-
-
 def _export(resolved: ResolvedModel, out: Path, atol: float) -> dict[str, Any]:
     import numpy as np
     import onnx
@@ -87,6 +66,18 @@ def _export(resolved: ResolvedModel, out: Path, atol: float) -> dict[str, Any]:
     except Exception as e:
         raise ModelSourceError(f"cannot load the encoder in {resolved.path}: {e}") from e
     geo = encoder_geometry(model.config)
+
+    class Positional(torch.nn.Module):
+        """(input_ids, attention_mask, token_type_ids) -> last_hidden_state, for the tracer."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model  # a submodule, so weights keep their names in the graph
+
+        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         token_type_ids=token_type_ids).last_hidden_state
+
     b, s = 2, 9
     ids = torch.randint(100, min(geo["vocab_size"], 1000), (b, s))
     mask = torch.ones(b, s, dtype=torch.int64)
@@ -100,7 +91,7 @@ def _export(resolved: ResolvedModel, out: Path, atol: float) -> dict[str, Any]:
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(_Wrapper(model), (ids, mask, types), str(raw / ONNX_NAME),
+            torch.onnx.export(Positional().eval(), (ids, mask, types), str(raw / ONNX_NAME),
                               input_names=["input_ids", "attention_mask", "token_type_ids"],
                               output_names=["last_hidden_state"], dynamic_axes=dyn, opset_version=17,
                               do_constant_folding=True, dynamo=False)

@@ -49,7 +49,8 @@ def _rotary(op: Any, x: Any, cos: Any, sin: Any, zero: Any, half: Any, end: Any)
     return op.Add(op.Mul(x, cos), op.Mul(rotated, sin))
 
 
-def _const(v: ir.Value | None) -> np.ndarray | None:
+def const_array(v: ir.Value | None) -> np.ndarray | None:
+    """The constant value of ``v`` as numpy, or None if it is not a constant."""
     if v is None or v.const_value is None:
         return None
     return np.asarray(v.const_value.numpy())
@@ -98,7 +99,7 @@ def _unsqueezed_source(v: ir.Value) -> ir.Value | None:
     node = v.producer()
     if node is None or node.op_type != "Unsqueeze":
         return None
-    axes = _const(node.inputs[1]) if len(node.inputs) > 1 else None
+    axes = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
     if axes is None or axes.tolist() not in ([1], 1):
         return None
     return node.inputs[0]
@@ -192,7 +193,7 @@ class GqaFusion(pattern.RewriteRuleClassBase):
             return result.fail("the K concat does not produce a present.N.key graph output", present_k)
         if not past_k.is_graph_input():
             return result.fail("past key is not a graph input", past_k)
-        s = _const(scale)
+        s = const_array(scale)
         if s is None or s.size != 1:
             return result.fail("attention scale is not a constant scalar", scale)
         layer = int(m.group(1))
@@ -220,7 +221,7 @@ class GqaFusion(pattern.RewriteRuleClassBase):
         return op.GroupQueryAttention(
             *inputs, _domain="com.microsoft", _outputs=3,
             num_heads=int(geo["num_attention_heads"]), kv_num_heads=int(geo["num_kv_heads"]),
-            scale=float(_const(scale).reshape(-1)[0]),  # type: ignore[union-attr]
+            scale=float(const_array(scale).reshape(-1)[0]),  # type: ignore[union-attr]
             local_window_size=int(window) if window else -1, do_rotary=int(self._rotary),
         )
 

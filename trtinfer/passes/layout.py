@@ -16,7 +16,7 @@ import logging
 
 import onnx_ir as ir
 
-from trtinfer.passes.attention import SEQLENS, TOTAL_SEQ
+from trtinfer.passes.attention import SEQLENS, TOTAL_SEQ, const_array
 from trtinfer.passes.registry import PassContext, register_pass
 
 log = logging.getLogger(__name__)
@@ -28,9 +28,8 @@ INT64_MAX = 2**63 - 1
 
 
 def _const_list(v: ir.Value | None) -> list[int] | None:
-    if v is None or v.const_value is None:
-        return None
-    return [int(x) for x in v.const_value.numpy().reshape(-1)]
+    arr = const_array(v)
+    return None if arr is None else [int(x) for x in arr.reshape(-1)]
 
 
 def _last_token_slice(graph: ir.Graph) -> ir.Node | None:
