@@ -77,7 +77,7 @@ def test_gemma_prompt_beyond_sliding_window(real):
 
 
 def test_chat_generation(real):
-    name, engine, src, model = real
+    _, engine, src, model = real
     tok = AutoTokenizer.from_pretrained(src)
     if tok.chat_template is None:  # Gemma-3-270M is a base model: its GGUF carries no chat template
         with trtinfer.load(engine) as eng, pytest.raises(InputError, match="no chat template"):

@@ -117,7 +117,7 @@ def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repea
 def _in_subprocess(kind: str, engine_dir: Path, bs: int, prompt_len: int, new_tokens: int) -> BenchResult:
     cmd = [sys.executable, "-m", "trtinfer.bench", kind, str(engine_dir), str(bs), str(prompt_len), str(new_tokens)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise TrtInferError(f"{kind} benchmark failed: {last}")

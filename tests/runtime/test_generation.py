@@ -64,7 +64,7 @@ def test_finished_rows_leave_batch_and_others_continue(tiny_model_dir, tiny_engi
 
 def test_seeded_sampling_is_reproducible_and_varies(tiny_engine):
     with trtinfer.load(tiny_engine("llama")) as eng:
-        kw = dict(max_new_tokens=12, do_sample=True, temperature=1.5, ignore_eos=True)
+        kw = {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5, "ignore_eos": True}
         a = eng.generate(PROMPTS, seed=7, **kw)
         b = eng.generate(PROMPTS, seed=7, **kw)
         c = eng.generate(PROMPTS, seed=8, **kw)

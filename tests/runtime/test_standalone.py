@@ -22,6 +22,6 @@ def test_runtime_without_torch_or_transformers(tiny_engine):
         print("ok")
     """)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "ok"

@@ -34,16 +34,17 @@ def get_build_backend(name: str) -> BackendFn:
     return _BACKENDS[name]
 
 
-def write_kv_select(path: Path, n_tensors: int) -> None:
+def write_kv_select(path: Path, n_tensors: int, dtype: str = "float32") -> None:
     """Write the tiny graph that keeps chosen batch rows of every KV tensor: ``out.i = Gather(kv.i, rows, axis=0)``."""
     import onnx
     from onnx import TensorProto, helper
 
+    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[dtype]
     inputs = [helper.make_tensor_value_info("rows", TensorProto.INT64, ["rows"])]
     outputs, nodes = [], []
     for i in range(n_tensors):
-        inputs.append(helper.make_tensor_value_info(f"kv.{i}", TensorProto.FLOAT, ["batch", "heads", "len", "dim"]))
-        outputs.append(helper.make_tensor_value_info(f"out.{i}", TensorProto.FLOAT, ["rows", "heads", "len", "dim"]))
+        inputs.append(helper.make_tensor_value_info(f"kv.{i}", elem, ["batch", "heads", "len", "dim"]))
+        outputs.append(helper.make_tensor_value_info(f"out.{i}", elem, ["rows", "heads", "len", "dim"]))
         nodes.append(helper.make_node("Gather", [f"kv.{i}", "rows"], [f"out.{i}"], axis=0, name=f"select_{i}"))
     graph = helper.make_graph(nodes, "kv_select", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="trtinfer", ir_version=9)
@@ -56,7 +57,7 @@ def run_pipeline(exported: ExportResult, out: Path, config: BuildConfig, target:
     from trtinfer.passes import PassConfig, optimize
 
     pcfg = PassConfig(target=target, max_seq_len=config.max_seq_len_for(exported.info["geometry"]), precision=config.precision,
-                      keep_io_types=config.keep_io_types, disable=config.disable_passes)
+                      keep_io_types=config.keep_io_types, keep_fp32=config.keep_fp32, disable=config.disable_passes)
     dst = out / "passes" / "model.onnx"
     report = optimize(exported.onnx_path, dst, pcfg, geometry=exported.info["geometry"])
     return dst, report.to_dict()
@@ -89,7 +90,8 @@ def build_onnxruntime(exported: ExportResult, out: Path, config: BuildConfig) ->
         raise BuildError(f"ONNX Runtime could not optimize {graph}: {e}") from e
     shutil.rmtree(out / "passes")
     n_kv = 2 * exported.info["geometry"]["num_layers"]
-    write_kv_select(out / "kv_select.onnx", n_kv)
+    past = [t for t in graph_io(out / "model.onnx")["inputs"] if t["name"].startswith("past_key_values.")]
+    write_kv_select(out / "kv_select.onnx", n_kv, past[0]["dtype"] if past else "float32")
     return {"decoder": "model.onnx", "decoder_data": DATA_NAME, "kv_select": "kv_select.onnx",
             "fusion_report": "fusion_report.json"}
 

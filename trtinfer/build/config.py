@@ -6,8 +6,9 @@ from typing import Any
 
 from trtinfer.errors import ConfigError
 from trtinfer.export.config import ExportConfig
+from trtinfer.passes.config import DEFAULT_KEEP_FP32, KEEP_FP32_GROUPS
 
-PRECISIONS = ("fp32",)  # fp16/bf16 need the precision pass (not written yet); int8/int4 the quantization stage
+PRECISIONS = ("fp32", "fp16", "bf16")  # int8/int4 come with the quantization stage
 TARGETS = ("cpu", "cuda")
 
 
@@ -17,7 +18,9 @@ class BuildConfig:
 
     ``max_seq_len=None`` takes the model's ``max_position_embeddings`` capped at 4096.
     ``target`` is the execution provider the passes and ONNX Runtime's offline optimization are done for.
-    ``precision``: fp32 only in this version. ``keep_io_types`` is reserved for fp16/bf16 builds.
+    ``precision``: fp32 (default), fp16 or bf16 (GPU targets: ONNX Runtime's CPU kernels have no bf16 and are slower
+    in fp16 than fp32; a cpu fp16 build is for checking numerics). ``keep_fp32`` names the groups kept in fp32 by
+    fp16/bf16 builds (norms, softmax, residual, logits, lm_head); ``keep_io_types`` keeps KV inputs/outputs fp32.
     ``disable_passes`` names pipeline passes to skip (``trtinfer optimize --list`` shows them).
     """
 
@@ -27,6 +30,7 @@ class BuildConfig:
     max_batch_size: int = 16
     max_seq_len: int | None = None
     keep_io_types: bool = False
+    keep_fp32: tuple[str, ...] = DEFAULT_KEEP_FP32
     disable_passes: tuple[str, ...] = ()
     export: ExportConfig = field(default_factory=ExportConfig)
 
@@ -34,6 +38,12 @@ class BuildConfig:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision '{self.precision}' is not available in this version; supported: "
                               f"{', '.join(PRECISIONS)}")
+        if self.precision == "bf16" and self.target == "cpu" and self.backend == "onnxruntime":
+            raise ConfigError("bf16 needs a GPU target: ONNX Runtime's CPU provider has no bf16 kernels; "
+                              "use --target cuda, or --precision fp16 to check reduced-precision numerics on CPU")
+        unknown = sorted(set(self.keep_fp32) - set(KEEP_FP32_GROUPS))
+        if unknown:
+            raise ConfigError(f"unknown --keep-fp32 group(s) {', '.join(unknown)}; known: {', '.join(KEEP_FP32_GROUPS)}")
         if self.target not in TARGETS:
             raise ConfigError(f"target must be one of {TARGETS}, got {self.target!r}")
         if self.max_batch_size < 1:
@@ -49,4 +59,5 @@ class BuildConfig:
         """Plain dict for the manifest."""
         d = asdict(self)
         d["disable_passes"] = list(self.disable_passes)
+        d["keep_fp32"] = list(self.keep_fp32)
         return d

@@ -34,12 +34,12 @@ def run(args: argparse.Namespace) -> int:
     from trtinfer.errors import InputError
 
     sample = args.sample or any(v is not None for v in (args.temperature, args.top_k, args.top_p))
-    kw: dict[str, Any] = dict(
-        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=sample,
-        temperature=1.0 if args.temperature is None else args.temperature, top_k=args.top_k or 0,
-        top_p=1.0 if args.top_p is None else args.top_p, repetition_penalty=args.repetition_penalty,
-        seed=args.seed, stop=args.stop,
-    )
+    kw: dict[str, Any] = {
+        "max_new_tokens": args.max_new_tokens, "min_new_tokens": args.min_new_tokens, "do_sample": sample,
+        "temperature": 1.0 if args.temperature is None else args.temperature, "top_k": args.top_k or 0,
+        "top_p": 1.0 if args.top_p is None else args.top_p, "repetition_penalty": args.repetition_penalty,
+        "seed": args.seed, "stop": args.stop,
+    }
     with trtinfer.load(args.engine, provider=args.provider) as engine:
         if args.stream:
             if len(args.prompt) != 1:

@@ -7,7 +7,9 @@ from typing import Any
 from trtinfer.errors import ConfigError
 
 TARGETS = ("onnxruntime-cpu", "onnxruntime-cuda", "tensorrt")
-PRECISIONS = ("fp32",)  # fp16/bf16 arrive with the precision pass
+PRECISIONS = ("fp32", "fp16", "bf16")
+KEEP_FP32_GROUPS = ("norms", "softmax", "residual", "logits", "lm_head")
+DEFAULT_KEEP_FP32 = ("norms", "softmax", "residual", "logits")
 
 
 @dataclass(frozen=True)
@@ -15,15 +17,16 @@ class PassConfig:
     """Settings of :func:`trtinfer.passes.optimize`.
 
     ``target`` picks the pipeline. ``max_seq_len`` sizes the rotary cos/sin caches of fused attention (positions
-    the engine will ever see). ``precision`` fp16/bf16 converts weights and compute after the fusions, keeping
-    ``keep_fp32_ops`` (norms, softmax, residual adds, logits) in fp32; ``keep_io_types`` leaves graph inputs and
-    outputs (logits, KV) in fp32. ``disable`` names passes to skip (see ``trtinfer optimize --list``).
+    the engine will ever see). ``precision`` fp16/bf16 converts weights and compute after the fusions, keeping the
+    ``keep_fp32`` groups (of ``norms``, ``softmax``, ``residual``, ``logits``, ``lm_head``) in fp32;
+    ``keep_io_types`` leaves graph inputs and outputs (KV included) in fp32 (``logits`` is fp32 while kept). ``disable`` names passes to skip (see ``trtinfer optimize --list``).
     """
 
     target: str = "onnxruntime-cpu"
     max_seq_len: int = 4096
     precision: str = "fp32"
     keep_io_types: bool = False
+    keep_fp32: tuple[str, ...] = DEFAULT_KEEP_FP32
     disable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -31,6 +34,9 @@ class PassConfig:
             raise ConfigError(f"unknown pass target '{self.target}'; known: {', '.join(TARGETS)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got '{self.precision}'")
+        unknown = sorted(set(self.keep_fp32) - set(KEEP_FP32_GROUPS))
+        if unknown:
+            raise ConfigError(f"unknown keep_fp32 group(s) {', '.join(unknown)}; known: {', '.join(KEEP_FP32_GROUPS)}")
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 
@@ -38,4 +44,5 @@ class PassConfig:
         """Plain dict for manifests and reports."""
         d = asdict(self)
         d["disable"] = list(self.disable)
+        d["keep_fp32"] = list(self.keep_fp32)
         return d

@@ -5,12 +5,12 @@ import importlib
 
 from trtinfer.passes.registry import PIPELINES
 
-PASS_MODULES = ("cleanup", "attention", "layout", "norms", "activations", "trt_support")
+PASS_MODULES = ("cleanup", "attention", "layout", "norms", "activations", "trt_support", "precision")
 for _m in PASS_MODULES:
     importlib.import_module(f"trtinfer.passes.{_m}")
 
 _ORT = ["cleanup", "attention", "rotary", "kv_share_buffer", "rms_norm", "layer_norm", "skip_norm", "gelu",
-        "matmul_bias", "dead_code"]
+        "matmul_bias", "precision", "dead_code"]
 PIPELINES["onnxruntime-cpu"] = list(_ORT)
 PIPELINES["onnxruntime-cuda"] = list(_ORT)
-PIPELINES["tensorrt"] = ["cleanup", "rms_norm", "layer_norm", "gelu", "dead_code", "tensorrt_check"]
+PIPELINES["tensorrt"] = ["cleanup", "rms_norm", "layer_norm", "gelu", "precision", "dead_code", "tensorrt_check"]

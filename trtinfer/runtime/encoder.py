@@ -42,7 +42,7 @@ class EncoderEngine:
             raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
         self._inputs = {i.name for i in self.sess.get_inputs()}
 
-    def __enter__(self) -> EncoderEngine:
+    def __enter__(self) -> EncoderEngine:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:

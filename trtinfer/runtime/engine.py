@@ -27,7 +27,7 @@ class Engine:
         self.tokenizer = EngineTokenizer(self.path, self.manifest.raw.get("tokenizer", {}))
         self.session: DecoderSession = open_session(self.path, self.manifest, self.config)
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Engine:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -61,7 +61,7 @@ class DecoderSession(ABC):
         self.kv_layout = str(manifest.raw.get("kv_layout", "concat"))
         self.pad_token_id = int(manifest.raw.get("tokenizer", {}).get("pad_token_id") or 0)
 
-    def __enter__(self) -> DecoderSession:
+    def __enter__(self) -> DecoderSession:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -140,6 +140,8 @@ class OrtDecoderSession(DecoderSession):
         self.select_sess = ort.InferenceSession(str(select), so, providers=providers)
         geo = manifest.geometry
         self._kv_shape = (geo["num_kv_heads"], geo["head_dim"])
+        past = [t for t in manifest.raw["io"]["inputs"] if t["name"].startswith("past_key_values.")]
+        self._kv_dtype = str(past[0]["dtype"]) if past else "float32"  # float16/bfloat16 in fp16/bf16 engines
         self._needs_positions = "position_ids" in self.input_names
         self._pinned: dict[tuple[str, tuple[int, ...]], Any] = {}
 
@@ -164,7 +166,16 @@ class OrtDecoderSession(DecoderSession):
 
     # --- interface ------------------------------------------------------------------------------------------
     def _kv_value(self, shape: tuple[int, ...]) -> Any:
-        return self._ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), self.device, self.config.device_id)
+        """A zeroed KV tensor of the engine's KV type (zeros: unused buffer slots are read as 0 * x, never NaN)."""
+        ov = self._ort.OrtValue
+        if self._kv_dtype != "bfloat16":
+            return ov.ortvalue_from_numpy(np.zeros(shape, self._kv_dtype), self.device, self.config.device_id)
+        zeros = np.zeros(shape, np.uint16)  # bf16 zero is the all-zero bit pattern; numpy has no bfloat16
+        if self.device == "cpu":
+            return ov.ortvalue_from_numpy_with_onnx_type(zeros, 16)
+        val = ov.ortvalue_from_shape_and_type(list(shape), 16, self.device, self.config.device_id)
+        val.update_inplace(zeros)  # unexecuted here: no GPU in this project's CI
+        return val
 
     def _run(self, feeds: dict[str, np.ndarray], kv_in: list[Any], kv_out: list[Any] | None) -> tuple[np.ndarray, list[Any]]:
         """One forward pass. ``kv_out`` None: presents are new values (concat); else bound in place (shared)."""
