@@ -41,8 +41,8 @@ def make_config(arch: str):
     import transformers as tf
 
     common = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 256, "initializer_range": 0.1,
-                  "bos_token_id": 1, "eos_token_id": 0, "pad_token_id": 0}
+              "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 256,
+              "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 0, "pad_token_id": 0}
     if arch == "llama":
         return tf.LlamaConfig(**common)
     if arch == "mistral":

@@ -146,7 +146,8 @@ def fused_op_counts(hist: dict[str, int], geometry: dict[str, Any], report: dict
     out: dict[str, Any] = {
         "attention": {"count": count(FUSED_OPS["attention"]), "expected": attn_expected},
         "norm": {"count": count(FUSED_OPS["norm"]), "expected": geometry.get("num_norms")},
-        "gelu": {"count": count(FUSED_OPS["gelu"]), "expected": None},
+        "gelu": {"count": count(FUSED_OPS["gelu"]),
+                 "expected": (report.get("fusions", {}).get("gelu") or {}).get("expected")},
     }
     # rotary lives inside GroupQueryAttention (do_rotary=1): the pass report counts it
     rotary = report.get("fusions", {}).get("rotary") or {}

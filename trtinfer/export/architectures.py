@@ -58,6 +58,9 @@ class ArchSpec:
             "norm": self.norm,
             "num_norms": n_layers * self.norms_per_layer + 1,
             "rotary": self.rotary,
+            # the MLP activation as transformers names it (Gemma-3: hidden_activation, GPT-2: activation_function)
+            "activation": (getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+                           or getattr(config, "activation_function", None)),
         }
 
 

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 ONNX_NAME = "model.onnx"
 DATA_NAME = "model.onnx.data"
 INFO_NAME = "export.json"
-EXPORT_FORMAT = 3  # bump when the graph contract changes (invalidates cached exports)
+EXPORT_FORMAT = 4  # bump when the graph contract changes (invalidates cached exports)
 
 
 @dataclass(frozen=True)
