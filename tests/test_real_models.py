@@ -61,6 +61,25 @@ def test_validation_recorded(real):
     assert v["passed"] and v["decode_logits_max_abs_diff"] < 1e-3
 
 
+def test_every_layer_fused_and_engine_checked(real, capsys):
+    """`trtinfer inspect --json`: every attention, rotary, norm (and Gemma's GELUs) fused; engine check passed."""
+    import json
+
+    from trtinfer.cli import main
+
+    name, engine, _, model = real
+    assert main(["inspect", str(engine), "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    f, layers = m["fused_ops"], model.config.num_hidden_layers
+    assert f["attention"]["count"] == f["attention"]["expected"] == layers  # SmolLM2: 30
+    assert f["rotary"]["count"] == f["rotary"]["expected"] == 2 * layers
+    assert f["norm"]["count"] >= f["norm"]["expected"] == m["geometry"]["num_norms"]  # SmolLM2: 61
+    if name == "gemma-3-270m":
+        assert f["gelu"]["count"] == f["gelu"]["expected"] == layers
+    assert m["kv_layout"] == "shared_buffer" and not m["fusion_report"]["warnings"]
+    assert m["engine_check"]["passed"] and m["engine_check"]["top1_agreement"] == 1.0
+
+
 def test_gemma_prompt_beyond_sliding_window(real):
     """600-token prompt: 15 of Gemma-3's 18 layers must see only the last 512 positions, as transformers does."""
     name, engine, src, model = real

@@ -20,8 +20,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # max |engine - export| over logits, relative to max(1, max |logits|). fp32: reduction-order noise of fused ops.
-# fp16: tiny random models 1e-3, SmolLM2 2.2e-3 (0.065 on logits of magnitude 29); bf16 keeps 3 fewer mantissa bits
-TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 8e-2}
+# fp16 on ORT CPU kernels: tiny random models ~1e-3, SmolLM2 2.2e-3 (0.065 on logits of magnitude 29), Gemma-3 1.07e-2
+# (6.7e-3 when emulated with fp32 arithmetic, as GPUs accumulate); bf16 keeps 3 fewer mantissa bits than fp16
+TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 8e-2}
 PROMPT_LENGTHS = (11, 6)
 DECODE_STEPS = 4
 
