@@ -111,9 +111,10 @@ def simplify_static_shapes(model: ir.Model) -> int:
             steps = _ints(node.inputs[4]) if len(node.inputs) > 4 else None
             if dims is None or starts is None or ends is None or axes is None or (steps and set(steps) != {1}):
                 continue
-            if all(st == 0 and dims[a] is not None and en >= dims[a]  # type: ignore[operator]
-                   for st, en, a in zip(starts, ends, axes)):
-                node.outputs[0].replace_all_uses_with(node.inputs[0], replace_graph_outputs=False)
+            src = node.inputs[0]
+            if src is not None and all(st == 0 and dims[a] is not None and en >= dims[a]  # type: ignore[operator]
+                                       for st, en, a in zip(starts, ends, axes)):
+                node.outputs[0].replace_all_uses_with(src, replace_graph_outputs=False)
                 done += 1
         elif op == "Concat":
             axis = node.attributes.get_int("axis", 0) or 0
@@ -130,7 +131,9 @@ def simplify_static_shapes(model: ir.Model) -> int:
                 new = ir.Node("", "Concat", kept, [ir.AttrInt64("axis", axis)], name=f"{node.name}_nonempty")
                 model.graph.insert_before(node, new)
                 node.outputs[0].replace_all_uses_with(new.outputs[0], replace_graph_outputs=False)
-                new.outputs[0].dtype, new.outputs[0].shape = node.outputs[0].dtype, node.outputs[0].shape
+                new.outputs[0].shape = node.outputs[0].shape
+                if node.outputs[0].dtype is not None:
+                    new.outputs[0].dtype = node.outputs[0].dtype
             done += 1
     return done
 
