@@ -10,6 +10,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from trtinfer.build.check import reference_logits
 from trtinfer.passes import PassConfig, optimize, optimize_model
 from trtinfer.passes.attention import fuse_gqa
 from trtinfer.passes.layout import SHARED
@@ -119,29 +120,6 @@ def exports(tiny_model_dir, tmp_path_factory):
     return get
 
 
-def _greedy_single_rows(path: Path, prompts: list[np.ndarray], steps: int) -> list[tuple[np.ndarray, list[int]]]:
-    """Reference: the unfused graph, one row at a time, no padding, growing KV."""
-    sess = ort.InferenceSession(str(path))
-    past = [i for i in sess.get_inputs() if i.name.startswith("past")]
-    out = []
-    for p in prompts:
-        n = len(p)
-        feeds = {"input_ids": p[None], "attention_mask": np.ones((1, n), np.int64), "position_ids": np.arange(n)[None]}
-        feeds.update({x.name: np.zeros((1, x.shape[1], 0, x.shape[3]), np.float32) for x in past})
-        res = sess.run(None, feeds)
-        logits, toks = [res[0][0, -1]], []
-        for _ in range(steps):
-            toks.append(int(np.argmax(logits[-1])))
-            feeds = {"input_ids": np.array([[toks[-1]]]), "attention_mask": np.ones((1, n + 1), np.int64),
-                     "position_ids": np.array([[n]])}
-            feeds.update({x.name: v for x, v in zip(past, res[1:])})
-            res = sess.run(None, feeds)
-            logits.append(res[0][0, -1])
-            n += 1
-        out.append((np.stack(logits), toks))
-    return out
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2", "qwen3"])
 def test_tiny_model_shared_buffers_match_unfused(arch: str, exports, tmp_path: Path) -> None:
     """Right-padded ragged batch on shared KV buffers == each row alone on the unfused graph (gemma3: window 5)."""
@@ -154,7 +132,7 @@ def test_tiny_model_shared_buffers_match_unfused(arch: str, exports, tmp_path: P
     rng = np.random.default_rng(1)
     lens, steps, cap = [9, 4, 7], 6, 24
     prompts = [rng.integers(3, 300, n).astype(np.int64) for n in lens]
-    ref = _greedy_single_rows(src, prompts, steps)
+    ref = reference_logits(src, prompts, steps)
 
     sess = ort.InferenceSession(str(dst))
     names = [i.name for i in sess.get_inputs()]
