@@ -215,6 +215,16 @@ def test_fp16_engine_on_cpu(arch: str, tiny_engine) -> None:
         a = [r.token_ids for r in e32.generate(prompts, max_new_tokens=8)]
         b = [r.token_ids for r in e16.generate(prompts, max_new_tokens=8)]
     assert a == b
+    with trtinfer.load(eng16) as e16:  # finished rows leave the batch: the fp16 KV row-selection graph
+        s = e16.session
+        logits, kv = s.prefill([[5, 6, 7, 8], [9, 10]], 8)
+        kept = s.select_rows(kv, [1])
+        alone, _ = s.prefill([[9, 10]], 8)
+        nxt = int(np.argmax(logits[1]))
+        step, _ = s.decode(np.array([nxt]), kept)
+        ref, _ = s.decode(np.array([nxt]), s.prefill([[9, 10]], 8)[1])
+    np.testing.assert_allclose(alone[0], logits[1], atol=1e-2)
+    np.testing.assert_allclose(step, ref, atol=1e-2)
 
 
 def test_fp16_engine_keep_io_types(tiny_engine) -> None:
