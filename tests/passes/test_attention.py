@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from trtinfer.build.check import reference_logits
-from trtinfer.passes import PassConfig, optimize, optimize_model
+from trtinfer.passes import PassConfig, PassContext, optimize, optimize_model
 from trtinfer.passes.attention import fuse_gqa
 from trtinfer.passes.layout import SHARED
 
@@ -183,4 +183,39 @@ def test_tensorrt_pipeline_keeps_plain_attention(arch: str, exports) -> None:
         while node is not None and node.op_type != "MatMul":  # back along the scores to Q @ K^T
             chain.append(node.op_type)
             node = node.inputs[0].producer() if node.inputs[0] is not None else None
-        assert node is not None and set(chain) <= {"Add", "Mul", "Reshape", "Div"}, chain
+        assert node is not None and chain == ["Add"], chain  # scores + mask, nothing else
+        q_scale = node.inputs[0].producer()  # TensorRT wants the scale on Q, before the first MatMul
+        assert q_scale.op_type == "Mul" and q_scale.inputs[1].const_value is not None
+        k_t = node.inputs[1].producer()
+        assert k_t.op_type == "Transpose" and k_t.inputs[0].producer().op_type == "Reshape"  # repeated KV heads
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3", "gpt2"])
+def test_tensorrt_attention_matches_unfused(arch: str, exports, tmp_path: Path) -> None:
+    """The TensorRT-form attention computes the same logits, prefill and decode (gemma3: sliding window 5)."""
+    src = exports(arch)
+    dst = tmp_path / "model.onnx"
+    report = optimize(src, dst, PassConfig(target="tensorrt"))
+    layers = {"llama": 2, "gemma3": 3, "qwen3": 2, "gpt2": 2}[arch]
+    assert report.fired("tensorrt_attention") == layers
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 300, n).astype(np.int64) for n in (9, 4)]
+    for (ref, ref_toks), (got, toks) in zip(reference_logits(src, prompts, 6), reference_logits(dst, prompts, 6)):
+        assert toks == ref_toks
+        np.testing.assert_allclose(got, ref, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
+
+
+def test_tensorrt_attention_needs_present_keys(exports) -> None:
+    """Positive and negative on the same cleaned graph: keys that are not a present.N.key output are left alone."""
+    from trtinfer.passes.trt_attention import tensorrt_attention
+
+    only_cleanup = ("tensorrt_attention", "rms_norm", "layer_norm", "gelu", "precision", "dead_code", "tensorrt_check")
+    fired = []
+    for rename in (False, True):
+        model = ir.load(str(exports("llama")))
+        optimize_model(model, PassConfig(target="tensorrt", disable=only_cleanup))
+        if rename:
+            for out in model.graph.outputs:
+                out.name = (out.name or "").replace("present.", "kv_out.")
+        fired.append(tensorrt_attention(model, PassContext.for_model(model, PassConfig(target="tensorrt"))))
+    assert fired == [2, 0]

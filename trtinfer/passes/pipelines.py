@@ -5,7 +5,7 @@ import importlib
 
 from trtinfer.passes.registry import PIPELINES
 
-PASS_MODULES = ("cleanup", "attention", "layout", "norms", "activations", "trt_support", "precision")
+PASS_MODULES = ("cleanup", "attention", "layout", "norms", "activations", "trt_support", "trt_attention", "precision")
 for _m in PASS_MODULES:
     importlib.import_module(f"trtinfer.passes.{_m}")
 
@@ -13,4 +13,4 @@ _ORT = ["cleanup", "attention", "rotary", "kv_share_buffer", "rms_norm", "layer_
         "matmul_bias", "precision", "dead_code"]
 PIPELINES["onnxruntime-cpu"] = list(_ORT)
 PIPELINES["onnxruntime-cuda"] = list(_ORT)
-PIPELINES["tensorrt"] = ["cleanup", "rms_norm", "layer_norm", "gelu", "precision", "dead_code", "tensorrt_check"]
+PIPELINES["tensorrt"] = ["cleanup", "tensorrt_attention", "rms_norm", "layer_norm", "gelu", "precision", "dead_code", "tensorrt_check"]
