@@ -109,3 +109,19 @@ def test_chat_generation(real):
         assert eng.tokenizer.encode_chat(msgs) == ref_ids
         res = eng.generate(["What is the capital of France?"], chat=True, max_new_tokens=12)[0]
     assert res.token_ids == hf_generate(model, ref_ids, 12)
+
+
+def test_fp16_engine_checks_on_cpu(real, tmp_path):
+    """fp16 engines of the real models, run by ONNX Runtime's CPU kernels: the build's check against the export
+    passes (SmolLM2 2.2e-3, Gemma-3 1.07e-2 relative) and greedy text equals the fp32 engine's on real prompts."""
+    from trtinfer.build import BuildConfig
+
+    name, engine32, _, _ = real
+    engine = build(name, tmp_path / "fp16", BuildConfig(precision="fp16"), progress=False)
+    with trtinfer.load(engine) as eng:
+        check = eng.manifest.raw["engine_check"]
+        assert check["passed"] and check["top1_agreement"] == 1.0
+        fp16 = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=8)]
+    with trtinfer.load(engine32) as eng:
+        fp32 = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=8)]
+    assert fp16 == fp32
