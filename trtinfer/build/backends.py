@@ -10,6 +10,7 @@ from typing import Any
 from trtinfer.build.config import BuildConfig
 from trtinfer.errors import BuildError, ConfigError
 from trtinfer.export.onnx_export import DATA_NAME, ExportResult
+from trtinfer.runtime.manifest import kv_dtype
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def write_kv_select(path: Path, n_tensors: int, dtype: str = "float32") -> None:
     import onnx
     from onnx import TensorProto, helper
 
-    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[dtype]
+    elem = {name: code for code, name in _DTYPES.items()}[dtype]
     inputs = [helper.make_tensor_value_info("rows", TensorProto.INT64, ["rows"])]
     outputs, nodes = [], []
     for i in range(n_tensors):
@@ -90,8 +91,7 @@ def build_onnxruntime(exported: ExportResult, out: Path, config: BuildConfig) ->
         raise BuildError(f"ONNX Runtime could not optimize {graph}: {e}") from e
     shutil.rmtree(out / "passes")
     n_kv = 2 * exported.info["geometry"]["num_layers"]
-    past = [t for t in graph_io(out / "model.onnx")["inputs"] if t["name"].startswith("past_key_values.")]
-    write_kv_select(out / "kv_select.onnx", n_kv, past[0]["dtype"] if past else "float32")
+    write_kv_select(out / "kv_select.onnx", n_kv, kv_dtype(graph_io(out / "model.onnx")))
     return {"decoder": "model.onnx", "decoder_data": DATA_NAME, "kv_select": "kv_select.onnx",
             "fusion_report": "fusion_report.json"}
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from trtinfer.runtime.manifest import Manifest
+
 log = logging.getLogger(__name__)
 
 # max |engine - export| over logits, relative to max(1, max |logits|). fp32: reduction-order noise of fused ops.
@@ -74,13 +76,12 @@ def reference_logits(export_onnx: Path, prompts: list[np.ndarray], steps: int) -
     return out
 
 
-def check_engine(engine_dir: Path, export_onnx: Path, precision: str, provider: str = "cpu") -> EngineCheck:
-    """Compare the engine in ``engine_dir`` with ``export_onnx`` (see the module doc)."""
+def check_engine(engine_dir: Path, manifest: Manifest, export_onnx: Path, precision: str,
+                 provider: str = "cpu") -> EngineCheck:
+    """Compare the engine in ``engine_dir`` (described by ``manifest``) with ``export_onnx`` (see the module doc)."""
     from trtinfer.runtime.config import RuntimeConfig
-    from trtinfer.runtime.manifest import read_manifest
     from trtinfer.runtime.session import open_session
 
-    manifest = read_manifest(engine_dir)
     vocab = int(manifest.geometry["vocab_size"])
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, n).astype(np.int64) for n in PROMPT_LENGTHS]

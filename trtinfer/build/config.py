@@ -6,7 +6,7 @@ from typing import Any
 
 from trtinfer.errors import ConfigError
 from trtinfer.export.config import ExportConfig
-from trtinfer.passes.config import DEFAULT_KEEP_FP32, KEEP_FP32_GROUPS
+from trtinfer.passes.config import DEFAULT_KEEP_FP32, check_keep_fp32
 
 PRECISIONS = ("fp32", "fp16", "bf16")  # int8/int4 come with the quantization stage
 TARGETS = ("cpu", "cuda")
@@ -41,9 +41,7 @@ class BuildConfig:
         if self.precision == "bf16" and self.target == "cpu" and self.backend == "onnxruntime":
             raise ConfigError("bf16 needs a GPU target: ONNX Runtime's CPU provider has no bf16 kernels; "
                               "use --target cuda, or --precision fp16 to check reduced-precision numerics on CPU")
-        unknown = sorted(set(self.keep_fp32) - set(KEEP_FP32_GROUPS))
-        if unknown:
-            raise ConfigError(f"unknown --keep-fp32 group(s) {', '.join(unknown)}; known: {', '.join(KEEP_FP32_GROUPS)}")
+        check_keep_fp32(self.keep_fp32, "--keep-fp32")
         if self.target not in TARGETS:
             raise ConfigError(f"target must be one of {TARGETS}, got {self.target!r}")
         if self.max_batch_size < 1:

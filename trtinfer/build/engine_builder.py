@@ -18,7 +18,7 @@ from trtinfer.build.backends import fused_op_counts, get_build_backend, graph_io
 from trtinfer.build.check import check_engine
 from trtinfer.build.config import BuildConfig
 from trtinfer.errors import BuildError
-from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
+from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -134,16 +134,15 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
             steps.update()
             steps.set_description("package")
             manifest = _manifest(config, info, files, _tokenizer_info(resolved.path, tmp), tmp, max_seq, t_start)
-            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
             steps.update()
             steps.set_description("check vs export")
-            check = check_engine(tmp, exported.onnx_path, config.precision, provider=config.target)
-            manifest["engine_check"] = check.to_dict()
-            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+            check = check_engine(tmp, Manifest(manifest), exported.onnx_path, config.precision, provider=config.target)
             if not check.passed:
                 raise BuildError(f"the built engine's logits differ from the exported graph's by {check.max_abs_diff:.4g} "
                                  f"(> {check.tolerance:g} x {check.logits_scale:.3g}); try --keep-fp32 with more "
                                  "groups, or --disable-pass to find the pass at fault")
+            manifest["engine_check"] = check.to_dict()
+            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
             steps.update()
     log.info("built %s in %.1f s", out, time.perf_counter() - t_start)
     return out

@@ -76,7 +76,7 @@ def _export(resolved: ResolvedModel, out: Path, atol: float) -> dict[str, Any]:
 
         def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
             return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         token_type_ids=token_type_ids).last_hidden_state
+                              token_type_ids=token_type_ids).last_hidden_state
 
     b, s = 2, 9
     ids = torch.randint(100, min(geo["vocab_size"], 1000), (b, s))

@@ -30,7 +30,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.pattern import MatchResult
 
-from trtinfer.passes.norms import FLOAT_TYPES, ORT_TARGETS, add, default_opset, mul
+from trtinfer.passes.config import ORT_TARGETS
+from trtinfer.passes.norms import FLOAT_TYPES, add, default_opset, mul
 from trtinfer.passes.registry import PassContext, register_pass
 
 GELU_OPSET = 20  # first opset with a standard Gelu

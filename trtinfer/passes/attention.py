@@ -31,6 +31,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from trtinfer.passes.config import ORT_TARGETS
 from trtinfer.passes.registry import PassContext, register_pass
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 SEQLENS = "seqlens_k"
 TOTAL_SEQ = "total_sequence_length"
 _PRESENT = re.compile(r"present\.(\d+)\.key$")
-ORT_TARGETS = ("onnxruntime-cpu", "onnxruntime-cuda")
 
 
 def _rotary(op: Any, x: Any, cos: Any, sin: Any, zero: Any, half: Any, end: Any) -> Any:

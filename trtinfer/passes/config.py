@@ -7,9 +7,17 @@ from typing import Any
 from trtinfer.errors import ConfigError
 
 TARGETS = ("onnxruntime-cpu", "onnxruntime-cuda", "tensorrt")
+ORT_TARGETS = ("onnxruntime-cpu", "onnxruntime-cuda")  # the targets that may use com.microsoft ops
 PRECISIONS = ("fp32", "fp16", "bf16")
 KEEP_FP32_GROUPS = ("norms", "softmax", "residual", "logits", "lm_head")
 DEFAULT_KEEP_FP32 = ("norms", "softmax", "residual", "logits")
+
+
+def check_keep_fp32(groups: tuple[str, ...], option: str) -> None:
+    """Raise naming ``option`` if ``groups`` holds a name outside :data:`KEEP_FP32_GROUPS`."""
+    unknown = sorted(set(groups) - set(KEEP_FP32_GROUPS))
+    if unknown:
+        raise ConfigError(f"unknown {option} group(s) {', '.join(unknown)}; known: {', '.join(KEEP_FP32_GROUPS)}")
 
 
 @dataclass(frozen=True)
@@ -19,7 +27,8 @@ class PassConfig:
     ``target`` picks the pipeline. ``max_seq_len`` sizes the rotary cos/sin caches of fused attention (positions
     the engine will ever see). ``precision`` fp16/bf16 converts weights and compute after the fusions, keeping the
     ``keep_fp32`` groups (of ``norms``, ``softmax``, ``residual``, ``logits``, ``lm_head``) in fp32;
-    ``keep_io_types`` leaves graph inputs and outputs (KV included) in fp32 (``logits`` is fp32 while kept). ``disable`` names passes to skip (see ``trtinfer optimize --list``).
+    ``keep_io_types`` leaves graph inputs and outputs (KV included) in fp32 (``logits`` is fp32 while kept).
+    ``disable`` names passes to skip (see ``trtinfer optimize --list``).
     """
 
     target: str = "onnxruntime-cpu"
@@ -34,9 +43,7 @@ class PassConfig:
             raise ConfigError(f"unknown pass target '{self.target}'; known: {', '.join(TARGETS)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got '{self.precision}'")
-        unknown = sorted(set(self.keep_fp32) - set(KEEP_FP32_GROUPS))
-        if unknown:
-            raise ConfigError(f"unknown keep_fp32 group(s) {', '.join(unknown)}; known: {', '.join(KEEP_FP32_GROUPS)}")
+        check_keep_fp32(self.keep_fp32, "keep_fp32")
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 

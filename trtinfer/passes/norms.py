@@ -37,11 +37,11 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.pattern import MatchResult
 
+from trtinfer.passes.config import ORT_TARGETS
 from trtinfer.passes.registry import PassContext, register_pass
 
 log = logging.getLogger(__name__)
 
-ORT_TARGETS = ("onnxruntime-cpu", "onnxruntime-cuda")
 FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 RMS_NORMALIZATION_OPSET = 23  # first opset with a standard RMSNormalization
 LAYER_NORMALIZATION_OPSET = 17  # first opset with a standard LayerNormalization

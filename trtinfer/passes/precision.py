@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from trtinfer.passes.norms import FLOAT_TYPES as FLOATS
 from trtinfer.passes.registry import PassContext, register_pass
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 F32 = ir.DataType.FLOAT
 LOW_TYPES = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
 NUMPY_TYPES = {ir.DataType.FLOAT16: np.float16, ir.DataType.BFLOAT16: ml_dtypes.bfloat16}
-FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 KEEP_GROUPS = ("norms", "softmax", "residual", "logits", "lm_head")
 DEFAULT_KEEP = ("norms", "softmax", "residual", "logits")
 

@@ -44,6 +44,12 @@ class Manifest:
         return dict(self.raw["files"])
 
 
+def kv_dtype(io: dict[str, Any]) -> str:
+    """Element type of the KV cache (``float32``, ``float16`` or ``bfloat16``) from a graph's I/O listing."""
+    past = [t for t in io["inputs"] if t["name"].startswith("past_key_values.")]
+    return str(past[0]["dtype"]) if past else "float32"
+
+
 def read_manifest(engine_dir: Path) -> Manifest:
     """Read and check ``engine_dir/manifest.json``."""
     path = Path(engine_dir) / MANIFEST_NAME

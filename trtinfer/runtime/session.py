@@ -15,7 +15,7 @@ import numpy as np
 
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, InputError
 from trtinfer.runtime.config import RuntimeConfig
-from trtinfer.runtime.manifest import Manifest
+from trtinfer.runtime.manifest import Manifest, kv_dtype
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,7 @@ class OrtDecoderSession(DecoderSession):
         self.select_sess = ort.InferenceSession(str(select), so, providers=providers)
         geo = manifest.geometry
         self._kv_shape = (geo["num_kv_heads"], geo["head_dim"])
-        past = [t for t in manifest.raw["io"]["inputs"] if t["name"].startswith("past_key_values.")]
-        self._kv_dtype = str(past[0]["dtype"]) if past else "float32"  # float16/bfloat16 in fp16/bf16 engines
+        self._kv_dtype = kv_dtype(manifest.raw["io"])  # float16/bfloat16 in fp16/bf16 engines
         self._needs_positions = "position_ids" in self.input_names
         self._pinned: dict[tuple[str, tuple[int, ...]], Any] = {}
 
