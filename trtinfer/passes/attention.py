@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 SEQLENS = "seqlens_k"
 TOTAL_SEQ = "total_sequence_length"
-_PRESENT = re.compile(r"present\.(\d+)\.key$")
+PRESENT_KEY = re.compile(r"present\.(\d+)\.key$")
 
 
 def _rotary(op: Any, x: Any, cos: Any, sin: Any, zero: Any, half: Any, end: Any) -> Any:
@@ -188,7 +188,7 @@ class GqaFusion(pattern.RewriteRuleClassBase):
               cos_u: ir.Value | None = None, sin_u: ir.Value | None = None,
               **_: Any) -> Any:
         result = pattern.MatchResult()
-        m = _PRESENT.match(present_k.name or "")
+        m = PRESENT_KEY.match(present_k.name or "")
         if m is None or not present_k.is_graph_output():
             return result.fail("the K concat does not produce a present.N.key graph output", present_k)
         if not past_k.is_graph_input():
@@ -207,7 +207,7 @@ class GqaFusion(pattern.RewriteRuleClassBase):
                 past_v: ir.Value, scale: ir.Value, present_k: ir.Value, cos_u: ir.Value | None = None,
                 sin_u: ir.Value | None = None, **_: Any) -> Any:
         geo = self._geo
-        layer = int(_PRESENT.match(present_k.name or "").group(1))  # type: ignore[union-attr]
+        layer = int(PRESENT_KEY.match(present_k.name or "").group(1))  # type: ignore[union-attr]
         window = geo.get("sliding_window") if geo["layer_types"][layer] == "sliding_attention" else None
         flat = op.Constant(value_ints=[0, 0, -1])
 

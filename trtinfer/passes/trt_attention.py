@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from trtinfer.passes.attention import _PRESENT, const_array
+from trtinfer.passes.attention import PRESENT_KEY, const_array
 from trtinfer.passes.registry import PassContext, register_pass
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class TensorRtAttention(pattern.RewriteRuleClassBase):
     def check(self, context: Any, present_k: ir.Value, scale: ir.Value, mask: ir.Value,  # type: ignore[override]
               **_: Any) -> Any:
         result = pattern.MatchResult()
-        if _PRESENT.match(present_k.name or "") is None or not present_k.is_graph_output():
+        if PRESENT_KEY.match(present_k.name or "") is None or not present_k.is_graph_output():
             return result.fail("the keys are not a present.N.key graph output", present_k)
         s = const_array(scale)
         if s is None or s.size != 1:
