@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trtinfer._cache import cache_root
 from trtinfer.bench import compare
-from trtinfer.build import build
+from trtinfer.builder import build
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory):
     """``tiny_engine(arch, **build_config)`` -> engine directory (built once per arch and config)."""
-    from trtinfer.build import BuildConfig, build
+    from trtinfer.builder import BuildConfig, build
 
     made: dict[tuple, Path] = {}
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trtinfer
-from trtinfer.build import build
+from trtinfer.builder import build
 from trtinfer.errors import InputError
 from trtinfer.export import resolve_model
 
@@ -114,7 +114,7 @@ def test_chat_generation(real):
 def test_fp16_engine_checks_on_cpu(real, tmp_path):
     """fp16 engines of the real models, run by ONNX Runtime's CPU kernels: the build's check against the export
     passes (SmolLM2 2.2e-3, Gemma-3 1.07e-2 relative) and greedy text equals the fp32 engine's on real prompts."""
-    from trtinfer.build import BuildConfig
+    from trtinfer.builder import BuildConfig
 
     name, engine32, _, _ = real
     engine = build(name, tmp_path / "fp16", BuildConfig(precision="fp16"), progress=False)

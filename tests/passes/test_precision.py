@@ -234,7 +234,7 @@ def test_fp16_engine_keep_io_types(tiny_engine) -> None:
 
 
 def test_bf16_cpu_build_is_refused() -> None:
-    from trtinfer.build import BuildConfig
+    from trtinfer.builder import BuildConfig
 
     with pytest.raises(ConfigError, match="bf16 needs a GPU target"):
         BuildConfig(precision="bf16")

@@ -23,7 +23,7 @@ SENTENCES = [
 
 @pytest.fixture(scope="session")
 def minilm_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trtinfer.build import build
+    from trtinfer.builder import build
 
     return build("all-minilm-l6-v2", tmp_path_factory.mktemp("minilm") / "engine", progress=False)
 

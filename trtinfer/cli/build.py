@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the verb."""
     import json
 
-    from trtinfer.build import BuildConfig, build
+    from trtinfer.builder import BuildConfig, build
     from trtinfer.export import ExportConfig
     from trtinfer.runtime.manifest import read_manifest
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._cache import atomic_dir
-from trtinfer.build.backends import fused_op_counts, get_build_backend, graph_io, op_histogram
-from trtinfer.build.check import check_engine
-from trtinfer.build.config import BuildConfig
+from trtinfer.builder.backends import fused_op_counts, get_build_backend, graph_io, op_histogram
+from trtinfer.builder.check import check_engine
+from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BuildError
 from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest
 
@@ -116,7 +116,7 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
     from trtinfer.export.encoder import is_encoder
 
     if is_encoder(resolved.path):
-        from trtinfer.build.encoder_builder import build_encoder
+        from trtinfer.builder.encoder_builder import build_encoder
 
         with atomic_dir(out, overwrite=overwrite) as tmp:
             build_encoder(resolved, tmp, config, t_start)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trtinfer.build.config import BuildConfig
+from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BuildError, ConfigError
 from trtinfer.export.onnx_export import DATA_NAME, ExportResult
 from trtinfer.runtime.manifest import kv_dtype

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trtinfer.build.config import BuildConfig
+from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BuildError
 from trtinfer.export.encoder import ENCODER_TYPES, export_encoder_cached
 from trtinfer.export.onnx_export import DATA_NAME
@@ -85,8 +85,8 @@ def build_encoder(resolved: ResolvedModel, out: Path, config: BuildConfig, t_sta
     """Fill ``out`` (a temp dir the caller renames) with the encoder engine."""
     from transformers import AutoTokenizer
 
-    from trtinfer.build.backends import graph_io, op_histogram
-    from trtinfer.build.engine_builder import _versions
+    from trtinfer.builder.backends import graph_io, op_histogram
+    from trtinfer.builder.engine_builder import _versions
 
     if config.backend != "onnxruntime":
         raise BuildError(f"encoders build for the onnxruntime backend only, not '{config.backend}'")

@@ -14,7 +14,7 @@ TARGETS = ("cpu", "cuda")
 
 @dataclass(frozen=True)
 class BuildConfig:
-    """Settings of :func:`trtinfer.build.build`.
+    """Settings of :func:`trtinfer.builder.build`.
 
     ``max_seq_len=None`` takes the model's ``max_position_embeddings`` capped at 4096.
     ``target`` is the execution provider the passes and ONNX Runtime's offline optimization are done for.
