@@ -13,9 +13,16 @@ class TrtInferError(Exception):
 
 
 class ConfigError(TrtInferError, ValueError):
-    """A configuration value is out of range or inconsistent."""
+    """A configuration value is out of range or inconsistent; ``field`` names the config field when one is at fault.
+
+    The CLI uses ``field`` to report the error under the flag that set it (``--temperature`` for ``temperature``).
+    """
 
     exit_code = 2
+
+    def __init__(self, message: str = "", *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ModelSourceError(TrtInferError):

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
+import numpy as np
 import pytest
 
 import trtinfer
 from trtinfer.errors import ConfigError, EngineLoadError, InputError
+from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +65,237 @@ def test_bad_engine_dirs(small_engine, tmp_path):
         trtinfer.load(old)
     with pytest.raises(ConfigError, match="provider"):
         trtinfer.load(small_engine, provider="tpu")
+
+
+# --- text that is not UTF-8 ------------------------------------------------------------------------------------
+def test_prompts_with_lone_surrogates(small_engine):
+    with trtinfer.load(small_engine) as eng:
+        with pytest.raises(InputError, match=r"prompt 1 is not valid UTF-8 text \(byte 0xff at position 2\)"):
+            eng.generate(["fine", "ok\udcff"])  # how os.fsdecode/sys.argv carry the byte 0xff
+        with pytest.raises(InputError, match=r"prompt 0 is not valid UTF-8 text \(lone surrogate U\+D800"):
+            list(eng.stream("x\ud800y"))
+        with pytest.raises(InputError, match="not valid UTF-8"):
+            list(eng.stream_batch(["a\udcfe"]))
+        with pytest.raises(InputError, match="not valid UTF-8"):
+            eng.generate(["\udcff"], chat=True)
+        with pytest.raises(InputError, match="not valid UTF-8"):
+            eng.tokenizer.encode("\udcc3(")
+
+
+# --- generation and runtime options of the wrong type ------------------------------------------------------------
+@pytest.mark.parametrize("options,field,expected", [
+    ({"max_new_tokens": 2.5}, "max_new_tokens", "an integer, got 2.5 (float)"),
+    ({"max_new_tokens": None}, "max_new_tokens", "an integer, got None"),
+    ({"max_new_tokens": True}, "max_new_tokens", "an integer, got True (bool)"),
+    ({"min_new_tokens": "1"}, "min_new_tokens", "an integer, got '1' (str)"),
+    ({"temperature": "hot"}, "temperature", "a finite number, got 'hot' (str)"),
+    ({"temperature": float("nan")}, "temperature", "a finite number, got nan"),
+    ({"top_k": 1.5}, "top_k", "an integer, got 1.5"),
+    ({"top_p": None}, "top_p", "a finite number, got None"),
+    ({"repetition_penalty": [1.0]}, "repetition_penalty", "a finite number"),
+    ({"do_sample": "yes"}, "do_sample", "True or False, got 'yes' (str)"),
+    ({"ignore_eos": 1}, "ignore_eos", "True or False, got 1 (int)"),
+    ({"seed": 1.5}, "seed", "a non-negative integer or None, got 1.5 (float)"),
+    ({"seed": -1}, "seed", "a non-negative integer or None, got -1"),
+    ({"stop": [1]}, "stop", "a list of non-empty strings, got [1]"),
+    ({"stop": [""]}, "stop", "a list of non-empty strings"),
+    ({"stop": 7}, "stop", "a list of non-empty strings, got 7 (int)"),
+    ({"eos_token_ids": ["a"]}, "eos_token_ids", "a list of non-negative token ids or None, got ['a']"),
+    ({"eos_token_ids": 2}, "eos_token_ids", "a list of non-negative token ids or None, got 2 (int)"),
+])
+def test_generation_config_types(options, field, expected):
+    with pytest.raises(ConfigError, match=f"^{field} must be ") as err:
+        GenerationConfig(**options)
+    assert expected in str(err.value) and err.value.field == field
+
+
+def test_generation_config_accepts_numpy_and_lists():
+    cfg = GenerationConfig(max_new_tokens=np.int64(3), temperature=np.float32(0.5), top_p=1, stop="###",
+                           eos_token_ids=[np.int64(2)])
+    assert cfg.stop == ("###",) and cfg.eos_token_ids == (2,) and cfg.temperature == 0.5
+    assert GenerationConfig(stop=["a", "b"]).stop == ("a", "b")
+
+
+@pytest.mark.parametrize("options,needle", [
+    ({"provider": "tpu"}, "provider must be one of"),
+    ({"provider": None}, "provider must be one of"),
+    ({"device_id": "0"}, "device_id must be an integer, got '0' (str)"),
+    ({"device_id": -1}, "device_id must be >= 0"),
+    ({"intra_op_threads": 1.5}, "intra_op_threads must be an integer, got 1.5"),
+    ({"intra_op_threads": -2}, "intra_op_threads must be >= 0"),
+])
+def test_runtime_config_types(options, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)) as err:
+        RuntimeConfig(**options)
+    assert err.value.field == next(iter(options))
+
+
+def test_config_error_field_is_optional():
+    err = ConfigError("plain message")
+    assert str(err) == "plain message" and err.field is None
+    assert ConfigError("x", field="top_k").field == "top_k"
+
+
+def test_generate_takes_a_config(small_engine):
+    with trtinfer.load(small_engine) as eng:
+        cfg = GenerationConfig(max_new_tokens=3, ignore_eos=True)
+        assert len(eng.generate(["a"], config=cfg)[0].token_ids) == 3
+        assert len(eng.generate(["a"], config=cfg, max_new_tokens=2)[0].token_ids) == 2  # keywords override
+        assert "".join(eng.stream("a", config=cfg))
+        assert len([ev for ev in eng.stream_batch(["a"], config=cfg) if ev.token_id is not None]) == 3
+        assert len(eng.generate(["a"], max_new_tokens=2, ignore_eos=True, stop=None)[0].token_ids) == 2
+        with pytest.raises(ConfigError, match="max_new_tokens must be an integer, got 2.5"):
+            eng.generate(["a"], max_new_tokens=2.5)
+        with pytest.raises(ConfigError, match="temperature must be a finite number, got 'hot'"):
+            eng.generate(["a"], config=cfg, temperature="hot")
+        with pytest.raises(ConfigError, match="eos_token_ids"):
+            eng.generate(["a"], eos_token_ids=["a"])
+        with pytest.raises(InputError, match="config must be a GenerationConfig, got dict"):
+            eng.generate(["a"], config={"max_new_tokens": 3})
+
+
+# --- manifest.json of the wrong shape ---------------------------------------------------------------------------
+def _set(*keys_and_value):
+    *keys, value = keys_and_value
+
+    def edit(m):
+        for k in keys[:-1]:
+            m = m[k]
+        m[keys[-1]] = value
+    return edit
+
+
+def _drop(*keys):
+    def edit(m):
+        for k in keys[:-1]:
+            m = m[k]
+        del m[keys[-1]]
+    return edit
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (_set("limits", "max_batch_size", "abc"), "limits.max_batch_size should be a positive integer, found 'abc'"),
+    (_set("limits", "max_seq_len", 0), "limits.max_seq_len should be a positive integer, found 0"),
+    (_set("limits", "max_seq_len", True), "limits.max_seq_len should be a positive integer, found True"),
+    (_drop("limits", "max_seq_len"), "lacks 'limits.max_seq_len' (a positive integer)"),
+    (_set("limits", [1]), "limits should be a JSON object, found a list ([1])"),
+    (_set("geometry", "big"), "geometry should be a JSON object, found 'big'"),
+    (_set("geometry", "vocab_size", "320"), "geometry.vocab_size should be a positive integer, found '320'"),
+    (_drop("geometry", "num_kv_heads"), "lacks 'geometry.num_kv_heads'"),
+    (_set("files", ["model.onnx"]), "files should be a JSON object"),
+    (_set("files", "decoder", 3), "files.decoder should be a non-empty string, found 3"),
+    (_drop("files", "kv_select"), "lacks 'files.kv_select'"),
+    (_drop("io", "outputs"), "lacks 'io.outputs' (a JSON list)"),
+    (_set("io", "inputs", {"input_ids": 1}), "io.inputs should be a JSON list"),
+    (_set("io", "inputs", 0, "x"), "io.inputs[0] should be a JSON object with name, dtype and shape, found 'x'"),
+    (_drop("io", "inputs", 1, "name"), "lacks 'io.inputs[1].name'"),
+    (_set("io", "outputs", 0, "shape", "batch"), "io.outputs[0].shape should be a list of dimensions"),
+    (_set("backend", 3), "backend should be a non-empty string, found 3"),
+    (_set("kind", "vision"), "kind should be one of ['decoder', 'encoder'], found 'vision'"),
+    (_set("kv_layout", "paged"), "kv_layout should be one of"),
+    (_set("tokenizer", "pad_token_id", "0"), "tokenizer.pad_token_id should be a token id"),
+    (_set("tokenizer", "eos_token_ids", [2, "x"]), "tokenizer.eos_token_ids should be a list of token ids"),
+    (_set("manifest_version", True), "manifest version True"),
+])
+def test_malformed_manifest(small_engine, tmp_path, edit, needle):
+    eng = tmp_path / "eng"
+    shutil.copytree(small_engine, eng)
+    m = json.loads((eng / "manifest.json").read_text())
+    edit(m)
+    (eng / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineLoadError) as err:
+        trtinfer.load(eng)
+    msg = str(err.value)
+    assert needle in msg and str(eng / "manifest.json") in msg and msg.endswith("rebuild the engine")
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("[1, 2]", "should hold a JSON object, found a list ([1, 2])"),
+    ('"engine"', "should hold a JSON object, found 'engine'"),
+    ("{}", "manifest version None"),
+    ('{"manifest_version": 1, "limits": {"max_batch_size": "abc"}}', "lacks 'backend'"),
+    ("{not json", "is not valid JSON"),
+    (b'{"a\xff": 1}', "is not valid JSON ('utf-8' codec can't decode byte 0xff"),
+])
+def test_manifest_not_an_object(small_engine, tmp_path, content, needle):
+    eng = tmp_path / "eng"
+    shutil.copytree(small_engine, eng)
+    (eng / "manifest.json").write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(EngineLoadError, match="rebuild the engine") as err:
+        trtinfer.load(eng)
+    assert needle in str(err.value)
+
+
+# --- encoder engines: no KV geometry; their own file roles ------------------------------------------------------
+def _fake_encoder_engine(small_engine, out):
+    """An encoder engine directory by hand: a 2-node graph (hidden = ids as float) and the tiny model's tokenizer."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    out.mkdir()
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["input_ids"], ["ids_f"], to=TensorProto.FLOAT),
+         helper.make_node("Unsqueeze", ["ids_f", "axes"], ["last_hidden_state"])],
+        "fake_encoder",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", 1])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [2])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(out / "model.onnx"))
+    shutil.copy(small_engine / "tokenizer.json", out / "tokenizer.json")
+    manifest = {
+        "manifest_version": 1, "kind": "encoder", "backend": "onnxruntime",
+        "limits": {"max_batch_size": 4, "max_seq_len": 16},
+        "geometry": {"num_layers": 1, "num_attention_heads": 1, "hidden_size": 1, "vocab_size": 320},
+        "io": {"inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
+                          {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "sequence"]}],
+               "outputs": [{"name": "last_hidden_state", "dtype": "float32", "shape": ["batch", "sequence", 1]}]},
+        "pooling": {"mode": "mean", "normalize": False},
+        "files": {"encoder": "model.onnx"},
+        "tokenizer": {"pad_token_id": 0, "cls_token": None, "sep_token": None},
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_encoder_manifest_is_checked_per_kind(small_engine, tmp_path):
+    enc = _fake_encoder_engine(small_engine, tmp_path / "enc")
+    with trtinfer.load(enc) as eng:  # no num_kv_heads/head_dim, no kv_select: fine for an encoder
+        assert eng.embed(["a b", "c"]).shape == (2, 1)
+    m = json.loads((enc / "manifest.json").read_text())
+    m["files"] = {"decoder": "model.onnx"}
+    (enc / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineLoadError, match=r"lacks 'files.encoder'.*rebuild the engine"):
+        trtinfer.load(enc)
+    m["files"] = {"encoder": "model.onnx"}
+    m["geometry"] = {"num_layers": 1, "vocab_size": -1}
+    (enc / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineLoadError, match="geometry.vocab_size should be a positive integer, found -1"):
+        trtinfer.load(enc)
+
+
+# --- tokenizer.json that is not a tokenizer ---------------------------------------------------------------------
+@pytest.mark.parametrize("corrupt", ["truncated", "empty object", "empty file", "not utf-8"])
+@pytest.mark.parametrize("kind", ["decoder", "encoder"])
+def test_corrupt_tokenizer(small_engine, tmp_path, kind, corrupt):
+    eng = tmp_path / "eng"
+    if kind == "decoder":
+        shutil.copytree(small_engine, eng)
+    else:
+        _fake_encoder_engine(small_engine, eng)
+    text = (eng / "tokenizer.json").read_bytes()
+    data = {"truncated": text[: len(text) // 2], "empty object": b"{}", "empty file": b"",
+            "not utf-8": b"\xff\xfe{}"}[corrupt]
+    (eng / "tokenizer.json").write_bytes(data)
+    with pytest.raises(EngineLoadError) as err:
+        trtinfer.load(eng)
+    msg = str(err.value)
+    assert f"{eng / 'tokenizer.json'} is not a readable tokenizer (" in msg and msg.endswith("rebuild the engine")
+
+
+def test_missing_tokenizer_in_encoder(small_engine, tmp_path):
+    enc = _fake_encoder_engine(small_engine, tmp_path / "enc")
+    (enc / "tokenizer.json").unlink()
+    with pytest.raises(EngineLoadError, match="has no tokenizer.json; rebuild the engine"):
+        trtinfer.load(enc)

@@ -31,25 +31,32 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
     import trtinfer
+    from trtinfer.cli._flags import GENERATION_FLAGS, RUNTIME_FLAGS, check_text_flag, config_from_flags
     from trtinfer.errors import InputError
+    from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 
+    # every flag is checked before the engine loads, and reported under its own name
+    check_text_flag("--prompt", args.prompt)
+    check_text_flag("--stop", args.stop)
+    if args.stream and len(args.prompt) != 1:
+        raise InputError(f"--stream takes exactly one --prompt, got {len(args.prompt)}")
     sample = args.sample or any(v is not None for v in (args.temperature, args.top_k, args.top_p))
-    kw: dict[str, Any] = {
-        "max_new_tokens": args.max_new_tokens, "min_new_tokens": args.min_new_tokens, "do_sample": sample,
-        "temperature": 1.0 if args.temperature is None else args.temperature, "top_k": args.top_k or 0,
-        "top_p": 1.0 if args.top_p is None else args.top_p, "repetition_penalty": args.repetition_penalty,
-        "seed": args.seed, "stop": args.stop,
-    }
-    with trtinfer.load(args.engine, provider=args.provider) as engine:
+    cfg = config_from_flags(
+        GenerationConfig, GENERATION_FLAGS,
+        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=sample,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        top_k=0 if args.top_k is None else args.top_k, top_p=1.0 if args.top_p is None else args.top_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop or ()),
+    )
+    runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider)
+    with trtinfer.load(args.engine, config=runtime) as engine:
         if args.stream:
-            if len(args.prompt) != 1:
-                raise InputError("--stream takes exactly one --prompt")
-            for delta in engine.stream(args.prompt[0], chat=args.chat, **kw):
+            for delta in engine.stream(args.prompt[0], chat=args.chat, config=cfg):
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             sys.stdout.write("\n")
             return 0
-        results = engine.generate(args.prompt, chat=args.chat, **kw)
+        results = engine.generate(args.prompt, chat=args.chat, config=cfg)
     if args.json:
         print(json.dumps([{"prompt": p, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                            "timings": r.timings.to_dict()} for p, r in zip(args.prompt, results)], indent=2))

@@ -1,11 +1,40 @@
 """Runtime and generation configuration (frozen, validated)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 from trtinfer.errors import ConfigError
 
 PROVIDERS = ("cpu", "cuda")
+
+
+def _found(value: Any) -> str:
+    """``2.5 (float)``: the value and its type, for "expected X, got Y" messages."""
+    text = repr(value)
+    return f"{text[:60]}... ({type(value).__name__})" if len(text) > 60 else f"{text} ({type(value).__name__})"
+
+
+def _is_int(value: Any) -> bool:
+    # numbers.Integral takes numpy ints too; True is an int to Python, not to a user
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_types(obj: Any, kinds: dict[str, str]) -> None:
+    """Raise ConfigError for the first field of ``obj`` whose value is not of its kind (int, number or bool)."""
+    tests = {"int": (_is_int, "an integer"), "number": (_is_number, "a finite number"),
+             "bool": (lambda v: isinstance(v, bool), "True or False")}
+    for name, kind in kinds.items():
+        ok, expected = tests[kind]
+        value = getattr(obj, name)
+        if not ok(value):
+            raise ConfigError(f"{name} must be {expected}, got {_found(value)}", field=name)
 
 
 @dataclass(frozen=True)
@@ -21,15 +50,22 @@ class RuntimeConfig:
     intra_op_threads: int = 0
 
     def __post_init__(self) -> None:
-        if self.provider not in PROVIDERS:
-            raise ConfigError(f"provider must be one of {PROVIDERS}, got {self.provider!r}")
+        if not isinstance(self.provider, str) or self.provider not in PROVIDERS:
+            raise ConfigError(f"provider must be one of {PROVIDERS}, got {_found(self.provider)}", field="provider")
+        _check_types(self, {"device_id": "int", "intra_op_threads": "int"})
+        if self.device_id < 0:
+            raise ConfigError(f"device_id must be >= 0, got {self.device_id}", field="device_id")
         if self.intra_op_threads < 0:
-            raise ConfigError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
+            raise ConfigError(f"intra_op_threads must be >= 0 (0: one per core), got {self.intra_op_threads}",
+                              field="intra_op_threads")
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Decoding settings; the same names and meanings as transformers' ``generate``."""
+    """Decoding settings; the same names and meanings as transformers' ``generate``.
+
+    ``stop`` and ``eos_token_ids`` accept any list (a single string for ``stop``) and are stored as tuples.
+    """
 
     max_new_tokens: int = 64
     min_new_tokens: int = 0
@@ -44,16 +80,35 @@ class GenerationConfig:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        self._normalize_sequences()
+        _check_types(self, {"max_new_tokens": "int", "min_new_tokens": "int", "do_sample": "bool",
+                            "temperature": "number", "top_k": "int", "top_p": "number",
+                            "repetition_penalty": "number", "ignore_eos": "bool"})
+        if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
+            raise ConfigError(f"seed must be a non-negative integer or None, got {_found(self.seed)}", field="seed")
         checks = [
-            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
-            (0 <= self.min_new_tokens <= self.max_new_tokens,
+            ("max_new_tokens", self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,
              f"min_new_tokens must be within 0..max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}"),
-            (self.temperature > 0, f"temperature must be > 0, got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
-            (0 < self.top_p <= 1, f"top_p must be within (0, 1], got {self.top_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            ("temperature", self.temperature > 0, f"temperature must be > 0, got {self.temperature}"),
+            ("top_k", self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be within (0, 1], got {self.top_p}"),
+            ("repetition_penalty", self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
         ]
-        for ok, msg in checks:
+        for name, ok, msg in checks:
             if not ok:
-                raise ConfigError(msg)
+                raise ConfigError(msg, field=name)
+
+    def _normalize_sequences(self) -> None:
+        # frozen: object.__setattr__ is the dataclass way to normalize in __post_init__
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError(f"stop must be a list of non-empty strings, got {_found(self.stop)}", field="stop")
+        object.__setattr__(self, "stop", tuple(stop))
+        eos = self.eos_token_ids
+        if eos is not None:
+            if not isinstance(eos, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in eos):
+                raise ConfigError(f"eos_token_ids must be a list of non-negative token ids or None, got {_found(eos)}",
+                                  field="eos_token_ids")
+            object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in eos))

@@ -12,6 +12,7 @@ import numpy as np
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.manifest import Manifest, read_manifest
+from trtinfer.runtime.tokenizer import read_tokenizer
 
 
 class EncoderEngine:
@@ -19,7 +20,6 @@ class EncoderEngine:
 
     def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
         import onnxruntime as ort
-        from tokenizers import Tokenizer
 
         self.path = Path(engine_dir)
         self.manifest: Manifest = read_manifest(self.path)
@@ -28,7 +28,7 @@ class EncoderEngine:
         self.config = config or RuntimeConfig()
         self.pooling: dict[str, Any] = dict(self.manifest.raw.get("pooling", {"mode": "mean", "normalize": False}))
         self.max_seq_len = self.manifest.max_seq_len
-        tok = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        tok = read_tokenizer(self.path)
         tok.enable_truncation(self.max_seq_len)
         tok.enable_padding(pad_id=int(self.manifest.raw.get("tokenizer", {}).get("pad_token_id") or 0))
         self._tok = tok

@@ -12,7 +12,7 @@ from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent
 from trtinfer.runtime.manifest import Manifest, read_manifest
 from trtinfer.runtime.session import DecoderSession, open_session
-from trtinfer.runtime.tokenizer import EngineTokenizer
+from trtinfer.runtime.tokenizer import EngineTokenizer, check_text
 
 _GEN_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)}
 
@@ -51,55 +51,56 @@ class Engine:
             prompts = [prompts]
         if not all(isinstance(p, str) for p in prompts):
             raise InputError("prompts must be strings; pass token ids through input_ids=")
+        for i, p in enumerate(prompts):
+            check_text(p, f"prompt {i}")
         if chat:
             return [self.tokenizer.encode_chat(p) for p in prompts]
         return [self.tokenizer.encode(p) for p in prompts]
 
-    def _generation(self, prompts: Any, input_ids: Any, chat: bool, kwargs: dict[str, Any]) -> Generation:
+    def _generation(self, prompts: Any, input_ids: Any, chat: bool, config: GenerationConfig | None,
+                    kwargs: dict[str, Any]) -> Generation:
         unknown = set(kwargs) - _GEN_FIELDS
         if unknown:
             raise InputError(f"unknown generation option(s) {sorted(unknown)}; known: {sorted(_GEN_FIELDS)}")
-        if isinstance(kwargs.get("stop"), str):
-            kwargs["stop"] = (kwargs["stop"],)
-        if kwargs.get("stop") is not None:
-            kwargs["stop"] = tuple(kwargs["stop"])
-        else:
-            kwargs.pop("stop", None)
-        if kwargs.get("eos_token_ids") is not None:
-            kwargs["eos_token_ids"] = tuple(kwargs["eos_token_ids"])
-        cfg = GenerationConfig(**kwargs)
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise InputError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        if "stop" in kwargs and kwargs["stop"] is None:  # stop=None means no stop strings
+            kwargs["stop"] = ()
+        # keyword options override the fields of ``config``; GenerationConfig checks and normalizes them
+        cfg = dataclasses.replace(config, **kwargs) if config is not None else GenerationConfig(**kwargs)
         ids = self._prompt_ids(prompts, input_ids, chat)
         return Generation(self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size,
                           self.manifest.max_seq_len)
 
     def generate(self, prompts: Sequence[str] | str | None = None, *,
                  input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False,
-                 **kwargs: Any) -> list[GenerationResult]:
+                 config: GenerationConfig | None = None, **kwargs: Any) -> list[GenerationResult]:
         """Generate for a batch of prompts; one :class:`GenerationResult` per prompt, in order.
 
-        Keyword options are those of :class:`GenerationConfig` (``max_new_tokens``, ``min_new_tokens``,
-        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``seed``, ``stop``, ...).
+        Settings come from ``config`` (a :class:`GenerationConfig`) and/or keyword options of the same names
+        (``max_new_tokens``, ``min_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``repetition_penalty``, ``seed``, ``stop``, ...); keywords override ``config``.
         ``chat=True`` renders each prompt as a user message through the model's chat template.
         """
-        gen = self._generation(prompts, input_ids, chat, kwargs)
+        gen = self._generation(prompts, input_ids, chat, config, kwargs)
         for _ in gen.events():
             pass
         return gen.results
 
     def stream(self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None, chat: bool = False,
-               **kwargs: Any) -> Iterator[str]:
-        """Generate for one prompt, yielding text deltas as tokens arrive."""
+               config: GenerationConfig | None = None, **kwargs: Any) -> Iterator[str]:
+        """Generate for one prompt, yielding text deltas as tokens arrive; options as for :meth:`generate`."""
         rows = None if input_ids is None else [list(input_ids)]
         prompts = None if prompt is None else [prompt]
-        for ev in self._generation(prompts, rows, chat, kwargs).events():
+        for ev in self._generation(prompts, rows, chat, config, kwargs).events():
             if ev.text:
                 yield ev.text
 
     def stream_batch(self, prompts: Sequence[str] | None = None, *,
                      input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False,
-                     **kwargs: Any) -> Iterator[StreamEvent]:
-        """Generate for a batch, yielding a :class:`StreamEvent` per prompt per step."""
-        yield from self._generation(prompts, input_ids, chat, kwargs).events()
+                     config: GenerationConfig | None = None, **kwargs: Any) -> Iterator[StreamEvent]:
+        """Generate for a batch, yielding a :class:`StreamEvent` per prompt per step; options as for :meth:`generate`."""
+        yield from self._generation(prompts, input_ids, chat, config, kwargs).events()
 
     def describe(self) -> dict[str, Any]:
         """The manifest as a dict."""

@@ -9,6 +9,48 @@ from typing import Any
 from trtinfer.errors import EngineLoadError, InputError
 
 
+def read_tokenizer(engine_dir: Path) -> Any:
+    """The engine's ``tokenizer.json`` as a ``tokenizers.Tokenizer``; EngineLoadError when missing or unreadable."""
+    from tokenizers import Tokenizer
+
+    path = Path(engine_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise EngineLoadError(f"{engine_dir} has no tokenizer.json; rebuild the engine")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for truncated or malformed files
+        raise EngineLoadError(f"{path} is not a readable tokenizer ({e}); rebuild the engine") from e
+
+
+def utf8_problem(text: str) -> str | None:
+    """Where ``text`` stops being valid UTF-8 (``"byte 0xff at position 0"``), or None when it is valid.
+
+    Undecodable bytes reach Python as lone surrogates (command-line arguments are decoded with
+    ``surrogateescape``); they are reported as the original bytes where that round-trips.
+    """
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        first = e.start
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+        raw.decode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    except UnicodeDecodeError as e:
+        return f"byte 0x{raw[e.start]:02x} at position {e.start}"
+    return f"lone surrogate U+{ord(text[first]):04X} at character {first}"
+
+
+def check_text(text: str, what: str,
+               fix: str = "pass UTF-8 text (decode bytes with errors='replace' to keep the rest)") -> None:
+    """Raise InputError naming ``what`` (``"prompt 0"``) and saying ``fix`` when ``text`` is not valid UTF-8."""
+    problem = utf8_problem(text)
+    if problem is not None:
+        raise InputError(f"{what} is not valid UTF-8 text ({problem}); {fix}")
+
+
 class EngineTokenizer:
     """Encode/decode with the engine's ``tokenizer.json``; render its chat template.
 
@@ -16,12 +58,7 @@ class EngineTokenizer:
     """
 
     def __init__(self, engine_dir: Path, info: dict[str, Any]) -> None:
-        from tokenizers import Tokenizer
-
-        path = engine_dir / "tokenizer.json"
-        if not path.is_file():
-            raise EngineLoadError(f"{engine_dir} has no tokenizer.json; rebuild the engine")
-        self._tok = Tokenizer.from_file(str(path))
+        self._tok = read_tokenizer(engine_dir)
         self.info = info
         self.eos_token_ids: tuple[int, ...] = tuple(info.get("eos_token_ids") or ())
         pad = info.get("pad_token_id")
@@ -31,7 +68,8 @@ class EngineTokenizer:
         self.chat_template: str | None = tpl.read_text() if tpl.is_file() else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``."""
+        """Token ids of ``text``; InputError when it is not valid UTF-8."""
+        check_text(text, "the text to encode")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

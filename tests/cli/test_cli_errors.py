@@ -1,0 +1,104 @@
+"""Bad input on the command line: one `trtinfer VERB: error:` line naming the flag or file, never "internal error"."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def cli(*args: str | bytes | Path) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m trtinfer ARGS``; bytes arguments reach the process as raw (possibly non-UTF-8) bytes."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    argv = [a if isinstance(a, bytes) else str(a) for a in args]
+    return subprocess.run([sys.executable, "-m", "trtinfer", *argv], check=False, capture_output=True, text=True,
+                          errors="replace", env=env)
+
+
+def error_line(p: subprocess.CompletedProcess[str]) -> str:
+    """The last ``trtinfer ...`` line of stderr, after checking the run failed cleanly."""
+    assert p.returncode != 0, p.stdout
+    assert "Traceback" not in p.stderr and "internal error" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("trtinfer")]
+    assert lines, p.stderr
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine) -> Path:
+    return tiny_engine("llama", max_batch_size=2, max_seq_len=24)
+
+
+# --- text that is not UTF-8 --------------------------------------------------------------------------------------
+def test_generate_non_utf8_prompt(engine):
+    line = error_line(cli("generate", engine, "-p", b"\xff\xfe", "-n", "2"))
+    assert line == ("trtinfer generate: error: --prompt 1 is not valid UTF-8 text (byte 0xff at position 0); "
+                    "pass UTF-8 text")
+    line = error_line(cli("generate", engine, "-p", "fine", "-p", b"caf\xc3(", "-n", "2"))
+    assert "--prompt 2 is not valid UTF-8 text (byte 0xc3 at position 3)" in line
+    assert "--stop 1 is not valid UTF-8 text" in error_line(cli("generate", engine, "-p", "hi", "--stop", b"\xfe"))
+
+
+def test_embed_non_utf8_text(tmp_path):
+    line = error_line(cli("embed", tmp_path, "--text", "ok", "--text", b"\xff"))
+    assert "embed: error: --text 2 is not valid UTF-8 text (byte 0xff at position 0); pass UTF-8 text" in line
+
+
+# --- option errors: under the flag's name, before the engine loads -------------------------------------------------
+@pytest.mark.parametrize("flags,needle", [
+    (["--temperature", "-1"], "--temperature must be > 0, got -1.0"),
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["-n", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["-n", "2", "--min-new-tokens", "5"], "--min-new-tokens must be within 0..--max-new-tokens (2), got 5"),
+    (["--top-k", "-3"], "--top-k must be >= 0 (0 disables it), got -3"),
+    (["--top-p", "1.5"], "--top-p must be within (0, 1], got 1.5"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0, got 0.0"),
+    (["--seed", "-1"], "--seed must be a non-negative integer"),
+    (["--stop", ""], "--stop must be a list of non-empty strings"),
+    (["--stream", "-p", "second"], "--stream takes exactly one --prompt, got 2"),
+])
+def test_bad_flag_is_reported_before_loading(flags, needle, tmp_path):
+    # tmp_path is not an engine directory: the flag error must come first, so the engine is never loaded
+    line = error_line(cli("generate", tmp_path, "-p", "hi", *flags))
+    assert line.startswith("trtinfer generate: error: ") and needle in line
+
+
+def test_non_integer_flag_is_argparse_error(tmp_path):
+    p = cli("generate", tmp_path, "-p", "hi", "--max-new-tokens", "abc")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "argument -n/--max-new-tokens: invalid int value: 'abc'" in p.stderr.strip().splitlines()[-1]
+
+
+def test_good_flags_still_generate(engine):
+    out = json.loads(cli("generate", engine, "-p", "Hello", "-n", "3", "--seed", "7", "--top-k", "5",
+                         "--temperature", "0.8", "--json").stdout)
+    again = json.loads(cli("generate", engine, "-p", "Hello", "-n", "3", "--seed", "7", "--top-k", "5",
+                           "--temperature", "0.8", "--json").stdout)
+    assert 1 <= len(out[0]["token_ids"]) <= 3 and out[0]["token_ids"] == again[0]["token_ids"]
+
+
+# --- broken engine directories -----------------------------------------------------------------------------------
+def test_malformed_manifest(engine, tmp_path):
+    eng = tmp_path / "eng"
+    shutil.copytree(engine, eng)
+    m = json.loads((eng / "manifest.json").read_text())
+    m["limits"]["max_batch_size"] = "abc"
+    (eng / "manifest.json").write_text(json.dumps(m))
+    line = error_line(cli("generate", eng, "-p", "hi"))
+    assert f"{eng / 'manifest.json'}: limits.max_batch_size should be a positive integer, found 'abc'" in line
+    assert line.endswith("rebuild the engine")
+    (eng / "manifest.json").write_text("[1, 2]")
+    assert "should hold a JSON object, found a list ([1, 2])" in error_line(cli("generate", eng, "-p", "hi"))
+
+
+def test_corrupt_tokenizer(engine, tmp_path):
+    eng = tmp_path / "eng"
+    shutil.copytree(engine, eng)
+    text = (eng / "tokenizer.json").read_bytes()
+    (eng / "tokenizer.json").write_bytes(text[: len(text) // 3])
+    line = error_line(cli("generate", eng, "-p", "hi"))
+    assert f"{eng / 'tokenizer.json'} is not a readable tokenizer (" in line and line.endswith("rebuild the engine")

@@ -1,0 +1,44 @@
+"""Flags -> configs for the CLI verbs: errors come back under the flag's name, checked before anything loads."""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
+
+from trtinfer.errors import ConfigError
+
+T = TypeVar("T")
+
+# config field -> the flag that sets it
+GENERATION_FLAGS = {
+    "max_new_tokens": "--max-new-tokens", "min_new_tokens": "--min-new-tokens", "do_sample": "--sample",
+    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+    "repetition_penalty": "--repetition-penalty", "seed": "--seed", "stop": "--stop",
+}
+RUNTIME_FLAGS = {"provider": "--provider"}
+
+
+def config_from_flags(factory: Callable[..., T], flags: Mapping[str, str], **values: object) -> T:
+    """``factory(**values)``; a :class:`ConfigError` about a field is re-raised in the words of its flag.
+
+    ``temperature must be > 0, got -1.0`` becomes ``--temperature must be > 0, got -1.0``; every field name in the
+    message that has a flag is renamed, so cross-field messages read in flags too.
+    """
+    try:
+        return factory(**values)
+    except ConfigError as e:
+        if e.field not in flags:
+            raise
+        names = re.compile(r"\b(" + "|".join(re.escape(f) for f in sorted(flags, key=len, reverse=True)) + r")\b")
+        raise ConfigError(names.sub(lambda m: flags[m.group(1)], str(e)), field=e.field) from e
+
+
+def check_text_flag(flag: str, values: Sequence[str] | None) -> None:
+    """Raise InputError naming ``flag`` and its occurrence (1-based) when a value is not valid UTF-8.
+
+    Bytes that are not UTF-8 reach ``sys.argv`` as lone surrogates; the tokenizer would fail on them later.
+    """
+    from trtinfer.runtime.tokenizer import check_text
+
+    for i, value in enumerate(values or (), start=1):
+        check_text(value, f"{flag} {i}", fix="pass UTF-8 text")
