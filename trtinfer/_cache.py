@@ -1,20 +1,58 @@
-"""Content-hash keyed cache under ``~/.cache/trtinfer`` (override with ``TRTINFER_CACHE``)."""
+"""Content-hash keyed cache under ``~/.cache/trtinfer`` (override with ``TRTINFER_CACHE``), and crash-safe output dirs.
+
+Layout: ``<root>/<kind>/<key>/`` holds one entry's files plus ``.entry.json``, the record of each file (relative
+path, size, sha256 and a stat stamp). An entry is reused only if its files still match that record: sizes always,
+the hash of every file whose stamp changed (or of every file with ``verify="full"``). A damaged entry is removed
+and built again.
+
+Every output directory (cache entry, ``-o`` folder) is written through :func:`atomic_dir`: a temp dir
+``.NAME.tmp-PID-RANDOM`` beside the final path, locked with ``flock`` for as long as its creator lives, renamed into
+place on success. The lock is what tells a live build from a stale leftover: the kernel drops it when the process
+dies, SIGKILL included, so the next :func:`atomic_dir` or :func:`cached_dir` in that folder removes the leftover.
+"""
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
+import secrets
 import shutil
+import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trtinfer.errors import ConfigError, OutputError
+
+log = logging.getLogger(__name__)
+
+ENTRY_NAME = ".entry.json"
+ENTRY_FORMAT = 1
+VERIFY_MODES = ("stamp", "full")
+#: a temp (``.tmp-``) or set-aside (``.old-``) directory of atomic_dir, whatever the final name
+_TEMP_RE = re.compile(r"^\..+\.(tmp|old)-[^/]+$")
+_STAMP = ("mtime_ns", "ctime_ns", "inode")
+_NO_SPACE = "No space left on device"
+_MAPPED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_CHANGE_OUTPUT = "choose another -o"
+_CHANGE_CACHE = "point TRTINFER_CACHE at another folder"
+
+
+def _root_path() -> Path:
+    return Path(os.environ.get("TRTINFER_CACHE", Path.home() / ".cache" / "trtinfer"))
 
 
 def cache_root() -> Path:
     """Return the cache root, creating it if needed."""
-    root = Path(os.environ.get("TRTINFER_CACHE", Path.home() / ".cache" / "trtinfer"))
+    root = _root_path()
     root.mkdir(parents=True, exist_ok=True)
     return root
 
@@ -43,39 +81,572 @@ def key_of(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-@contextmanager
-def atomic_dir(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temp folder beside ``final``; on success rename it to ``final``, on failure remove it.
+# --- file records ---------------------------------------------------------------------------------------------------
 
-    Readers never see a half-written ``final``: it either holds the previous content or the new one.
+def _stamp(st: os.stat_result) -> dict[str, int]:
+    return {"mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
+def _all_files(folder: Path) -> list[str]:
+    names = []
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for f in files:
+            p = Path(root) / f
+            if p.is_file():
+                names.append(p.relative_to(folder).as_posix())
+    return sorted(n for n in names if n != ENTRY_NAME)
+
+
+def record_files(folder: str | os.PathLike[str], names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Record each file of ``folder``: ``{relative path: {size, sha256, mtime_ns, ctime_ns, inode}}``.
+
+    ``names`` (paths relative to ``folder``) limits the record; by default every file below ``folder`` except the
+    cache's own ``.entry.json``. :func:`check_files` tells later whether the files still match.
+    """
+    folder = Path(folder)
+    record: dict[str, dict[str, Any]] = {}
+    for name in sorted(_all_files(folder) if names is None else names):
+        path = folder / name
+        st = path.stat()
+        record[name] = {"size": st.st_size, "sha256": sha256_file(path), **_stamp(st)}
+        if _stamp(path.stat()) != _stamp(st):  # written while we hashed it: no stamp, so the next check hashes it
+            record[name]["mtime_ns"] = -1
+    return record
+
+
+def _check(folder: Path, record: dict[str, dict[str, Any]], mode: str) -> tuple[str | None, bool]:
+    """``(first problem or None, whether a stamp in ``record`` was refreshed)``; mode is size, stamp or full."""
+    stats: dict[str, os.stat_result] = {}
+    for name, rec in sorted(record.items()):  # the cheap pass first: a missing or resized file needs no hashing
+        try:
+            st = (folder / name).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return f"{name}: missing", False
+        except OSError as e:
+            return f"{name}: cannot be read ({e.strerror})", False
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name}: not a regular file", False
+        if st.st_size != rec.get("size"):
+            return f"{name}: size {st.st_size} != {rec.get('size')}", False
+        stats[name] = st
+    if mode == "size":
+        return None, False
+    refreshed = False
+    for name, rec in sorted(record.items()):
+        stamp = _stamp(stats[name])
+        if mode == "stamp" and all(rec.get(k) == v for k, v in stamp.items()):
+            continue
+        try:
+            digest = sha256_file(folder / name)
+        except OSError as e:
+            return f"{name}: cannot be read ({e.strerror})", refreshed
+        if digest != rec.get("sha256"):
+            return f"{name}: sha256 differs from the recorded one", refreshed
+        if any(rec.get(k) != v for k, v in stamp.items()):
+            rec.update(stamp)
+            refreshed = True
+    return None, refreshed
+
+
+def check_files(folder: str | os.PathLike[str], record: dict[str, dict[str, Any]], full: bool = False) -> str | None:
+    """Check ``folder``'s files against a :func:`record_files` record: None if they match, else the first problem.
+
+    Every file must exist with its recorded size; a file whose stat stamp (mtime, ctime, inode) changed is hashed
+    and compared, as is every file when ``full``. A file whose hash still matches gets its new stamp in ``record``
+    (updated in place), so a caller that saves the record again skips hashing it next time.
+    """
+    return _check(Path(folder), record, "full" if full else "stamp")[0]
+
+
+# --- modes, locks, temp dirs ----------------------------------------------------------------------------------------
+
+def current_umask() -> int:
+    """The process umask, read from ``/proc/self/status`` (no set-and-restore window) where the kernel offers it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _apply_modes(top: Path, umask: int) -> None:
+    """Give ``top`` and everything below it the modes a plain mkdir/open would have: 0o777/0o666 less the umask.
+
+    Files that were owner-executable stay executable for whoever the umask allows. Modes already right are left
+    alone: chmod changes ctime, which the cache's stat stamps compare.
+    """
+    dir_mode, file_mode = 0o777 & ~umask, 0o666 & ~umask
+
+    def fix(path: str, st: os.stat_result, want: int) -> None:
+        if stat.S_IMODE(st.st_mode) != want:
+            os.chmod(path, want)
+
+    for root, dirs, files in os.walk(top, topdown=False):
+        for name in files + dirs:
+            path = os.path.join(root, name)
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                fix(path, st, dir_mode)
+            elif stat.S_ISREG(st.st_mode):
+                fix(path, st, dir_mode if st.st_mode & stat.S_IXUSR else file_mode)
+    fix(str(top), os.lstat(top), dir_mode)
+
+
+def _lock(path: Path, wait: bool = False) -> int | None:
+    """An fd on directory ``path`` holding its exclusive flock, or None if another process holds it (or it is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _locked_temp_dir(parent: Path, name: str) -> tuple[Path, int]:
+    """Create ``parent/.NAME.tmp-PID-RANDOM`` and lock it; returns the path and the fd holding the lock."""
+    for _ in range(100):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent))
+        # Another process may lock it between our mkdir and flock: `cache info` probing (it lets go at once) or a
+        # sweeper taking it for stale (it removes it, which the check below sees); so wait for the lock, then look.
+        fd = _lock(tmp, wait=True)
+        if fd is None:
+            continue
+        try:
+            same = os.fstat(fd).st_nlink > 0 and os.stat(tmp).st_ino == os.fstat(fd).st_ino
+        except OSError:
+            same = False
+        if same:
+            return tmp, fd
+        os.close(fd)  # a sweeper removed it before we locked it
+    raise OSError(errno.EAGAIN, "could not create a temp dir that stays", str(parent))
+
+
+def _dir_size(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _remove_if_stale(path: Path) -> int | None:
+    """Remove temp dir ``path`` if no live process holds its lock; the bytes freed, or None if it was left."""
+    fd = _lock(path)
+    if fd is None:
+        return None
+    try:
+        size = _dir_size(path)
+        shutil.rmtree(path)
+        return size
+    except OSError as e:
+        log.debug("could not remove stale %s: %s", path, e)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _is_temp_name(name: str, final_name: str | None) -> bool:
+    if final_name is None:
+        return bool(_TEMP_RE.match(name))
+    return name.startswith((f".{final_name}.tmp-", f".{final_name}.old-"))
+
+
+def sweep_stale(folder: str | os.PathLike[str], final_name: str | None = None) -> list[tuple[Path, int]]:
+    """Remove leftover temp dirs of :func:`atomic_dir` in ``folder`` whose creator is gone; returns (path, bytes).
+
+    With ``final_name``, only ``.FINAL_NAME.tmp-*`` and ``.FINAL_NAME.old-*``; else every ``.*.tmp-*`` /
+    ``.*.old-*`` directory. A directory whose lock a live process holds is never touched.
+    """
+    folder = Path(folder)
+    removed: list[tuple[Path, int]] = []
+    try:
+        children = sorted(folder.iterdir())
+    except OSError:
+        return removed
+    for p in children:
+        if _is_temp_name(p.name, final_name) and p.is_dir() and not p.is_symlink():
+            size = _remove_if_stale(p)
+            if size is not None:
+                log.debug("removed stale %s (%.1f MB)", p, size / 1e6)
+                removed.append((p, size))
+    return removed
+
+
+def _set_aside(path: Path) -> tuple[Path, int | None]:
+    """Rename ``path`` to ``.NAME.old-PID-RANDOM`` and lock it; returns the new path and the lock's fd."""
+    # Locked before the rename so no sweeper takes it for stale while we remove it. If the lock is busy (its
+    # creator has not closed it yet, or forked a child that kept it) go on without: a sweeper removing a
+    # set-aside dir at the same time does no harm.
+    fd = _lock(path) if path.is_dir() and not path.is_symlink() else None
+    old = path.with_name(f".{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, old)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    return old, fd
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _discard(path: Path) -> None:
+    """Remove ``path`` (set aside first, so a crash midway leaves a sweepable ``.old-`` dir, not half an entry)."""
+    try:
+        old, fd = _set_aside(path)
+    except FileNotFoundError:  # another process removed it first
+        return
+    try:
+        _remove(old)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+# --- output errors --------------------------------------------------------------------------------------------------
+
+def _inside(name: Any, bases: list[Path]) -> bool:
+    try:
+        p = os.fsdecode(name)
+    except TypeError:
+        return False
+    forms = {Path(os.path.abspath(p)), Path(os.path.realpath(p))}
+    return any(f == b or f.is_relative_to(b) for f in forms for b in bases)
+
+
+def _is_ancestor(name: Any, paths: list[Path]) -> bool:
+    try:
+        p = Path(os.path.abspath(os.fsdecode(name)))
+    except TypeError:
+        return False
+    return any(q.is_relative_to(p) for q in paths)
+
+
+def _forms(path: Path) -> list[Path]:
+    return [Path(os.path.abspath(path)), Path(os.path.realpath(path))]
+
+
+def _root_code(e: BaseException | None) -> int | None:
+    """The errno an output error stands for, following ``__cause__`` through wrapping errors."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError) and e.errno in _MAPPED_ERRNOS:
+            return e.errno
+        if isinstance(e, Exception) and _NO_SPACE in str(e):
+            return errno.ENOSPC
+        e, seen = e.__cause__, seen + 1
+    return None
+
+
+def _output_error(e: BaseException, final: Path, tmp: Path | None, alternative: str) -> OutputError | None:
+    """``e`` as an :class:`OutputError` naming ``final`` if it is an unwritable or full output location, else None.
+
+    An OSError counts only if the file it names (if any) is in the temp dir, in ``final``'s folder, or (while
+    that folder is being created) one of its ancestors; an OutputError from a nested atomic_dir only if it names a
+    path inside our temp dir.
+    """
+    parent_forms = _forms(final.parent)
+    if isinstance(e, OutputError):
+        if tmp is None or e.path is None or not _inside(e.path, _forms(tmp)):
+            return None
+        code = _root_code(e.__cause__)
+    elif isinstance(e, OSError):
+        names = [n for n in (e.filename, e.filename2) if n is not None]
+        bases = parent_forms + (_forms(tmp) if tmp is not None else [])
+        for n in names:  # while the folder is being made (no tmp yet) the failing path may be an ancestor
+            if not (_inside(n, bases) or (tmp is None and _is_ancestor(n, parent_forms))):
+                return None
+        code = _root_code(e)
+    elif isinstance(e, Exception):
+        code = _root_code(e)
+    else:
+        return None
+    if code is None:
+        return None
+    where = final.parent
+    if code == errno.ENOSPC:
+        msg = f"no space left on the device holding {where} (writing {final}); free space or {alternative}"
+    elif code == errno.EDQUOT:
+        msg = f"disk quota exceeded on the device holding {where} (writing {final}); free space or {alternative}"
+    elif code == errno.EROFS:
+        msg = f"cannot write {final}: read-only file system; {alternative}"
+    elif code == errno.EFBIG:
+        msg = f"cannot write {final}: a file is larger than its file system allows; {alternative}"
+    else:
+        msg = f"cannot write {final}: permission denied; {alternative} or fix the folder's permissions"
+    err = OutputError(msg)
+    err.path = str(final)
+    return err
+
+
+# --- atomic output directories --------------------------------------------------------------------------------------
+
+def _commit(tmp: Path, final: Path, overwrite: bool) -> None:
+    """Rename ``tmp`` to ``final``, setting an existing ``final`` aside first when ``overwrite``."""
+    for _ in range(10):  # another process may commit or remove the same final between our look and our rename
+        if not os.path.lexists(final):
+            try:
+                tmp.rename(final)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                continue
+        if not overwrite:
+            raise FileExistsError(errno.EEXIST, "already exists", str(final))
+        try:
+            old, fd = _set_aside(final)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                tmp.rename(final)
+            except BaseException:
+                os.rename(old, final)  # put the previous content back: readers keep seeing a whole directory
+                raise
+            _remove(old)
+            return
+        finally:
+            if fd is not None:
+                os.close(fd)
+    raise FileExistsError(errno.EEXIST, "kept being replaced by another process", str(final))
+
+
+@contextmanager
+def atomic_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
+               alternative: str = _CHANGE_OUTPUT) -> Iterator[Path]:
+    """Yield a locked temp folder beside ``final``; on success rename it to ``final``, on failure remove it.
+
+    Readers never see a half-written ``final``: it either holds the previous content or the new one. Before
+    starting, leftovers of killed runs for the same ``final`` (``.NAME.tmp-*``, ``.NAME.old-*`` no live process
+    holds) are removed. The result gets the modes the umask asks for (not mkdtemp's 0o700). An unwritable, read-only
+    or full location raises :class:`OutputError` naming ``final`` and suggesting ``alternative``.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp: Path | None = None
     try:
-        yield tmp
-        if final.exists():
-            if not overwrite:
-                raise FileExistsError(str(final))
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        sweep_stale(final.parent, final.name)
+        tmp, fd = _locked_temp_dir(final.parent, final.name)
+    except OSError as e:
+        err = _output_error(e, final, None, alternative)
+        if err is None:
+            raise
+        raise err from e
+    try:
+        try:
+            yield tmp
+            _apply_modes(tmp, current_umask())
+            _commit(tmp, final, overwrite)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            err = _output_error(e, final, tmp, alternative)
+            if err is None:
+                raise
+            raise err from e
+    finally:
+        os.close(fd)
+
+
+# --- the cache ------------------------------------------------------------------------------------------------------
+
+def _read_entry(folder: Path) -> dict[str, Any] | None:
+    """The parsed entry file, or None if there is none (an incomplete entry); ValueError/TypeError if unreadable."""
+    try:
+        text = (folder / ENTRY_NAME).read_text()
+    except FileNotFoundError:
+        return None
+    entry = json.loads(text)
+    if not (isinstance(entry, dict) and isinstance(entry.get("files"), dict)
+            and all(isinstance(r, dict) for r in entry["files"].values())):
+        raise TypeError("not an entry record")
+    return entry
+
+
+def _write_entry(folder: Path, entry: dict[str, Any]) -> None:
+    tmp = folder / f"{ENTRY_NAME}.{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.write_text(json.dumps(entry, indent=1, sort_keys=True))
+    os.replace(tmp, folder / ENTRY_NAME)
+
+
+def _entry_problem(folder: Path, mode: str) -> str | None:
+    """None if the entry at ``folder`` is whole (refreshing changed stamps), else what is wrong with it."""
+    try:
+        entry = _read_entry(folder)
+    except (OSError, ValueError, TypeError) as e:
+        return f"{ENTRY_NAME}: unreadable ({e})"
+    if entry is None:
+        return f"incomplete: no {ENTRY_NAME}"
+    problem, refreshed = _check(folder, entry["files"], mode)
+    if problem is None and refreshed:
+        try:
+            _write_entry(folder, entry)
+        except OSError as e:  # a read-only cache still serves; it just hashes again next time
+            log.debug("could not refresh the stamps of %s: %s", folder, e)
+    return problem
+
+
+def cached_dir(kind: str, key: str, make: Callable[[Path], object], *, verify: str = "stamp") -> Path:
+    """Return ``cache_root()/kind/key``, calling ``make(tmp_dir)`` to fill it if absent, incomplete or damaged.
+
+    A hit is checked against the entry's record first: every file must exist with its size, and a file whose
+    stat stamp changed is hashed (``verify="full"``: every file is). A damaged entry is logged as one warning,
+    removed and made again. Leftovers of killed builds in the ``kind`` folder are removed on the way.
+    """
+    if verify not in VERIFY_MODES:
+        raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    try:
+        kind_dir = cache_root() / kind
+    except OSError as e:
+        err = _output_error(e, _root_path() / kind / key, None, _CHANGE_CACHE)
+        if err is None:
+            raise
+        raise err from e
+    final = kind_dir / key
+    sweep_stale(kind_dir)
+    if final.is_dir():
+        problem = _entry_problem(final, verify)
+        if problem is None:
+            return final
+        if problem.startswith("incomplete"):
+            log.warning("cache entry %s/%s is incomplete (no %s); rebuilding it", kind, key, ENTRY_NAME)
         else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def cached_dir(kind: str, key: str, make: Callable[[Path], None]) -> Path:
-    """Return ``cache_root()/kind/key``, calling ``make(tmp_dir)`` to fill it once if absent."""
-    final = cache_root() / kind / key
-    if (final / ".complete").exists():
-        return final
-    if final.exists():  # a stale, incomplete entry from an older crash
-        shutil.rmtree(final, ignore_errors=True)
-    with atomic_dir(final, overwrite=True) as tmp:
+            log.warning("cache entry %s/%s is damaged (%s); rebuilding it", kind, key, problem)
+        _discard(final)
+    elif os.path.lexists(final):
+        _discard(final)
+    with atomic_dir(final, overwrite=True, alternative=_CHANGE_CACHE) as tmp:
         make(tmp)
-        (tmp / ".complete").write_text("ok\n")
+        _apply_modes(tmp, current_umask())  # before the record: chmod moves ctime, part of the stamp
+        entry = {"format": ENTRY_FORMAT, "kind": kind, "key": key, "created": time.time(),
+                 "files": record_files(tmp)}
+        (tmp / ENTRY_NAME).write_text(json.dumps(entry, indent=1, sort_keys=True))
     return final
+
+
+# --- listing, cleaning, verifying (``trtinfer cache``) --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One directory in the cache: an entry (``ok``, ``incomplete``, ``damaged``) or a temp dir (``stale temp dir``,
+    ``building`` while its creator lives)."""
+
+    kind: str
+    key: str
+    path: Path
+    bytes: int
+    age_s: float
+    status: str
+    detail: str | None = None
+
+    @property
+    def is_temp(self) -> bool:
+        """True for a temp or set-aside dir of a build, not an entry."""
+        return self.status in ("stale temp dir", "building")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"kind": self.kind, "key": self.key, "path": str(self.path), "bytes": self.bytes,
+                "mb": round(self.bytes / 1e6, 3), "age_s": round(self.age_s, 1), "status": self.status,
+                "detail": self.detail}
+
+
+def _kind_dirs(kind: str | None) -> list[Path]:
+    root = cache_root()
+    if kind is not None:
+        return [root / kind] if (root / kind).is_dir() else []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _describe(kind_dir: Path, p: Path, now: float) -> CacheEntry:
+    size = _dir_size(p)
+    try:
+        mtime = p.stat().st_mtime
+    except OSError:
+        mtime = now
+    if _TEMP_RE.match(p.name):
+        fd = _lock(p)
+        if fd is not None:
+            os.close(fd)
+        return CacheEntry(kind_dir.name, p.name, p, size, now - mtime, "stale temp dir" if fd is not None else "building")
+    try:
+        entry = _read_entry(p)
+    except (OSError, ValueError, TypeError) as e:
+        return CacheEntry(kind_dir.name, p.name, p, size, now - mtime, "damaged", f"{ENTRY_NAME}: unreadable ({e})")
+    if entry is None:
+        return CacheEntry(kind_dir.name, p.name, p, size, now - mtime, "incomplete", f"no {ENTRY_NAME}")
+    age = now - float(entry.get("created", mtime))
+    problem, _ = _check(p, entry["files"], "size")
+    return CacheEntry(kind_dir.name, p.name, p, size, age, "ok" if problem is None else "damaged", problem)
+
+
+def list_entries(kind: str | None = None) -> list[CacheEntry]:
+    """Every directory in the cache (of ``kind`` if given), with its size, age and status.
+
+    Only the cheap checks run here (entry file present, every file there with its size); :func:`verify_cache`
+    hashes.
+    """
+    now = time.time()
+    found = []
+    for kind_dir in _kind_dirs(kind):
+        for p in sorted(kind_dir.iterdir()):
+            if p.is_dir() and not p.is_symlink():
+                found.append(_describe(kind_dir, p, now))
+    return found
+
+
+def clean_cache(*, everything: bool = False, kind: str | None = None) -> list[CacheEntry]:
+    """Remove stale temp dirs and incomplete or damaged entries (with ``everything``, every entry); returns them.
+
+    ``kind`` limits the cleaning to one kind folder. Temp dirs of live builds are never removed.
+    """
+    removed = []
+    for e in list_entries(kind):
+        if e.status == "building":
+            continue
+        if e.status == "stale temp dir":
+            if _remove_if_stale(e.path) is not None:
+                removed.append(e)
+        elif everything or e.status in ("incomplete", "damaged"):
+            _discard(e.path)
+            removed.append(e)
+    return removed
+
+
+def verify_cache(kind: str | None = None,
+                 on_result: Callable[[CacheEntry, str | None], None] | None = None) -> list[tuple[CacheEntry, str | None]]:
+    """Hash every file of every entry (of ``kind`` if given) against its record; remove the entries that fail.
+
+    Returns ``(entry, problem or None)`` for each entry (temp dirs are left to :func:`clean_cache`), and calls
+    ``on_result`` with each as soon as it is known.
+    """
+    results = []
+    for e in list_entries(kind):
+        if e.is_temp:
+            continue
+        problem = _entry_problem(e.path, "full")
+        if problem is not None:
+            log.debug("removing %s/%s: %s", e.kind, e.key, problem)
+            _discard(e.path)
+        results.append((e, problem))
+        if on_result is not None:
+            on_result(e, problem)
+    return results

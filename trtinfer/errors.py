@@ -45,6 +45,13 @@ class ValidationError(ExportError):
     """The exported graph's outputs differ from PyTorch eager beyond tolerance."""
 
 
+class OutputError(TrtInferError):
+    """An output location cannot be written (read-only, full, no permission); ``path`` is the final path meant."""
+
+    exit_code = 2
+    path: str | None = None
+
+
 class BuildError(TrtInferError):
     """Building an engine directory failed."""
 

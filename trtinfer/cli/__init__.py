@@ -9,19 +9,19 @@ from collections.abc import Sequence
 
 from trtinfer.errors import TrtInferError
 
-VERBS = ("export", "optimize", "build", "generate", "embed", "inspect", "bench")
+VERBS = ("export", "optimize", "build", "generate", "embed", "inspect", "bench", "cache")
 
 
 def _parser() -> argparse.ArgumentParser:
     from trtinfer import __version__
-    from trtinfer.cli import bench, build, embed, export, generate, inspect, optimize
+    from trtinfer.cli import bench, build, cache, embed, export, generate, inspect, optimize
 
     p = argparse.ArgumentParser(prog="trtinfer", description="Export, build and run transformer engines.")
     p.add_argument("--version", action="version", version=f"trtinfer {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     p.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     sub = p.add_subparsers(dest="verb", metavar="{" + ",".join(VERBS) + "}")
-    for mod in (export, optimize, build, generate, embed, inspect, bench):
+    for mod in (export, optimize, build, generate, embed, inspect, bench, cache):
         mod.add_parser(sub)
     return p
 
