@@ -16,7 +16,7 @@ from trtinfer.export import ExportConfig, export, supported_model_types
 @pytest.mark.parametrize("arch", ARCHS)
 def test_export_validates_against_eager(arch, tiny_model_dir, tmp_path):
     res = export(tiny_model_dir(arch), tmp_path / "out")
-    v = res.info["validation"]
+    v = res.validation
     assert v["passed"] and v["top1_agree"]
     assert v["decode_logits_max_abs_diff"] < 1e-4
     assert v["present_max_abs_diff"] < 1e-4
@@ -29,7 +29,9 @@ def test_export_validates_against_eager(arch, tiny_model_dir, tmp_path):
     dims = [d.dim_param for d in model.graph.input[3].type.tensor_type.shape.dim]
     assert dims[0] == "batch" and dims[2] == "past_sequence"
     assert (tmp_path / "out" / "model.onnx.data").is_file()
-    assert json.loads((tmp_path / "out" / "export.json").read_text())["architecture"] == res.info["architecture"]
+    stage = json.loads((tmp_path / "out" / "stage.json").read_text())
+    assert stage["stage"] == "export" and stage["architecture"] == res.info["architecture"]
+    assert set(stage["files"]) >= {"model.onnx", "model.onnx.data", "tokenizer.json", "reference.npz"}
 
 
 def test_dynamic_shapes_other_than_traced(tiny_model_dir, tmp_path):
@@ -52,7 +54,7 @@ def test_dynamic_shapes_other_than_traced(tiny_model_dir, tmp_path):
 def test_all_logits_mode(tiny_model_dir, tmp_path):
     res = export(tiny_model_dir("qwen2"), tmp_path / "out", ExportConfig(logits="all"))
     assert res.info["io"]["outputs"][0]["shape"][1] == "sequence"
-    assert res.info["validation"]["passed"]
+    assert res.validation["passed"]
 
 
 def test_unknown_architecture_is_refused_listing_supported(tmp_path):

@@ -215,7 +215,7 @@ def exports(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("arch", sorted(ACTIVATIONS))
 def test_tiny_export_activations_fire_as_expected_and_match(arch: str, exports) -> None:
     path = exports(arch)
-    exported = json.loads((path.parent / "export.json").read_text())["geometry"]
+    exported = json.loads((path.parent / "stage.json").read_text())["geometry"]
     geometry = {**exported, "activation": ACTIVATIONS[arch]}
     model, counts = run_passes(path, ORT, CHAIN, geometry)
     assert counts["gelu"][0] == counts["gelu"][1] == (0 if arch == "llama" else geometry["num_layers"])

@@ -10,7 +10,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from trtinfer.builder.check import reference_logits
+from trtinfer.export.reference import reference_logits
 from trtinfer.passes import PassConfig, PassContext, optimize, optimize_model
 from trtinfer.passes.attention import fuse_gqa
 from trtinfer.passes.layout import SHARED

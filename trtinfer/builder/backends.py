@@ -1,34 +1,47 @@
-"""Build backends, registered by name. A backend turns a validated export into engine files."""
+"""Build backends, registered by name. A backend compiles an optimize stage's graph into engine files."""
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BuildError, ConfigError
-from trtinfer.export.onnx_export import DATA_NAME, ExportResult
 from trtinfer.runtime.manifest import kv_dtype
+from trtinfer.stages import DATA_NAME, ONNX_DTYPES, ONNX_NAME, StageDir, graph_io
 
 log = logging.getLogger(__name__)
 
-BackendFn = Callable[[ExportResult, Path, BuildConfig], dict[str, str]]
-_BACKENDS: dict[str, BackendFn] = {}
+BackendFn = Callable[[StageDir, Path, BuildConfig], dict[str, str]]
+TargetFn = Callable[[BuildConfig], str]
 
 
-def register_build_backend(name: str) -> Callable[[BackendFn], BackendFn]:
-    """Decorator: register ``fn(export, out_dir, config) -> {role: file}`` as build backend ``name``."""
+@dataclass(frozen=True)
+class BuildBackend:
+    """A registered backend: ``build(stage, out_dir, config) -> {role: file}`` on the optimize stage made for
+    ``pass_target(config)`` (the pass pipeline whose output it compiles)."""
+
+    name: str
+    build: BackendFn
+    pass_target: TargetFn
+
+
+_BACKENDS: dict[str, BuildBackend] = {}
+
+
+def register_build_backend(name: str, pass_target: TargetFn) -> Callable[[BackendFn], BackendFn]:
+    """Decorator: register ``fn(stage, out_dir, config) -> {role: file}`` as build backend ``name``."""
 
     def deco(fn: BackendFn) -> BackendFn:
-        _BACKENDS[name] = fn
+        _BACKENDS[name] = BuildBackend(name, fn, pass_target)
         return fn
 
     return deco
 
 
-def get_build_backend(name: str) -> BackendFn:
+def get_build_backend(name: str) -> BuildBackend:
     """The backend called ``name``, or an error listing the known ones."""
     if name not in _BACKENDS:
         raise ConfigError(f"unknown backend '{name}'; known: {', '.join(sorted(_BACKENDS))}")
@@ -40,7 +53,7 @@ def write_kv_select(path: Path, n_tensors: int, dtype: str = "float32") -> None:
     import onnx
     from onnx import TensorProto, helper
 
-    elem = {name: code for code, name in _DTYPES.items()}[dtype]
+    elem = {name: code for code, name in ONNX_DTYPES.items()}[dtype]
     inputs = [helper.make_tensor_value_info("rows", TensorProto.INT64, ["rows"])]
     outputs, nodes = [], []
     for i in range(n_tensors):
@@ -53,22 +66,9 @@ def write_kv_select(path: Path, n_tensors: int, dtype: str = "float32") -> None:
     onnx.save(model, str(path))
 
 
-def run_pipeline(exported: ExportResult, out: Path, config: BuildConfig, target: str) -> tuple[Path, dict[str, Any]]:
-    """Run our pass pipeline for ``target`` on the export into ``out/passes/``; returns the graph and its report."""
-    from trtinfer.passes import PassConfig, optimize
-
-    pcfg = PassConfig(target=target, max_seq_len=config.max_seq_len_for(exported.info["geometry"]), precision=config.precision,
-                      keep_io_types=config.keep_io_types, keep_fp32=config.keep_fp32, disable=config.disable_passes)
-    dst = out / "passes" / "model.onnx"
-    report = optimize(exported.onnx_path, dst, pcfg, geometry=exported.info["geometry"])
-    return dst, report.to_dict()
-
-
-@register_build_backend("onnxruntime")
-def build_onnxruntime(exported: ExportResult, out: Path, config: BuildConfig) -> dict[str, str]:
-    """Run the ``onnxruntime-<target>`` pass pipeline, then ONNX Runtime's offline optimization; save the result."""
-    import shutil
-
+@register_build_backend("onnxruntime", pass_target=lambda config: f"onnxruntime-{config.target}")
+def build_onnxruntime(stage: StageDir, out: Path, config: BuildConfig) -> dict[str, str]:
+    """ONNX Runtime's offline optimization of the optimize stage's graph, saved as the engine graph."""
     import onnxruntime as ort
 
     providers = ["CPUExecutionProvider"]
@@ -78,22 +78,19 @@ def build_onnxruntime(exported: ExportResult, out: Path, config: BuildConfig) ->
                              "build with --target cpu or install 'trtinfer[gpu]'")
         providers.insert(0, "CUDAExecutionProvider")
     so = ort.SessionOptions()
+    so.log_severity_level = 3
     # EXTENDED: all transformer fusions; ALL would add CPU-layout rewrites not meant to be saved
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    so.optimized_model_filepath = str(out / "model.onnx")
+    so.optimized_model_filepath = str(out / ONNX_NAME)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA_NAME)
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    graph, report = run_pipeline(exported, out, config, f"onnxruntime-{config.target}")
-    (out / "fusion_report.json").write_text(json.dumps(report, indent=2))
     try:
-        ort.InferenceSession(str(graph), so, providers=providers)
+        ort.InferenceSession(str(stage.onnx_path), so, providers=providers)
     except Exception as e:
-        raise BuildError(f"ONNX Runtime could not optimize {graph}: {e}") from e
-    shutil.rmtree(out / "passes")
-    n_kv = 2 * exported.info["geometry"]["num_layers"]
-    write_kv_select(out / "kv_select.onnx", n_kv, kv_dtype(graph_io(out / "model.onnx")))
-    return {"decoder": "model.onnx", "decoder_data": DATA_NAME, "kv_select": "kv_select.onnx",
-            "fusion_report": "fusion_report.json"}
+        raise BuildError(f"ONNX Runtime could not optimize {stage.onnx_path}: {e}") from e
+    n_kv = 2 * stage.geometry["num_layers"]
+    write_kv_select(out / "kv_select.onnx", n_kv, kv_dtype(graph_io(out / ONNX_NAME)))
+    return {"decoder": ONNX_NAME, "decoder_data": DATA_NAME, "kv_select": "kv_select.onnx"}
 
 
 def op_histogram(path: Path) -> dict[str, int]:
@@ -107,25 +104,6 @@ def op_histogram(path: Path) -> dict[str, int]:
         hist[key] = hist.get(key, 0) + 1
     return dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0])))
 
-
-
-_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64"}
-
-
-def graph_io(path: Path) -> dict[str, list[dict[str, Any]]]:
-    """Names, dtypes and shapes (symbolic names or ints) of an ONNX file's inputs and outputs."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-
-    def spec(vi: Any) -> dict[str, Any]:
-        t = vi.type.tensor_type
-        dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in t.shape.dim]
-        return {"name": vi.name, "dtype": _DTYPES.get(t.elem_type, str(t.elem_type)), "shape": dims}
-
-    inits = {i.name for i in model.graph.initializer}
-    return {"inputs": [spec(v) for v in model.graph.input if v.name not in inits],
-            "outputs": [spec(v) for v in model.graph.output]}
 
 
 FUSED_OPS = {

@@ -15,10 +15,10 @@ from typing import Any
 from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BuildError
 from trtinfer.export.encoder import ENCODER_TYPES, export_encoder_cached
-from trtinfer.export.onnx_export import DATA_NAME
 from trtinfer.export.sources import ResolvedModel
 from trtinfer.passes.report import FusionReport, PassRecord
 from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
+from trtinfer.stages import DATA_NAME
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,9 @@ def build_encoder(resolved: ResolvedModel, out: Path, config: BuildConfig, t_sta
     """Fill ``out`` (a temp dir the caller renames) with the encoder engine."""
     from transformers import AutoTokenizer
 
-    from trtinfer.builder.backends import graph_io, op_histogram
-    from trtinfer.builder.engine_builder import _versions
+    from trtinfer.builder.backends import op_histogram
+    from trtinfer.builder.engine_builder import engine_versions
+    from trtinfer.stages import graph_io
 
     if config.backend != "onnxruntime":
         raise BuildError(f"encoders build for the onnxruntime backend only, not '{config.backend}'")
@@ -117,10 +118,10 @@ def build_encoder(resolved: ResolvedModel, out: Path, config: BuildConfig, t_sta
         "geometry": geo, "io": graph_io(out / "model.onnx"), "pooling": pooling,
         "files": {"encoder": "model.onnx", "encoder_data": DATA_NAME, "fusion_report": "fusion_report.json"},
         "tokenizer": {"pad_token_id": tok.pad_token_id or 0, "cls_token": tok.cls_token, "sep_token": tok.sep_token},
-        "export": {"config": info["config"], "seconds": info["export_seconds"], "validation": info["validation"]},
+        "export": {k: exported.history["export"].get(k) for k in ("config", "seconds", "validation")},
         "build_config": config.to_dict(), "op_histogram": hist, "fusion_report": report.to_dict(),
         "fused_ops": {r.name: {"count": r.fired, "expected": r.expected} for r in report.passes},
-        "fused_vs_unfused_max_abs_diff": diff, "versions": _versions(),
+        "fused_vs_unfused_max_abs_diff": diff, "versions": engine_versions(),
         "build_seconds": round(time.perf_counter() - t_start, 2),
     }
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))

@@ -1,7 +1,11 @@
-"""``build``: MODEL -> self-contained engine directory (graph, tokenizer, generation config, manifest.json).
+"""``build``: MODEL or stage directory -> self-contained engine directory (graph, tokenizer, manifest.json).
 
-The engine is assembled in a temp folder beside the destination and renamed at the end, so an interrupted or
-failed build leaves nothing behind.
+The stages chain: export (cached by the model's content hash) -> optimize for the backend's pass target (cached by
+the export's content and the pass config) -> backend compilation plus the engine check (cached by the optimized
+graph's content and the backend) -> the engine directory. A stage given as input (``trtinfer export -o X``,
+``trtinfer optimize X -o Y``) is verified against its record and used as is. Cache entries are checked before
+reuse, so a rebuild with nothing changed only copies files. The engine is assembled in a temp folder beside the
+destination and renamed at the end: a failed or interrupted build leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -13,95 +17,113 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trtinfer._cache import atomic_dir
-from trtinfer.builder.backends import fused_op_counts, get_build_backend, graph_io, op_histogram
-from trtinfer.builder.check import check_engine
+from trtinfer._cache import atomic_dir, cached_dir, key_of
+from trtinfer.builder.backends import BuildBackend, fused_op_counts, get_build_backend, op_histogram
+from trtinfer.builder.check import EngineCheck, check_engine
 from trtinfer.builder.config import BuildConfig
-from trtinfer.errors import BuildError
+from trtinfer.builder.progress import StageProgress
+from trtinfer.errors import BuildError, ConfigError
 from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest
+from trtinfer.stages import TOKENIZER_FILES, StageDir, graph_io, is_stage_dir, read_stage
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+ENGINE_FORMAT = 1  # bump when what a backend writes or the engine check does changes (invalidates cached engines)
+CHECK_NAME = "engine_check.json"
 
 
-def _tokenizer_info(src: Path, out: Path) -> dict[str, Any]:
-    """Copy the tokenizer files and record BOS/EOS/PAD the way transformers' ``generate`` will use them."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    tok = AutoTokenizer.from_pretrained(src)
-    if not (src / "tokenizer.json").is_file():
-        tok.save_pretrained(out)  # a slow tokenizer gets converted to tokenizer.json here
-    if tok.chat_template and not (src / "chat_template.jinja").is_file():
-        (out / "chat_template.jinja").write_text(tok.chat_template)
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file() and not (out / name).exists():
-            shutil.copy2(src / name, out / name)
-    if not (out / "tokenizer.json").is_file():
-        raise BuildError(f"{src} has no fast tokenizer (tokenizer.json) and none could be made; the runtime needs one")
-    try:
-        gen = GenerationConfig.from_pretrained(src)
-        eos = gen.eos_token_id
-    except OSError:
-        eos = None
-    if eos is None:
-        eos = tok.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    return {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "bos_token_id": tok.bos_token_id,
-            "eos_token_ids": eos_ids, "pad_token_id": pad, "chat_template": bool(tok.chat_template)}
-
-
-def _versions() -> dict[str, str]:
-    import onnx
-    import onnxruntime
-    import torch
-    import transformers
+def engine_versions() -> dict[str, str]:
+    """Versions that matter to an engine (from package metadata: nothing heavy is imported)."""
+    from importlib.metadata import version
 
     from trtinfer import __version__
 
-    return {"trtinfer": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
-            "transformers": transformers.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    return {"trtinfer": __version__, "onnxruntime": version("onnxruntime"), "onnx": version("onnx"),
+            "python": platform.python_version()}
 
 
-def _manifest(config: BuildConfig, info: dict[str, Any], files: dict[str, str], tok_info: dict[str, Any],
-              out: Path, max_seq: int, t_start: float) -> dict[str, Any]:
-    hist = op_histogram(out / files["decoder"])
-    io = graph_io(out / files["decoder"])
-    report = json.loads((out / files["fusion_report"]).read_text()) if "fusion_report" in files else {}
+def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engine: Path,
+              max_seq: int) -> dict[str, Any]:
+    """The engine's manifest: the stage's model facts, unchanged, plus what the build made."""
+    hist = op_histogram(engine / files["decoder"])
+    history = stage.history
+    report = history.get("optimize", {}).get("fusion_report", {})
+    export = history.get("export", {})
     return {
         "manifest_version": MANIFEST_VERSION,
+        "kind": "decoder",
         "backend": config.backend,
         "precision": config.precision,
         "target": config.target,
-        "architecture": info["architecture"],
-        "model_type": info["model_type"],
-        "source": info["source"],
+        **{k: stage.info[k] for k in ("architecture", "model_type", "source", "geometry")},
         "limits": {"max_batch_size": config.max_batch_size, "max_seq_len": max_seq},
-        "geometry": info["geometry"],
-        "io": io,
-        "kv_layout": "shared_buffer" if any(t["name"] == "seqlens_k" for t in io["inputs"]) else "concat",
+        "io": graph_io(engine / files["decoder"]),
+        "kv_layout": stage.kv_layout,
         "files": files,
-        "tokenizer": tok_info,
-        "export": {"config": info["config"], "seconds": info["export_seconds"], "validation": info["validation"]},
+        "tokenizer": stage.info.get("tokenizer", {}),
+        "export": {"config": export.get("config"), "seconds": export.get("seconds"),
+                   "validation": export.get("validation")},
         "build_config": config.to_dict(),
         "op_histogram": hist,
         "fusion_report": report,
-        "fused_ops": fused_op_counts(hist, info["geometry"], report),
-        "versions": _versions(),
-        "build_seconds": round(time.perf_counter() - t_start, 2),
+        "fused_ops": fused_op_counts(hist, stage.geometry, report),
+        "versions": engine_versions(),
     }
+
+
+def _stage_max_seq(stage: StageDir, config: BuildConfig) -> int:
+    """Check the build config against an optimize stage given as input; returns the engine's max sequence length."""
+    opt = stage.history["optimize"]["config"]
+    if opt["precision"] != config.precision:
+        raise ConfigError(f"{stage.path} holds a {opt['precision']} graph; build it with --precision "
+                          f"{opt['precision']}, or optimize the export again for {config.precision}")
+    if config.max_seq_len is not None and config.max_seq_len > opt["max_seq_len"]:
+        raise ConfigError(f"--max-seq-len {config.max_seq_len} exceeds the {opt['max_seq_len']} positions "
+                          f"{stage.path} was optimized for; optimize the export again with --max-seq-len")
+    return config.max_seq_len or int(opt["max_seq_len"])
+
+
+def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_seq: int,
+             rec: dict[str, Any]) -> tuple[Path, dict[str, str], EngineCheck | None]:
+    """Backend compilation + engine check, cached by the optimized graph's content and the backend settings."""
+    key = key_of([ENGINE_FORMAT, stage.content_key(), config.backend, config.target, engine_versions()])
+    made: dict[str, Any] = {}
+
+    def make(tmp: Path) -> None:
+        files = backend.build(stage, tmp, config)
+        (tmp / "files.json").write_text(json.dumps(files))
+        if stage.reference_path is None:
+            log.warning("%s has no engine-check reference (exported with --logits all): the engine is not checked",
+                        stage.path)
+            return
+        manifest = _manifest(config, stage, files, tmp, max_seq)
+        check = check_engine(tmp, Manifest(manifest), stage.reference_path, config.precision, provider=config.target)
+        if not check.passed:
+            nan = check.max_abs_diff == float("inf")
+            raise BuildError(
+                f"the built engine's logits {'are not finite' if nan else f'differ from the export by {check.max_abs_diff:.4g}'}"
+                f" (tolerance {check.tolerance:g} x {check.logits_scale:.3g}); "
+                + ("check the model's weights, then try --keep-fp32 with more groups" if nan else
+                   "try --keep-fp32 with more groups, or --disable-pass to find the pass at fault"))
+        (tmp / CHECK_NAME).write_text(json.dumps(check.to_dict()))
+        made["check"] = check
+
+    path = cached_dir("compiled", key, make)
+    rec["cached"] = not made
+    files = json.loads((path / "files.json").read_text())
+    check = None
+    if (path / CHECK_NAME).is_file():
+        saved = json.loads((path / CHECK_NAME).read_text())
+        check = made.get("check") or EngineCheck(**{**saved, "prompt_lengths": tuple(saved["prompt_lengths"])})
+    return path, files, check
 
 
 def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None = None, *,
           overwrite: bool = False, progress: bool = True) -> Path:
-    """Build an engine for MODEL into ``output_dir``; returns the directory. Exports are cached by content hash."""
-    from tqdm.auto import tqdm
+    """Build an engine for MODEL (a model, or an export/optimize stage directory) into ``output_dir``.
 
-    from trtinfer.export.onnx_export import export_cached
-    from trtinfer.export.sources import resolve_model
-
+    Every stage's output is cached by content hash and verified before reuse; returns the engine directory.
+    """
     config = config or BuildConfig()
     backend = get_build_backend(config.backend)
     out = Path(output_dir)
@@ -112,37 +134,61 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
         log.warning("%s on the CPU provider is for checking numerics: ONNX Runtime's CPU fp16 kernels are ~3x slower "
                     "than fp32 (SmolLM2 decode 12 vs 38 tok/s); build fp32 for CPU, fp16/bf16 for --target cuda",
                     config.precision)
-    resolved = resolve_model(model)  # bad MODEL fails here, before any progress output
-    from trtinfer.export.encoder import is_encoder
+    stage: StageDir | None = None
+    if is_stage_dir(model):
+        stage = read_stage(model)  # verified against its record: figures below describe these very files
+        if stage.kind != "decoder":
+            raise ConfigError(f"{model} holds an encoder export; build encoders from the model itself")
+    else:
+        from trtinfer.export.encoder import is_encoder
+        from trtinfer.export.sources import resolve_model
 
-    if is_encoder(resolved.path):
-        from trtinfer.builder.encoder_builder import build_encoder
+        resolved = resolve_model(model)  # bad MODEL fails here, before any progress output
+        if is_encoder(resolved.path):
+            from trtinfer.builder.encoder_builder import build_encoder
 
-        with atomic_dir(out, overwrite=overwrite) as tmp:
-            build_encoder(resolved, tmp, config, t_start)
-        log.info("built encoder %s in %.1f s", out, time.perf_counter() - t_start)
-        return out
-    with tqdm(total=3, desc="export + validate", disable=not progress, unit="step") as steps:
-        exported = export_cached(resolved, config.export)
-        steps.update()
-        info = exported.info
-        geo = info["geometry"]
-        max_seq = config.max_seq_len_for(geo)
-        with atomic_dir(out, overwrite=overwrite) as tmp:
-            steps.set_description(f"{config.backend} optimize")
-            files = backend(exported, tmp, config)
-            steps.update()
-            steps.set_description("package")
-            manifest = _manifest(config, info, files, _tokenizer_info(resolved.path, tmp), tmp, max_seq, t_start)
-            steps.update()
-            steps.set_description("check vs export")
-            check = check_engine(tmp, Manifest(manifest), exported.onnx_path, config.precision, provider=config.target)
-            if not check.passed:
-                raise BuildError(f"the built engine's logits differ from the exported graph's by {check.max_abs_diff:.4g} "
-                                 f"(> {check.tolerance:g} x {check.logits_scale:.3g}); try --keep-fp32 with more "
-                                 "groups, or --disable-pass to find the pass at fault")
-            manifest["engine_check"] = check.to_dict()
+            with atomic_dir(out, overwrite=overwrite) as tmp:
+                build_encoder(resolved, tmp, config, t_start)
+            log.debug("built encoder %s in %.1f s", out, time.perf_counter() - t_start)
+            return out
+    names = (["export"] if stage is None else []) + (["optimize"] if stage is None or stage.stage == "export" else [])
+    with StageProgress([*names, "compile + check", "package"], enabled=progress) as bar:
+        if stage is None:
+            from trtinfer.export.onnx_export import export_cached
+
+            with bar.stage("export") as rec:
+                stage = export_cached(resolved, config.export, stats=rec)
+        if stage.stage == "export":
+            from trtinfer.passes import PassConfig
+            from trtinfer.passes.optimize import optimize_cached
+
+            max_seq = config.max_seq_len_for(stage.geometry)
+            pcfg = PassConfig(target=backend.pass_target(config), max_seq_len=max_seq, precision=config.precision,
+                              keep_io_types=config.keep_io_types, keep_fp32=config.keep_fp32,
+                              disable=config.disable_passes)
+            with bar.stage("optimize") as rec:
+                stage = optimize_cached(stage, pcfg, stats=rec)
+        else:
+            want = backend.pass_target(config)
+            got = stage.history["optimize"]["config"]["target"]
+            if got != want:
+                raise ConfigError(f"{stage.path} was optimized for {got}, but --backend {config.backend} "
+                                  f"--target {config.target} needs {want}; optimize the export with --target {want}")
+            max_seq = _stage_max_seq(stage, config)
+        with bar.stage("compile + check") as rec:
+            compiled, files, check = _compile(stage, config, backend, max_seq, rec)
+        with bar.stage("package") as rec, atomic_dir(out, overwrite=overwrite) as tmp:
+            for name in files.values():
+                shutil.copyfile(compiled / name, tmp / name)
+            for name in TOKENIZER_FILES:
+                if name in stage.info["files"]:
+                    shutil.copyfile(stage.path / name, tmp / name)
+            manifest = _manifest(config, stage, files, tmp, max_seq)
+            if check is not None:
+                manifest["engine_check"] = check.to_dict()
+            manifest["stages"] = bar.records
+            manifest["build_seconds"] = round(time.perf_counter() - t_start, 2)
             (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
-            steps.update()
-    log.info("built %s in %.1f s", out, time.perf_counter() - t_start)
+    log.debug("built %s in %.1f s", out, time.perf_counter() - t_start)
     return out
+

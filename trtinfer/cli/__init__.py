@@ -20,11 +20,55 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"trtinfer {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     p.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show other libraries' log lines and progress bars (transformers, onnxruntime)")
     sub = p.add_subparsers(dest="verb", metavar="{" + ",".join(VERBS) + "}")
     for mod in (export, optimize, build, generate, embed, inspect, bench, cache):
         mod.add_parser(sub)
     return p
 
+
+
+class _PersonFormatter(logging.Formatter):
+    """trtinfer's INFO lines as plain sentences; warnings and errors prefixed with their level."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            return f"{record.levelname.lower()}: {msg}"
+        return msg if record.name.startswith("trtinfer") else f"{record.name}: {msg}"
+
+
+class _TqdmHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes log lines above the progress display instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+def _setup_logging(debug: bool, quiet: bool, verbose: bool) -> None:
+    """trtinfer's own INFO lines (WARNING with -q); other libraries' lines and progress bars only with -v."""
+    if not verbose:
+        # transformers and huggingface_hub read this when imported: no third-party progress bars
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    handler = _TqdmHandler()
+    handler.setFormatter(_PersonFormatter())
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _TqdmHandler)]:  # main() may run twice in a process
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if debug else (logging.INFO if verbose else logging.WARNING))
+    own = logging.getLogger("trtinfer")
+    own.setLevel(logging.DEBUG if debug else (logging.WARNING if quiet else logging.INFO))
+    if not verbose:
+        for noisy in ("transformers", "torch", "onnxscript", "onnx_ir", "onnxruntime", "httpx", "urllib3"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,17 +77,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     # global flags are accepted anywhere on the line, before or after the verb
     quiet = any(a in ("-q", "--quiet") for a in argv)
-    argv = [a for a in argv if a not in ("--debug", "-q", "--quiet")]
+    verbose = debug or any(a in ("-v", "--verbose") for a in argv)
+    argv = [a for a in argv if a not in ("--debug", "-q", "--quiet", "-v", "--verbose")]
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-        args.debug, args.quiet = debug, quiet
+        args.debug, args.quiet, args.verbose = debug, quiet, verbose
     except SystemExit as e:  # argparse already printed usage + one error line
         return int(e.code or 0)
-    level = logging.DEBUG if debug else (logging.WARNING if args.quiet else logging.INFO)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("httpx", "urllib3", "transformers", "torch", "onnxscript", "onnx_ir"):
-        logging.getLogger(noisy).setLevel(logging.ERROR if not debug else logging.DEBUG)
+    _setup_logging(debug, quiet, verbose)
     if args.verb is None:
         parser.print_help(sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""``trtinfer build MODEL -o DIR``: one command from model to engine directory."""
+"""``trtinfer build MODEL|STAGE_DIR -o DIR``: model (or export/optimize output) to engine directory."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,8 @@ from trtinfer.passes.config import DEFAULT_KEEP_FP32, KEEP_FP32_GROUPS
 def add_parser(sub: Any) -> None:
     """Register the verb."""
     p = sub.add_parser("build", help="build an engine directory from MODEL")
-    p.add_argument("model", help="HF folder, .gguf file, or alias (gemma-3-270m, smollm2-135m)")
+    p.add_argument("model", help="HF folder, .gguf file, alias (gemma-3-270m, smollm2-135m), or a directory from "
+                                  "`trtinfer export` / `trtinfer optimize`")
     p.add_argument("-o", "--output", required=True, help="engine directory to create")
     p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
     p.add_argument("--precision", default="fp32", help="fp32 (default), fp16 or bf16 (GPU targets)")
@@ -34,28 +35,34 @@ def groups(text: str) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
-    import json
-
     from trtinfer.builder import BuildConfig, build
+    from trtinfer.cli.summary import fused_text, validation_text
     from trtinfer.export import ExportConfig
     from trtinfer.runtime.manifest import read_manifest
 
     cfg = BuildConfig(backend=args.backend, precision=args.precision, target=args.target,
                       max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                      keep_io_types=args.keep_io_types, keep_fp32=groups(args.keep_fp32), disable_passes=tuple(args.disable_pass),
-                      export=ExportConfig(atol=args.atol))
+                      keep_io_types=args.keep_io_types, keep_fp32=groups(args.keep_fp32),
+                      disable_passes=tuple(args.disable_pass), export=ExportConfig(atol=args.atol))
     out = build(args.model, args.output, cfg, overwrite=args.force, progress=not args.quiet)
     m = read_manifest(out).raw
-    v = m["export"]["validation"] or {}
-    print(f"built {out}: {m['architecture']} {m['geometry']['num_layers']} layers, {m['backend']} {m['precision']}, "
-          f"max batch {m['limits']['max_batch_size']}, max seq {m['limits']['max_seq_len']}, "
-          f"validation max|diff| {json.dumps(v.get('decode_logits_max_abs_diff'))}, {m['build_seconds']} s")
-    fused = m.get("fused_ops", {})
-    print("fused: " + ", ".join(f"{k} {c['count']}" + (f"/{c['expected']}" if c.get("expected") is not None else "")
-                                for k, c in fused.items()) + f"; KV layout {m.get('kv_layout', 'concat')}")
+    g = m["geometry"]
+    stages = m.get("stages") or {}
+    reused = [name for name, r in stages.items() if r.get("cached")]
+    print(f"built {out} in {m['build_seconds']:.1f} s" + (f" (reused from cache: {', '.join(reused)})" if reused else ""))
+    if m.get("kind") == "encoder":
+        print(f"model: {m['architecture']} encoder, {g['num_layers']} layers, {m['backend']} {m['precision']}, "
+              f"max batch {m['limits']['max_batch_size']}, max seq {m['limits']['max_seq_len']}, pooling "
+              f"{m['pooling']['mode']}")
+    else:
+        print(f"model: {m['architecture']} {g['num_layers']} layers, {m['backend']}/{m['target']} {m['precision']}, "
+              f"max batch {m['limits']['max_batch_size']}, max seq {m['limits']['max_seq_len']}, "
+              f"KV layout {m['kv_layout']}")
+    print(validation_text(m["export"]["validation"]))
+    print("fused: " + fused_text(m.get("fused_ops", {})))
     c = m.get("engine_check")
     if c:
-        print(f"check vs export ({c['precision']}): max|diff| {c['max_abs_diff']:.3g} <= {c['tolerance']:g} x "
+        print(f"engine check vs export ({c['precision']}): max|diff| {c['max_abs_diff']:.3g} <= {c['tolerance']:g} x "
               f"{c['logits_scale']:.3g}, top-1 agreement {c['top1_agreement']:.0%}")
     for w in (m.get("fusion_report") or {}).get("warnings", []):
         print(f"warning: {w}")

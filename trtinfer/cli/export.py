@@ -1,4 +1,4 @@
-"""``trtinfer export MODEL -o DIR``: trace to ONNX and validate against eager."""
+"""``trtinfer export MODEL -o DIR``: trace to ONNX, validate against eager, write the export stage directory."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ from typing import Any
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
-    p = sub.add_parser("export", help="export MODEL to a validated ONNX graph with KV cache I/O")
+    p = sub.add_parser("export", help="export MODEL to a validated ONNX graph with KV cache I/O (a stage directory)")
     p.add_argument("model", help="HF folder, .gguf file, or alias (gemma-3-270m, smollm2-135m)")
     p.add_argument("-o", "--output", required=True, help="output folder (must not exist unless --force)")
     p.add_argument("--opset", type=int, default=17)
@@ -17,15 +17,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--atol", type=float, default=1e-4, help="validation tolerance, scaled by max(1, max|logits|)")
     p.add_argument("--no-validate", action="store_true", help="skip the comparison with PyTorch eager")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--json", action="store_true", help="print the stage record as JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
+    from trtinfer.cli.summary import stage_summary
     from trtinfer.export import ExportConfig, export
 
     cfg = ExportConfig(opset=args.opset, logits=args.logits, atol=args.atol, validate=not args.no_validate)
     res = export(args.model, args.output, cfg, overwrite=args.force)
-    print(json.dumps({"output": str(res.path), "export_seconds": res.info["export_seconds"],
-                      "validation": res.info["validation"]}, indent=2))
+    if args.json:
+        print(json.dumps(res.info, indent=2))
+        return 0
+    print(stage_summary(res))
+    print(f"next: trtinfer optimize {res.path} -o OPTIMIZED --target onnxruntime-cpu, or trtinfer build {res.path} -o ENGINE")
     return 0

@@ -15,14 +15,14 @@ from typing import Any
 
 from trtinfer._cache import cached_dir, key_of
 from trtinfer.errors import ExportError, ModelSourceError, ValidationError
-from trtinfer.export.onnx_export import DATA_NAME, INFO_NAME, ONNX_NAME, ExportResult
 from trtinfer.export.sources import ResolvedModel
+from trtinfer.stages import DATA_NAME, ONNX_NAME, StageDir, read_stage, write_stage
 
 log = logging.getLogger(__name__)
 
 #: model_type -> the ORT transformers optimizer's model_type for its fusions
 ENCODER_TYPES: dict[str, str] = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert"}
-ENCODER_FORMAT = 1
+ENCODER_FORMAT = 2
 
 
 def model_type_of(path: Path) -> str | None:
@@ -120,25 +120,20 @@ def _export(resolved: ResolvedModel, out: Path, atol: float) -> dict[str, Any]:
     tol = atol * max(1.0, float(np.abs(ref).max()))
     if diff > tol:
         raise ValidationError(f"exported encoder disagrees with eager: max|diff| {diff:.2e} > {tol:.2e}")
-    return {"format": ENCODER_FORMAT, "kind": "encoder", "architecture": model.config.model_type,
+    return {"stage": "export", "kind": "encoder", "architecture": model.config.model_type,
             "model_type": model.config.model_type,
             "source": {"path": str(resolved.path), "model": resolved.source, "sha256": resolved.sha256,
                        "kind": resolved.kind},
-            "config": {"opset": 17, "atol": atol}, "geometry": geo, "io": _io(geo),
-            "export_seconds": round(export_s, 2),
-            "validation": {"max_abs_diff": diff, "tolerance": tol, "passed": True}}
+            "geometry": geo, "io": _io(geo),
+            "history": {"export": {"config": {"opset": 17, "atol": atol}, "seconds": round(export_s, 2),
+                                   "format": ENCODER_FORMAT,
+                                   "validation": {"max_abs_diff": diff, "tolerance": tol, "passed": True}}}}
 
 
-def export_encoder_cached(resolved: ResolvedModel, atol: float = 1e-4) -> ExportResult:
-    """Export and validate the encoder into ``~/.cache/trtinfer/onnx/<hash>``, reused when there."""
-    import torch
-    import transformers
+def export_encoder_cached(resolved: ResolvedModel, atol: float = 1e-4) -> StageDir:
+    """Export and validate the encoder into the stage directory ``~/.cache/trtinfer/onnx/<hash>``, reused when there."""
+    from trtinfer.export.onnx_export import stack_versions
 
-    key = key_of(["encoder", ENCODER_FORMAT, resolved.sha256, atol, torch.__version__, transformers.__version__])
-
-    def make(tmp: Path) -> None:
-        info = _export(resolved, tmp, atol)
-        (tmp / INFO_NAME).write_text(json.dumps(info, indent=2))
-
-    path = cached_dir("onnx", key, make)
-    return ExportResult(path, json.loads((path / INFO_NAME).read_text()))
+    key = key_of(["encoder", ENCODER_FORMAT, resolved.sha256, atol, stack_versions()])
+    path = cached_dir("onnx", key, lambda tmp: write_stage(tmp, _export(resolved, tmp, atol)))
+    return read_stage(path, verify=False)  # cached_dir has just checked the files

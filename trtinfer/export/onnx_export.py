@@ -1,11 +1,11 @@
-"""Trace a HF causal LM into one ONNX graph that serves prefill and decode, then validate it against eager."""
+"""Trace a HF causal LM into one ONNX graph that serves prefill and decode, validate it against eager, and write
+the export stage directory (:mod:`trtinfer.stages`)."""
 from __future__ import annotations
 
 import json
 import logging
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,27 +13,15 @@ from trtinfer._cache import atomic_dir, cached_dir, key_of
 from trtinfer.errors import ExportError, ModelSourceError, ValidationError
 from trtinfer.export.architectures import spec_for
 from trtinfer.export.config import ExportConfig
+from trtinfer.export.reference import write_reference
 from trtinfer.export.sources import ResolvedModel, resolve_model
+from trtinfer.export.tokenizer import save_tokenizer
+from trtinfer.stages import DATA_NAME, ONNX_NAME, REFERENCE_NAME, StageDir, read_stage, write_stage
 
 log = logging.getLogger(__name__)
 
-ONNX_NAME = "model.onnx"
-DATA_NAME = "model.onnx.data"
-INFO_NAME = "export.json"
-EXPORT_FORMAT = 4  # bump when the graph contract changes (invalidates cached exports)
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    """A folder holding ``model.onnx`` (+ external data) and ``export.json`` (geometry, I/O, validation)."""
-
-    path: Path
-    info: dict[str, Any]
-
-    @property
-    def onnx_path(self) -> Path:
-        """The graph file."""
-        return self.path / ONNX_NAME
+EXPORT_FORMAT = 5  # bump when the graph contract changes (invalidates cached exports)
+ExportResult = StageDir  # what :func:`export` returns: the stage directory it wrote
 
 
 def io_spec(geometry: dict[str, Any], logits_mode: str) -> dict[str, list[dict[str, Any]]]:
@@ -112,68 +100,91 @@ def _trace(model: Any, geometry: dict[str, Any], mask_mapping: bool, config: Exp
     raw.rmdir()
 
 
-def export(model: str | Path | ResolvedModel, output_dir: str | Path, config: ExportConfig | None = None,
-           *, overwrite: bool = False) -> ExportResult:
-    """Export MODEL to ``output_dir`` (``model.onnx``, ``model.onnx.data``, ``export.json``) and validate it.
+def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> StageDir:
+    """Trace, validate and write the export stage into the existing empty ``folder``."""
+    hf = load_hf_model(resolved.path)
+    spec = spec_for(hf.config)
+    geometry = spec.geometry(hf.config)
+    t0 = time.perf_counter()
+    try:
+        _trace(hf, geometry, spec.mask_mapping, config, folder)
+    except Exception as e:
+        raise ExportError(f"tracing {spec.name} to ONNX failed: {type(e).__name__}: {e}") from e
+    export_s = time.perf_counter() - t0
+    log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
+    validation = None
+    if config.validate:
+        from trtinfer.export.validate import validate_decoder
 
+        report = validate_decoder(folder / ONNX_NAME, hf, geometry, config.atol, config.logits == "last")
+        validation = report.to_dict()
+        if not report.passed:
+            raise ValidationError(
+                f"exported graph disagrees with eager: logits diff {report.prefill_logits_max_abs_diff:.2e}/"
+                f"{report.decode_logits_max_abs_diff:.2e} (tolerance {report.tolerance:.2e}), present diff "
+                f"{report.present_max_abs_diff:.2e}, top-1 agree {report.top1_agree}; raise --atol only if "
+                "these are fp32 reordering noise"
+            )
+        log.info("validated against PyTorch eager: logits max|diff| %.2e (tolerance %.2e), top-1 agrees",
+                 max(report.prefill_logits_max_abs_diff, report.decode_logits_max_abs_diff), report.tolerance)
+    tokenizer = save_tokenizer(resolved.path, folder)
+    if config.logits == "last":  # the engine check compares last-position logits
+        write_reference(folder / ONNX_NAME, folder / REFERENCE_NAME, geometry["vocab_size"])
+    info: dict[str, Any] = {
+        "stage": "export",
+        "kind": "decoder",
+        "architecture": spec.name,
+        "model_type": hf.config.model_type,
+        "source": {"path": str(resolved.path), "model": resolved.source, "sha256": resolved.sha256,
+                   "kind": resolved.kind},
+        "geometry": geometry,
+        "io": io_spec(geometry, config.logits),
+        "kv_layout": "concat",
+        "tokenizer": tokenizer,
+        "history": {"export": {"config": config.to_dict(), "seconds": round(export_s, 2), "validation": validation,
+                               "format": EXPORT_FORMAT, "versions": stack_versions()}},
+    }
+    return write_stage(folder, info)
+
+
+def export(model: str | Path | ResolvedModel, output_dir: str | Path, config: ExportConfig | None = None,
+           *, overwrite: bool = False) -> StageDir:
+    """Export MODEL to the stage directory ``output_dir`` and validate it against eager.
+
+    ``output_dir`` receives ``model.onnx`` (+ ``model.onnx.data``), the tokenizer files, ``reference.npz`` and
+    ``stage.json`` (see :mod:`trtinfer.stages`); ``trtinfer optimize`` and ``trtinfer build`` take it as input.
     Raises :class:`ValidationError` if ONNX Runtime and eager disagree beyond ``config.atol`` (scaled by the
     logits' magnitude) or on any top-1 token; nothing is left at ``output_dir`` then.
     """
     config = config or ExportConfig()
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
-    hf = load_hf_model(resolved.path)
-    spec = spec_for(hf.config)
-    geometry = spec.geometry(hf.config)
-    with atomic_dir(Path(output_dir), overwrite=overwrite) as tmp:
-        t0 = time.perf_counter()
-        try:
-            _trace(hf, geometry, spec.mask_mapping, config, tmp)
-        except Exception as e:
-            raise ExportError(f"tracing {spec.name} to ONNX failed: {type(e).__name__}: {e}") from e
-        export_s = time.perf_counter() - t0
-        log.info("exported %s (%d layers) in %.1f s", spec.name, geometry["num_layers"], export_s)
-        info: dict[str, Any] = {
-            "format": EXPORT_FORMAT,
-            "architecture": spec.name,
-            "model_type": hf.config.model_type,
-            "source": {"path": str(resolved.path), "model": resolved.source, "sha256": resolved.sha256,
-                       "kind": resolved.kind},
-            "config": config.to_dict(),
-            "geometry": geometry,
-            "io": io_spec(geometry, config.logits),
-            "export_seconds": round(export_s, 2),
-            "validation": None,
-        }
-        if config.validate:
-            from trtinfer.export.validate import validate_decoder
-
-            report = validate_decoder(tmp / ONNX_NAME, hf, geometry, config.atol, config.logits == "last")
-            info["validation"] = report.to_dict()
-            if not report.passed:
-                raise ValidationError(
-                    f"exported graph disagrees with eager: logits diff {report.prefill_logits_max_abs_diff:.2e}/"
-                    f"{report.decode_logits_max_abs_diff:.2e} (tolerance {report.tolerance:.2e}), present diff "
-                    f"{report.present_max_abs_diff:.2e}, top-1 agree {report.top1_agree}; raise --atol only if "
-                    "these are fp32 reordering noise"
-                )
-        (tmp / INFO_NAME).write_text(json.dumps(info, indent=2))
-    return ExportResult(Path(output_dir), info)
+    out = Path(output_dir)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        stage = _export_into(resolved, tmp, config)
+    return StageDir(out, stage.info)
 
 
-def export_cached(model: str | Path | ResolvedModel, config: ExportConfig | None = None) -> ExportResult:
-    """Like :func:`export`, into ``~/.cache/trtinfer/onnx/<hash of source, config, versions>``, reused if there."""
-    import torch
-    import transformers
+def stack_versions() -> dict[str, str]:
+    """Versions of the packages an export depends on (read from metadata: nothing heavy is imported)."""
+    from importlib.metadata import version
 
+    from trtinfer import __version__
+
+    return {"trtinfer": __version__, **{name: version(name) for name in ("torch", "transformers", "onnx")}}
+
+
+def export_cached(model: str | Path | ResolvedModel, config: ExportConfig | None = None, *,
+                  stats: dict[str, Any] | None = None) -> StageDir:
+    """Like :func:`export`, into ``~/.cache/trtinfer/onnx/<hash of source, config, versions>``, reused if there.
+
+    The cache checks the entry's files against their record before reuse, so a damaged export is made again.
+    ``stats["cached"]`` tells whether the entry was reused.
+    """
     config = config or ExportConfig()
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
-    key = key_of([EXPORT_FORMAT, resolved.sha256, config.to_dict(), torch.__version__, transformers.__version__])
-
-    def make(tmp: Path) -> None:
-        export(resolved, tmp / "export", config)
-        for f in (tmp / "export").iterdir():
-            f.rename(tmp / f.name)
-        (tmp / "export").rmdir()
-
-    path = cached_dir("onnx", key, make)
-    return ExportResult(path, json.loads((path / INFO_NAME).read_text()))
+    key = key_of([EXPORT_FORMAT, resolved.sha256, config.to_dict(), stack_versions()])
+    made = []
+    path = cached_dir("onnx", key, lambda tmp: made.append(_export_into(resolved, tmp, config)))
+    if stats is not None:
+        stats["cached"] = not made
+    return read_stage(path, verify=False)  # cached_dir has just checked the files

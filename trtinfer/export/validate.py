@@ -99,5 +99,5 @@ def validate_decoder(onnx_path: Path, model: Any, geometry: dict[str, Any], atol
     tol = atol * scale
     passed = top1 and max(prefill_diff, decode_diff) <= tol and present_diff <= atol * present_scale
     report = ValidationReport(prefill_diff, decode_diff, present_diff, scale, tol, top1, passed)
-    log.info("validation vs eager: %s", report)
+    log.debug("validation vs eager: %s", report.to_dict())
     return report

@@ -1,4 +1,5 @@
-"""Run a target's pipeline over a model: ``optimize(IN.onnx, OUT.onnx, config) -> FusionReport``."""
+"""Run a target's pipeline over a model: ``optimize(IN.onnx, OUT.onnx, config) -> FusionReport`` on files, and
+``optimize_stage(EXPORT_DIR, OUT_DIR, config) -> StageDir`` on stage directories (what ``trtinfer build`` chains)."""
 from __future__ import annotations
 
 import json
@@ -11,10 +12,13 @@ from typing import Any
 
 import onnx_ir as ir
 
+from trtinfer._cache import atomic_dir, cached_dir, key_of
 from trtinfer.errors import ConfigError, InputError
 from trtinfer.passes.config import PassConfig
+from trtinfer.passes.layout import CONCAT, LAYOUT_KEY
 from trtinfer.passes.registry import GEOMETRY_KEY, PassContext, get_pass, get_pipeline
 from trtinfer.passes.report import FusionReport, PassRecord
+from trtinfer.stages import ONNX_NAME, StageDir, carry_forward, graph_io, is_stage_dir, read_stage, write_stage
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +76,8 @@ def optimize(in_path: str | Path, out_path: str | Path, config: PassConfig | Non
     src, dst = Path(in_path), Path(out_path)
     if dst.suffix != ".onnx":
         raise ConfigError(f"output must be an .onnx file path, got {dst}")
-    if geometry is None and (src.parent / "export.json").is_file():
-        geometry = json.loads((src.parent / "export.json").read_text()).get("geometry")
+    if geometry is None and is_stage_dir(src.parent):
+        geometry = read_stage(src.parent, verify=False).geometry
     model = load_model(src)
     report = optimize_model(model, config, geometry)
     # write into a temp folder beside the destination, then move the files in: no half-written model on failure
@@ -86,3 +90,66 @@ def optimize(in_path: str | Path, out_path: str | Path, config: PassConfig | Non
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return report
+
+
+OPTIMIZE_FORMAT = 1  # bump when what the optimize stage writes changes (invalidates cached optimized graphs)
+
+
+def _optimize_into(src: StageDir, folder: Path, config: PassConfig) -> StageDir:
+    """Run ``config``'s pipeline on the export stage ``src`` and write the optimize stage into ``folder``."""
+    if src.stage != "export":
+        opt = src.history.get("optimize", {}).get("config", {})
+        raise ConfigError(f"{src.path} is already optimized (for {opt.get('target')}, {opt.get('precision')}); "
+                          "give the export directory it came from")
+    if src.kind != "decoder":
+        raise ConfigError(f"{src.path} holds an encoder export; encoders are fused at build time: "
+                          "run `trtinfer build MODEL` on the model itself")
+    t0 = time.perf_counter()
+    report = optimize(src.onnx_path, folder / ONNX_NAME, config, geometry=src.geometry)
+    import onnx
+
+    props = {p.key: p.value for p in onnx.load(str(folder / ONNX_NAME), load_external_data=False).metadata_props}
+    info = {**carry_forward(src, folder), "stage": "optimize", "io": graph_io(folder / ONNX_NAME),
+            "kv_layout": props.get(LAYOUT_KEY, CONCAT)}
+    info["history"]["optimize"] = {"config": config.to_dict(), "seconds": round(time.perf_counter() - t0, 2),
+                                   "fusion_report": report.to_dict(), "format": OPTIMIZE_FORMAT,
+                                   "versions": pass_versions()}
+    return write_stage(folder, info)
+
+
+def pass_versions() -> dict[str, str]:
+    """Versions of what the passes depend on (from package metadata; nothing is imported)."""
+    from importlib.metadata import version
+
+    from trtinfer import __version__
+
+    return {"trtinfer": __version__, **{n: version(n) for n in ("onnx", "onnx-ir", "onnxscript", "onnxruntime")}}
+
+
+def optimize_stage(src: str | Path | StageDir, output_dir: str | Path, config: PassConfig | None = None, *,
+                   overwrite: bool = False) -> StageDir:
+    """Optimize the export stage directory ``src`` for ``config.target`` into the stage directory ``output_dir``.
+
+    ``output_dir`` gets the optimized graph, the export's tokenizer files and engine-check reference, and a
+    ``stage.json`` that keeps the export's facts and validation and adds this pass config and fusion report;
+    ``trtinfer build`` takes it as input.
+    """
+    config = config or PassConfig()
+    stage = src if isinstance(src, StageDir) else read_stage(src)
+    out = Path(output_dir)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        done = _optimize_into(stage, tmp, config)
+    return StageDir(out, done.info)
+
+
+def optimize_cached(src: StageDir, config: PassConfig, *, stats: dict[str, Any] | None = None) -> StageDir:
+    """:func:`optimize_stage` into ``~/.cache/trtinfer/optimized/<hash of the export, config, versions>``, reused.
+
+    ``stats["cached"]`` tells whether the entry was reused.
+    """
+    key = key_of([OPTIMIZE_FORMAT, src.content_key(), config.to_dict(), pass_versions()])
+    made = []
+    path = cached_dir("optimized", key, lambda tmp: made.append(_optimize_into(src, tmp, config)))
+    if stats is not None:
+        stats["cached"] = not made
+    return read_stage(path, verify=False)  # cached_dir has just checked the files

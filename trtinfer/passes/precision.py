@@ -232,7 +232,7 @@ def convert_precision(model: ir.Model, precision: str, keep_fp32: Iterable[str] 
     _fix_outputs(model, low, keep_io_types, "logits" in keep)
     ir.passes.common.RemoveUnusedNodesPass()(model)
     n_low = sum(1 for n, t in chosen.items() if t == low)
-    log.info("precision %s: %d nodes low, %d fp32, %d casts inserted, %d initializers converted", precision, n_low,
+    log.debug("precision %s: %d nodes low, %d fp32, %d casts inserted, %d initializers converted", precision, n_low,
              len(chosen) - n_low, caster.inserted, converted_inits)
     return n_low
 

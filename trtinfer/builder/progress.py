@@ -1,0 +1,49 @@
+"""One progress display for a job made of stages: each stage is a step; a stage reused from the cache says so."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+
+class StageProgress:
+    """``with progress.stage("export") as rec: ...`` advances one step per stage and records its time.
+
+    ``rec["cached"] = True`` inside the block marks the stage as reused; :attr:`records` keeps, per stage, its
+    seconds and whether it came from the cache (the manifest stores them).
+    """
+
+    def __init__(self, names: Sequence[str], enabled: bool = True) -> None:
+        from tqdm.auto import tqdm
+
+        self.names = list(names)
+        self.records: dict[str, dict[str, Any]] = {}
+        # disable=None: tqdm draws only on a terminal
+        self._bar = tqdm(total=len(self.names), disable=None if enabled else True, unit="stage", leave=False,
+                         bar_format="{desc:<28} {bar:20} {n_fmt}/{total_fmt} stages [{elapsed}]")
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[dict[str, Any]]:
+        """Run one stage of the job (``name`` must be one of the stages given at construction)."""
+        if name not in self.names:
+            raise ValueError(f"stage {name!r} was not announced; stages: {self.names}")
+        self._bar.set_description_str(name)
+        rec: dict[str, Any] = {"cached": False}
+        t0 = time.perf_counter()
+        try:
+            yield rec
+        finally:
+            rec["seconds"] = round(time.perf_counter() - t0, 2)
+            self.records[name] = rec
+            self._bar.update()
+
+    def close(self) -> None:
+        """Remove the display."""
+        self._bar.close()
+
+    def __enter__(self) -> StageProgress:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,35 @@
+"""One-line human summaries of stage directories and engine manifests, shared by the verbs that print them."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def validation_text(v: dict[str, Any] | None) -> str:
+    """``validated vs eager: max|diff| 2.1e-05 (tol 3.0e-03), top-1 agrees`` (decoder or encoder record)."""
+    if not v:
+        return "not validated against eager"
+    if "decode_logits_max_abs_diff" in v:
+        diff = max(v["prefill_logits_max_abs_diff"], v["decode_logits_max_abs_diff"])
+        return f"validated vs eager: logits max|diff| {diff:.2e} (tol {v['tolerance']:.2e}), top-1 agrees"
+    return f"validated vs eager: max|diff| {v['max_abs_diff']:.2e} (tol {v['tolerance']:.2e})"
+
+
+def fused_text(fused: dict[str, Any]) -> str:
+    """``attention 30/30, rotary 60/60, norm 61/61``."""
+    return ", ".join(f"{k} {c['count']}" + (f"/{c['expected']}" if c.get("expected") is not None else "")
+                     for k, c in fused.items() if c["count"] or c.get("expected"))
+
+
+def stage_summary(stage: Any) -> str:
+    """What an export or optimize stage directory holds, in two lines."""
+    info = stage.info
+    g = info["geometry"]
+    head = f"{stage.stage} {stage.path}: {info['architecture']} {g['num_layers']} layers"
+    if stage.stage == "optimize":
+        cfg = stage.history["optimize"]["config"]
+        report = stage.history["optimize"]["fusion_report"]
+        fired = [f"{n} {r['fired']}" + (f"/{r['expected']}" if r.get("expected") is not None else "")
+                 for n, r in report.get("fusions", {}).items() if r["kind"] == "fusion" and (r["fired"] or r.get("expected"))]
+        head += f", {cfg['target']} {cfg['precision']}, KV layout {stage.kv_layout}"
+        return head + "\nfused: " + ", ".join(fired)
+    return head + "\n" + validation_text(stage.validation)

@@ -1,0 +1,42 @@
+"""The tokenizer files an engine needs, taken from the model folder at export time (transformers only here)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from trtinfer.errors import ExportError
+from trtinfer.stages import TOKENIZER_FILES
+
+
+def save_tokenizer(src: Path, out: Path) -> dict[str, Any]:
+    """Copy the tokenizer files of ``src`` into ``out``; return BOS/EOS/PAD as transformers' ``generate`` uses them.
+
+    A slow tokenizer is converted to ``tokenizer.json`` (the torch-free runtime reads only that); a chat template
+    held in ``tokenizer_config.json`` is also written to ``chat_template.jinja``.
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(src)
+    if not (src / "tokenizer.json").is_file():
+        tok.save_pretrained(out)  # a slow tokenizer gets converted to tokenizer.json here
+    if tok.chat_template and not (src / "chat_template.jinja").is_file():
+        (out / "chat_template.jinja").write_text(tok.chat_template)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and not (out / name).exists():
+            shutil.copyfile(src / name, out / name)
+    for extra in ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "added_tokens.json"):
+        if (out / extra).exists():  # left by save_pretrained; the runtime reads tokenizer.json only
+            (out / extra).unlink()
+    if not (out / "tokenizer.json").is_file():
+        raise ExportError(f"{src} has no fast tokenizer (tokenizer.json) and none could be made; the runtime needs one")
+    try:
+        eos = GenerationConfig.from_pretrained(src).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = tok.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    return {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "bos_token_id": tok.bos_token_id,
+            "eos_token_ids": eos_ids, "pad_token_id": pad, "chat_template": bool(tok.chat_template)}

@@ -1,0 +1,162 @@
+"""Stage directories: what one stage (export, optimize) writes and the next one reads.
+
+A stage directory holds the graph (``model.onnx`` + ``model.onnx.data``), the tokenizer files, ``reference.npz``
+(the engine check's reference logits, computed once on the export that was validated against eager) and
+``stage.json``. ``stage.json`` is the one source of truth for the model's facts, written once at export
+(``architecture``, ``model_type``, ``source``, ``geometry``) and carried forward unchanged; for this stage's graph
+(``io``, ``kv_layout``); for the tokenizer (``tokenizer``); for what each stage did (``history``: config, seconds,
+validation or fusion report); and for the files themselves (``files``: size and sha256 of each), so a stage that
+reads the directory can tell it is the one that was written and validated.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trtinfer._cache import check_files, key_of, record_files
+from trtinfer.errors import ModelSourceError
+
+STAGE_FILE = "stage.json"
+STAGE_FORMAT = 1
+STAGES = ("export", "optimize")
+ONNX_NAME = "model.onnx"
+DATA_NAME = "model.onnx.data"
+REFERENCE_NAME = "reference.npz"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+#: the facts the export writes once; later stages copy them unchanged
+MODEL_FACTS = ("kind", "architecture", "model_type", "source", "geometry")
+
+
+@dataclass(frozen=True)
+class StageDir:
+    """A stage directory and its parsed ``stage.json``."""
+
+    path: Path
+    info: dict[str, Any]
+
+    @property
+    def stage(self) -> str:
+        """``export`` or ``optimize``."""
+        return str(self.info["stage"])
+
+    @property
+    def kind(self) -> str:
+        """``decoder`` or ``encoder``."""
+        return str(self.info.get("kind", "decoder"))
+
+    @property
+    def onnx_path(self) -> Path:
+        """The graph file."""
+        return self.path / ONNX_NAME
+
+    @property
+    def geometry(self) -> dict[str, Any]:
+        """Layers, heads, vocab, windows: as the exporter read them from the model config."""
+        return dict(self.info["geometry"])
+
+    @property
+    def io(self) -> dict[str, Any]:
+        """Inputs and outputs of this stage's graph."""
+        return dict(self.info["io"])
+
+    @property
+    def kv_layout(self) -> str:
+        """``concat`` (past and present are separate, growing tensors) or ``shared_buffer``."""
+        return str(self.info.get("kv_layout", "concat"))
+
+    @property
+    def history(self) -> dict[str, Any]:
+        """Per stage so far: its config, seconds and report."""
+        return dict(self.info.get("history", {}))
+
+    @property
+    def validation(self) -> dict[str, Any] | None:
+        """The export's comparison with PyTorch eager (None if it was skipped)."""
+        return self.history.get("export", {}).get("validation")
+
+    @property
+    def reference_path(self) -> Path | None:
+        """The engine check's reference logits, if the export computed them."""
+        p = self.path / REFERENCE_NAME
+        return p if REFERENCE_NAME in self.info.get("files", {}) else None
+
+    def content_key(self) -> str:
+        """A key for everything this directory holds (its files' hashes and its stage.json facts)."""
+        files = {n: r["sha256"] for n, r in self.info["files"].items()}
+        facts = {k: v for k, v in self.info.items() if k != "files"}
+        return key_of([files, facts])
+
+
+def write_stage(folder: Path, info: dict[str, Any]) -> StageDir:
+    """Record every file in ``folder`` (size, sha256) and write ``stage.json``; returns the stage."""
+    info = {**info, "format": STAGE_FORMAT}
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != STAGE_FILE)
+    info["files"] = record_files(folder, names)
+    (folder / STAGE_FILE).write_text(json.dumps(info, indent=2))
+    return StageDir(folder, info)
+
+
+def is_stage_dir(path: str | Path) -> bool:
+    """True if ``path`` is a folder holding a ``stage.json``."""
+    return (Path(path) / STAGE_FILE).is_file()
+
+
+def read_stage(path: str | Path, *, verify: bool = True) -> StageDir:
+    """Read a stage directory; with ``verify``, check its files against their record (size, then sha256).
+
+    A file that changed after the stage wrote it is an error: validation figures and fusion reports describe the
+    files as written, so a modified folder must be produced again.
+    """
+    folder = Path(path)
+    file = folder / STAGE_FILE
+    try:
+        info = json.loads(file.read_text())
+    except FileNotFoundError as e:
+        raise ModelSourceError(f"{folder} has no {STAGE_FILE}: not a trtinfer export or optimize output") from e
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"{file} is unreadable ({e}); produce {folder} again") from e
+    if not isinstance(info, dict) or info.get("stage") not in STAGES or not isinstance(info.get("files"), dict):
+        raise ModelSourceError(f"{file} is not a trtinfer stage record; produce {folder} again")
+    if info.get("format") != STAGE_FORMAT:
+        raise ModelSourceError(f"{file} has format {info.get('format')}, this trtinfer reads {STAGE_FORMAT}; "
+                               f"produce {folder} again with this version")
+    if verify:
+        problem = check_files(folder, info["files"])
+        if problem:
+            raise ModelSourceError(f"{folder} was modified after `trtinfer {info['stage']}` wrote it ({problem}); "
+                                   f"run `trtinfer {info['stage']}` again")
+    return StageDir(folder, info)
+
+
+def carry_forward(src: StageDir, dst: Path) -> dict[str, Any]:
+    """Copy what the next stage needs besides the graph (tokenizer files, reference); return the inherited facts."""
+    for name in (*TOKENIZER_FILES, REFERENCE_NAME):
+        if name in src.info["files"]:
+            shutil.copyfile(src.path / name, dst / name)
+    inherited = {k: src.info[k] for k in MODEL_FACTS if k in src.info}
+    inherited["tokenizer"] = src.info.get("tokenizer", {})
+    inherited["history"] = src.history
+    return inherited
+
+
+ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64"}
+
+
+def graph_io(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """Names, dtypes and shapes (symbolic names or ints) of an ONNX file's inputs and outputs (weights not read)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+
+    def spec(vi: Any) -> dict[str, Any]:
+        t = vi.type.tensor_type
+        dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in t.shape.dim]
+        return {"name": vi.name, "dtype": ONNX_DTYPES.get(t.elem_type, str(t.elem_type)), "shape": dims}
+
+    inits = {i.name for i in model.graph.initializer}
+    return {"inputs": [spec(v) for v in model.graph.input if v.name not in inits],
+            "outputs": [spec(v) for v in model.graph.output]}
