@@ -263,6 +263,8 @@ def test_encoder_manifest_is_checked_per_kind(small_engine, tmp_path):
     enc = _fake_encoder_engine(small_engine, tmp_path / "enc")
     with trtinfer.load(enc) as eng:  # no num_kv_heads/head_dim, no kv_select: fine for an encoder
         assert eng.embed(["a b", "c"]).shape == (2, 1)
+        with pytest.raises(InputError, match=r"text 1 is not valid UTF-8 text"):
+            eng.embed(["fine", "bad \udcff bytes"])
     m = json.loads((enc / "manifest.json").read_text())
     m["files"] = {"decoder": "model.onnx"}
     (enc / "manifest.json").write_text(json.dumps(m))

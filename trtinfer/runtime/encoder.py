@@ -12,7 +12,7 @@ import numpy as np
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.manifest import Manifest, read_manifest
-from trtinfer.runtime.tokenizer import read_tokenizer
+from trtinfer.runtime.tokenizer import check_text, read_tokenizer
 
 
 class EncoderEngine:
@@ -58,6 +58,8 @@ class EncoderEngine:
         bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
         if bad:
             raise InputError(f"embed() takes strings; items {bad[:5]} are not")
+        for i, t in enumerate(texts):
+            check_text(t, f"text {i}")
         if batch_size < 1:
             raise InputError(f"batch_size must be >= 1, got {batch_size}")
         norm = self.pooling.get("normalize", False) if normalize is None else normalize
