@@ -1,8 +1,15 @@
-"""Shared fixtures: tiny random models of every architecture and engines built from them; real-model engines."""
+"""Shared fixtures: tiny random models of every architecture and engines built from them; real-model engines.
+
+The suite's exports go to a per-session temporary cache (``TRTINFER_CACHE``, inherited by CLI subprocesses), so
+tests never write into the user's ``~/.cache/trtinfer``. Real-model engines are the exception: they are built in
+the user's cache (``in_user_cache``), where ``trtinfer build gemma-3-270m`` finds and reuses them.
+"""
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -12,6 +19,36 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny_models import ARCHS, make_tiny_model
+
+#: The user's cache, as trtinfer would pick it outside the tests (read before the session redirects it).
+USER_CACHE = Path(os.environ.get("TRTINFER_CACHE", Path.home() / ".cache" / "trtinfer"))
+
+
+@contextmanager
+def _cache_at(path: Path) -> Iterator[Path]:
+    """Point ``TRTINFER_CACHE`` at ``path`` inside the block; restore the previous value after it."""
+    before = os.environ.get("TRTINFER_CACHE")
+    os.environ["TRTINFER_CACHE"] = str(path)
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop("TRTINFER_CACHE", None)
+        else:
+            os.environ["TRTINFER_CACHE"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The whole session caches its exports in a temporary folder, not in the user's cache."""
+    with _cache_at(tmp_path_factory.mktemp("trtinfer-cache")) as path:
+        yield path
+
+
+@pytest.fixture(scope="session")
+def in_user_cache() -> Callable[[], AbstractContextManager[Path]]:
+    """``with in_user_cache(): ...`` builds real-model artifacts in the user's cache, shared with the CLI."""
+    return lambda: _cache_at(USER_CACHE)
 
 
 @pytest.fixture(scope="session")
