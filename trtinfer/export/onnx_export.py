@@ -182,7 +182,11 @@ def export_cached(model: str | Path | ResolvedModel, config: ExportConfig | None
     """
     config = config or ExportConfig()
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
-    key = key_of([EXPORT_FORMAT, resolved.sha256, config.to_dict(), stack_versions()])
+    from trtinfer.export.sources import MODELS_FORMAT
+
+    # a GGUF's digest names the file, not the folder made from it: its conversion format is part of the key
+    source = [resolved.sha256, MODELS_FORMAT if resolved.kind != "folder" else None]
+    key = key_of([EXPORT_FORMAT, source, config.to_dict(), stack_versions()])
     made = []
     path = cached_dir("onnx", key, lambda tmp: made.append(_export_into(resolved, tmp, config)))
     if stats is not None:

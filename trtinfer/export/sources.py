@@ -230,8 +230,8 @@ def resolve_model(model: str | os.PathLike[str]) -> ResolvedModel:
         if f.read(4) != b"GGUF":
             raise ModelSourceError(f"{gguf} does not start with the GGUF magic bytes: not a GGUF file")
     digest = _hash_memo(gguf, sha256_file)
-    import transformers
+    from importlib.metadata import version  # not `import transformers`: a cache hit should not pay its import
 
-    key = f"{digest[:32]}-f{MODELS_FORMAT}-tf{transformers.__version__}"
+    key = f"{digest[:32]}-f{MODELS_FORMAT}-tf{version('transformers')}"
     folder = cached_dir("models", key, lambda out: _dequantize_gguf(gguf, out))
     return ResolvedModel(folder, text, digest, kind)
