@@ -1,21 +1,23 @@
 """Produce README's benchmark table: trtinfer engines vs PyTorch eager, same machine, same run.
 
 usage: python benchmarks/run_benchmarks.py [--models smollm2-135m gemma-3-270m] [--batch-sizes 1 8]
-Prints a table and writes benchmarks/results/cpu.json. Engines are built (from the export cache) under
-~/.cache/trtinfer/engines. Peer figures (optimum, onnxruntime-genai, llama.cpp) come from ../shared/ANCHORS.md,
+Prints a table and writes benchmarks/results/cpu.json (with the CPU model and its kernel-relevant flags). Engines
+are built (every stage from the cache when present) under benchmarks/.engines. Peer figures (optimum, onnxruntime-genai, llama.cpp) come from ../shared/ANCHORS.md,
 measured on the same class of machine; compare ratios against eager, not absolute times.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import sys
 import time
 from pathlib import Path
 
-from trtinfer._cache import cache_root
 from trtinfer.bench import compare
 from trtinfer.builder import build
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import machine_info
 
 
 def main() -> None:
@@ -29,7 +31,7 @@ def main() -> None:
 
     rows = []
     for model in args.models:
-        engine = cache_root() / "engines" / f"{model}-fp32-cpu"
+        engine = Path(__file__).parent / ".engines" / f"{model}-fp32-cpu"
         build(model, engine, overwrite=True, progress=False)
         for bs in args.batch_sizes:
             rep = compare(engine, bs, args.prompt_len, args.new_tokens)
@@ -52,7 +54,7 @@ def main() -> None:
               f"{e['peak_rss_mib']:.0f} / {g['peak_rss_mib']:.0f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
+    out.write_text(json.dumps({"machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
                                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": rows}, indent=2))
     print(f"\nwrote {out}")
 
