@@ -28,7 +28,7 @@ from trtinfer._cache import (
     sweep_stale,
     verify_cache,
 )
-from trtinfer.errors import OutputError
+from trtinfer.errors import OutputError, OutputExistsError
 
 DATA = bytes(range(256)) * (4 * 4096)  # 4 MiB, as a stand-in for model.onnx.data
 
@@ -219,8 +219,9 @@ def test_atomic_dir_holds_its_lock_and_cleans_up_on_failure(tmp_path):
     assert os.listdir(tmp_path) == []
     with atomic_dir(tmp_path / "engine") as tmp:
         (tmp / "a").write_text("1")
-    with pytest.raises(FileExistsError), atomic_dir(tmp_path / "engine") as tmp:
-        (tmp / "a").write_text("2")
+    with (pytest.raises(OutputExistsError, match="engine already exists; choose another -o or pass --force"),
+          atomic_dir(tmp_path / "engine")):  # refused before the block runs: no work is wasted
+        raise AssertionError("the block must not run")
     with atomic_dir(tmp_path / "engine", overwrite=True) as tmp:
         (tmp / "a").write_text("3")
     assert (tmp_path / "engine" / "a").read_text() == "3" and os.listdir(tmp_path) == ["engine"]

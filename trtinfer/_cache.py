@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtinfer.errors import ConfigError, OutputError
+from trtinfer.errors import ConfigError, OutputError, OutputExistsError
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,14 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def sha256_dir(path: Path, suffixes: tuple[str, ...] = (".json", ".safetensors", ".bin", ".model", ".txt")) -> str:
-    """Hex sha256 over the names and bytes of a model folder's files (sorted, non-recursive)."""
+def sha256_dir(path: Path) -> str:
+    """Hex sha256 over the names and bytes of a model folder's files (sorted, non-recursive, hidden files skipped).
+
+    Every file counts (weights, config, tokenizer, ``chat_template.jinja``): each may end up in an export.
+    """
     h = hashlib.sha256()
     for p in sorted(path.iterdir()):
-        if p.is_file() and p.suffix in suffixes:
+        if p.is_file() and not p.name.startswith("."):
             h.update(p.name.encode())
             h.update(sha256_file(p).encode())
     return h.hexdigest()
@@ -399,6 +402,12 @@ def _output_error(e: BaseException, final: Path, tmp: Path | None, alternative: 
 
 # --- atomic output directories --------------------------------------------------------------------------------------
 
+def _exists_error(final: Path) -> OutputExistsError:
+    err = OutputExistsError(f"{final} already exists; choose another -o or pass --force to replace it")
+    err.path = str(final)
+    return err
+
+
 def _commit(tmp: Path, final: Path, overwrite: bool) -> None:
     """Rename ``tmp`` to ``final``, setting an existing ``final`` aside first when ``overwrite``."""
     for _ in range(10):  # another process may commit or remove the same final between our look and our rename
@@ -411,7 +420,7 @@ def _commit(tmp: Path, final: Path, overwrite: bool) -> None:
                     raise
                 continue
         if not overwrite:
-            raise FileExistsError(errno.EEXIST, "already exists", str(final))
+            raise _exists_error(final)
         try:
             old, fd = _set_aside(final)
         except FileNotFoundError:
@@ -441,6 +450,8 @@ def atomic_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
     or full location raises :class:`OutputError` naming ``final`` and suggesting ``alternative``.
     """
     final = Path(final)
+    if not overwrite and os.path.lexists(final):  # say so before the work, not after it
+        raise _exists_error(final)
     tmp: Path | None = None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -533,12 +544,18 @@ def cached_dir(kind: str, key: str, make: Callable[[Path], object], *, verify: s
         _discard(final)
     elif os.path.lexists(final):
         _discard(final)
-    with atomic_dir(final, overwrite=True, alternative=_CHANGE_CACHE) as tmp:
-        make(tmp)
-        _apply_modes(tmp, current_umask())  # before the record: chmod moves ctime, part of the stamp
-        entry = {"format": ENTRY_FORMAT, "kind": kind, "key": key, "created": time.time(),
-                 "files": record_files(tmp)}
-        (tmp / ENTRY_NAME).write_text(json.dumps(entry, indent=1, sort_keys=True))
+    try:
+        # never replace an entry: another build may be reading it; if one appears meanwhile, it is used instead
+        with atomic_dir(final, overwrite=False, alternative=_CHANGE_CACHE) as tmp:
+            make(tmp)
+            _apply_modes(tmp, current_umask())  # before the record: chmod moves ctime, part of the stamp
+            entry = {"format": ENTRY_FORMAT, "kind": kind, "key": key, "created": time.time(),
+                     "files": record_files(tmp)}
+            (tmp / ENTRY_NAME).write_text(json.dumps(entry, indent=1, sort_keys=True))
+    except OutputExistsError:
+        if not final.is_dir() or _entry_problem(final, verify) is not None:
+            raise
+        log.debug("cache entry %s/%s was completed by another process meanwhile; using it", kind, key)
     return final
 
 
@@ -569,11 +586,15 @@ class CacheEntry:
                 "detail": self.detail}
 
 
+#: the folders of the cache root that trtinfer fills; anything else there is not ours to list or remove
+CACHE_KINDS = ("models", "onnx", "optimized", "compiled")
+
+
 def _kind_dirs(kind: str | None) -> list[Path]:
     root = cache_root()
-    if kind is not None:
-        return [root / kind] if (root / kind).is_dir() else []
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if kind is not None and kind not in CACHE_KINDS:
+        raise ConfigError(f"unknown cache kind '{kind}'; known: {', '.join(CACHE_KINDS)}")
+    return [root / k for k in ((kind,) if kind else CACHE_KINDS) if (root / k).is_dir()]
 
 
 def _describe(kind_dir: Path, p: Path, now: float) -> CacheEntry:

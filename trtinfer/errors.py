@@ -52,6 +52,11 @@ class OutputError(TrtInferError):
     path: str | None = None
 
 
+class OutputExistsError(OutputError):
+    """The output directory exists and replacing it was not asked for."""
+
+
+
 class BuildError(TrtInferError):
     """Building an engine directory failed."""
 

@@ -87,8 +87,10 @@ class StageDir:
     def content_key(self) -> str:
         """A key for everything this directory holds (its files' hashes and its stage.json facts)."""
         files = {n: r["sha256"] for n, r in self.info["files"].items()}
-        facts = {k: v for k, v in self.info.items() if k != "files"}
-        return key_of([files, facts])
+        facts = {k: v for k, v in self.info.items() if k not in ("files", "history", "source")}
+        # what each stage did matters, how long it took and where the model was read from do not
+        done = {stage: {k: v for k, v in rec.items() if k != "seconds"} for stage, rec in self.history.items()}
+        return key_of([files, facts, done, self.info.get("source", {}).get("sha256")])
 
 
 def write_stage(folder: Path, info: dict[str, Any]) -> StageDir:
@@ -121,6 +123,13 @@ def read_stage(path: str | Path, *, verify: bool = True) -> StageDir:
         raise ModelSourceError(f"{file} is unreadable ({e}); produce {folder} again") from e
     if not isinstance(info, dict) or info.get("stage") not in STAGES or not isinstance(info.get("files"), dict):
         raise ModelSourceError(f"{file} is not a trtinfer stage record; produce {folder} again")
+    shape = {"geometry": dict, "io": dict, "history": dict, "architecture": str}
+    bad = [k for k, t in shape.items() if not isinstance(info.get(k), t)]
+    bad += [f"files.{n}" for n, r in info["files"].items() if not isinstance(r, dict) or not {"size", "sha256"} <= set(r)]
+    if info["stage"] == "optimize" and not isinstance(info.get("history", {}).get("optimize", {}).get("config"), dict):
+        bad.append("history.optimize.config")
+    if bad:
+        raise ModelSourceError(f"{file} lacks or mistypes {', '.join(bad)}; produce {folder} again")
     if info.get("format") != STAGE_FORMAT:
         raise ModelSourceError(f"{file} has format {info.get('format')}, this trtinfer reads {STAGE_FORMAT}; "
                                f"produce {folder} again with this version")
@@ -160,3 +169,12 @@ def graph_io(path: Path) -> dict[str, list[dict[str, Any]]]:
     inits = {i.name for i in model.graph.initializer}
     return {"inputs": [spec(v) for v in model.graph.input if v.name not in inits],
             "outputs": [spec(v) for v in model.graph.output]}
+
+
+def package_versions(*names: str) -> dict[str, str]:
+    """trtinfer's version and those of ``names`` (from package metadata: nothing is imported)."""
+    from importlib.metadata import version
+
+    from trtinfer import __version__
+
+    return {"trtinfer": __version__, **{n: version(n) for n in names}}

@@ -152,13 +152,37 @@ def test_damaged_cache_entry_is_rebuilt_not_trusted(damage, tiny_model_dir, tmp_
     assert greedy(engine) == good
 
 
-def test_no_reference_means_no_check_but_a_warning(tiny_model_dir, tmp_path, caplog):
+def test_no_reference_means_no_check_but_a_warning(tiny_model_dir, tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("TRTINFER_CACHE", str(tmp_path / "cache"))
     exp = export(tiny_model_dir("llama"), tmp_path / "exp", ExportConfig(logits="all"))
     assert exp.reference_path is None
     opt = optimize_stage(exp, tmp_path / "opt", PassConfig(max_seq_len=64))
     assert opt.stage == "optimize"
     with pytest.raises(ConfigError, match="already optimized"):
         optimize_stage(opt, tmp_path / "opt2", PassConfig(max_seq_len=64))
+    for out in ("eng", "eng2"):  # the second build reuses the compiled entry and still says it is unchecked
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            engine = build(opt.path, tmp_path / out, progress=False)
+        assert any("not checked" in r.getMessage() for r in caplog.records)
+        assert "engine_check" not in json.loads((engine / "manifest.json").read_text())
+
+
+def test_optimize_stage_pass_settings_are_recorded(chain, tmp_path):
+    root, _, _ = chain
+    opt = optimize_stage(root / "exp", tmp_path / "opt", PassConfig(max_seq_len=128, disable=("skip_norm",)))
+    m = json.loads((build(opt.path, tmp_path / "eng", progress=False) / "manifest.json").read_text())
+    assert m["build_config"]["disable_passes"] == ["skip_norm"] and m["limits"]["max_seq_len"] == 128
+    assert "SkipSimplifiedLayerNormalization" not in m["op_histogram"]
+
+
+def test_existing_output_is_refused_before_the_work(chain, tmp_path):
+    root, src, _ = chain
+    (tmp_path / "taken").mkdir()
+    for args in (("export", src), ("optimize", root / "exp")):
+        p = cli(*args, "-o", tmp_path / "taken")
+        assert p.returncode == 2 and "already exists" in p.stderr and "internal error" not in p.stderr
+        assert "--force" in p.stderr
 
 
 def test_engine_directory_modes_follow_the_umask(tiny_model_dir, tmp_path):

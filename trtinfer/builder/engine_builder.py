@@ -9,6 +9,7 @@ destination and renamed at the end: a failed or interrupted build leaves nothing
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import platform
@@ -24,7 +25,7 @@ from trtinfer.builder.config import BuildConfig
 from trtinfer.builder.progress import StageProgress
 from trtinfer.errors import BuildError, ConfigError
 from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest
-from trtinfer.stages import TOKENIZER_FILES, StageDir, graph_io, is_stage_dir, read_stage
+from trtinfer.stages import TOKENIZER_FILES, StageDir, graph_io, is_stage_dir, package_versions, read_stage
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,7 @@ CHECK_NAME = "engine_check.json"
 
 def engine_versions() -> dict[str, str]:
     """Versions that matter to an engine (from package metadata: nothing heavy is imported)."""
-    from importlib.metadata import version
-
-    from trtinfer import __version__
-
-    return {"trtinfer": __version__, "onnxruntime": version("onnxruntime"), "onnx": version("onnx"),
-            "python": platform.python_version()}
+    return {**package_versions("onnxruntime", "onnx"), "python": platform.python_version()}
 
 
 def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engine: Path,
@@ -71,8 +67,9 @@ def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engin
     }
 
 
-def _stage_max_seq(stage: StageDir, config: BuildConfig) -> int:
-    """Check the build config against an optimize stage given as input; returns the engine's max sequence length."""
+def _from_stage(stage: StageDir, config: BuildConfig) -> tuple[BuildConfig, int]:
+    """Check the build config against an optimize stage given as input; returns the config with the stage's pass
+    settings (what the graph was really made with, as the manifest records them) and the max sequence length."""
     opt = stage.history["optimize"]["config"]
     if opt["precision"] != config.precision:
         raise ConfigError(f"{stage.path} holds a {opt['precision']} graph; build it with --precision "
@@ -80,7 +77,9 @@ def _stage_max_seq(stage: StageDir, config: BuildConfig) -> int:
     if config.max_seq_len is not None and config.max_seq_len > opt["max_seq_len"]:
         raise ConfigError(f"--max-seq-len {config.max_seq_len} exceeds the {opt['max_seq_len']} positions "
                           f"{stage.path} was optimized for; optimize the export again with --max-seq-len")
-    return config.max_seq_len or int(opt["max_seq_len"])
+    config = dataclasses.replace(config, keep_io_types=bool(opt["keep_io_types"]),
+                                 keep_fp32=tuple(opt["keep_fp32"]), disable_passes=tuple(opt["disable"]))
+    return config, config.max_seq_len or int(opt["max_seq_len"])
 
 
 def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_seq: int,
@@ -93,8 +92,6 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
         files = backend.build(stage, tmp, config)
         (tmp / "files.json").write_text(json.dumps(files))
         if stage.reference_path is None:
-            log.warning("%s has no engine-check reference (exported with --logits all): the engine is not checked",
-                        stage.path)
             return
         manifest = _manifest(config, stage, files, tmp, max_seq)
         check = check_engine(tmp, Manifest(manifest), stage.reference_path, config.precision, provider=config.target)
@@ -108,6 +105,9 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
         (tmp / CHECK_NAME).write_text(json.dumps(check.to_dict()))
         made["check"] = check
 
+    if stage.reference_path is None:  # said on every build, cached or not
+        log.warning("%s has no engine-check reference (exported with --logits all): the engine is not checked",
+                    stage.path)
     path = cached_dir("compiled", key, make)
     rec["cached"] = not made
     files = json.loads((path / "files.json").read_text())
@@ -174,7 +174,7 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
             if got != want:
                 raise ConfigError(f"{stage.path} was optimized for {got}, but --backend {config.backend} "
                                   f"--target {config.target} needs {want}; optimize the export with --target {want}")
-            max_seq = _stage_max_seq(stage, config)
+            config, max_seq = _from_stage(stage, config)
         with bar.stage("compile + check") as rec:
             compiled, files, check = _compile(stage, config, backend, max_seq, rec)
         with bar.stage("package") as rec, atomic_dir(out, overwrite=overwrite) as tmp:

@@ -5,19 +5,21 @@ import argparse
 import json
 from typing import Any
 
+from trtinfer._cache import CACHE_KINDS
+
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
     p = sub.add_parser("cache", help="show, clean or verify the export cache (TRTINFER_CACHE)")
     actions = p.add_subparsers(dest="action", metavar="{info,clean,verify}", required=True)
     info = actions.add_parser("info", help="list entries with size, age and status")
-    info.add_argument("--kind", help="only this kind folder (onnx, optimized, models)")
+    info.add_argument("--kind", choices=CACHE_KINDS, help="only this kind folder")
     info.add_argument("--json", action="store_true", help="print the listing as JSON")
     clean = actions.add_parser("clean", help="remove stale temp dirs and incomplete or damaged entries")
     clean.add_argument("--all", action="store_true", help="remove every entry too (live builds are left alone)")
-    clean.add_argument("--kind", help="only this kind folder (onnx, optimized, models)")
+    clean.add_argument("--kind", choices=CACHE_KINDS, help="only this kind folder")
     verify = actions.add_parser("verify", help="hash every entry against its record; remove the bad ones")
-    verify.add_argument("--kind", help="only this kind folder (onnx, optimized, models)")
+    verify.add_argument("--kind", choices=CACHE_KINDS, help="only this kind folder")
     p.set_defaults(func=run)
 
 

@@ -16,7 +16,7 @@ from trtinfer.export.config import ExportConfig
 from trtinfer.export.reference import write_reference
 from trtinfer.export.sources import ResolvedModel, resolve_model
 from trtinfer.export.tokenizer import save_tokenizer
-from trtinfer.stages import DATA_NAME, ONNX_NAME, REFERENCE_NAME, StageDir, read_stage, write_stage
+from trtinfer.stages import DATA_NAME, ONNX_NAME, REFERENCE_NAME, StageDir, package_versions, read_stage, write_stage
 
 log = logging.getLogger(__name__)
 
@@ -166,11 +166,7 @@ def export(model: str | Path | ResolvedModel, output_dir: str | Path, config: Ex
 
 def stack_versions() -> dict[str, str]:
     """Versions of the packages an export depends on (read from metadata: nothing heavy is imported)."""
-    from importlib.metadata import version
-
-    from trtinfer import __version__
-
-    return {"trtinfer": __version__, **{name: version(name) for name in ("torch", "transformers", "onnx")}}
+    return package_versions("torch", "transformers", "onnx")
 
 
 def export_cached(model: str | Path | ResolvedModel, config: ExportConfig | None = None, *,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trtinfer._cache import cache_root, cached_dir, sha256_dir, sha256_file
+from trtinfer._cache import cache_root, cached_dir, key_of, sha256_dir, sha256_file
 from trtinfer.errors import ModelSourceError
 from trtinfer.export.chat_templates import builtin_chat_template
 
@@ -232,6 +232,9 @@ def resolve_model(model: str | os.PathLike[str]) -> ResolvedModel:
     digest = _hash_memo(gguf, sha256_file)
     from importlib.metadata import version  # not `import transformers`: a cache hit should not pay its import
 
-    key = f"{digest[:32]}-f{MODELS_FORMAT}-tf{version('transformers')}"
+    from trtinfer.export.chat_templates import CHAT_TEMPLATES
+
+    # the folder holds transformers' conversion and possibly a built-in chat template: both are part of the key
+    key = f"{digest[:32]}-f{MODELS_FORMAT}-tf{version('transformers')}-ct{key_of(CHAT_TEMPLATES)[:8]}"
     folder = cached_dir("models", key, lambda out: _dequantize_gguf(gguf, out))
     return ResolvedModel(folder, text, digest, kind)

@@ -18,7 +18,16 @@ from trtinfer.passes.config import PassConfig
 from trtinfer.passes.layout import CONCAT, LAYOUT_KEY
 from trtinfer.passes.registry import GEOMETRY_KEY, PassContext, get_pass, get_pipeline
 from trtinfer.passes.report import FusionReport, PassRecord
-from trtinfer.stages import ONNX_NAME, StageDir, carry_forward, graph_io, is_stage_dir, read_stage, write_stage
+from trtinfer.stages import (
+    ONNX_NAME,
+    StageDir,
+    carry_forward,
+    graph_io,
+    is_stage_dir,
+    package_versions,
+    read_stage,
+    write_stage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +128,7 @@ def _optimize_into(src: StageDir, folder: Path, config: PassConfig) -> StageDir:
 
 def pass_versions() -> dict[str, str]:
     """Versions of what the passes depend on (from package metadata; nothing is imported)."""
-    from importlib.metadata import version
-
-    from trtinfer import __version__
-
-    return {"trtinfer": __version__, **{n: version(n) for n in ("onnx", "onnx-ir", "onnxscript", "onnxruntime")}}
+    return package_versions("onnx", "onnx-ir", "onnxscript", "onnxruntime")
 
 
 def optimize_stage(src: str | Path | StageDir, output_dir: str | Path, config: PassConfig | None = None, *,

@@ -65,7 +65,12 @@ class EngineTokenizer:
         self.pad_token_id: int = int(pad) if pad is not None else 0
         self.vocab_size = self._tok.get_vocab_size()
         tpl = engine_dir / "chat_template.jinja"
-        self.chat_template: str | None = tpl.read_text() if tpl.is_file() else None
+        self.chat_template: str | None = None
+        if tpl.is_file():
+            try:
+                self.chat_template = tpl.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise EngineLoadError(f"{tpl} is not readable UTF-8 text ({e}); rebuild the engine") from e
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; InputError when it is not valid UTF-8."""
