@@ -84,6 +84,12 @@ class StageDir:
         p = self.path / REFERENCE_NAME
         return p if REFERENCE_NAME in self.info.get("files", {}) else None
 
+    def copy_files(self, names: tuple[str, ...], dst: Path) -> None:
+        """Copy those of ``names`` this stage holds into ``dst``."""
+        for name in names:
+            if name in self.info["files"]:
+                shutil.copyfile(self.path / name, dst / name)
+
     def content_key(self) -> str:
         """A key for everything this directory holds (its files' hashes and its stage.json facts)."""
         files = {n: r["sha256"] for n, r in self.info["files"].items()}
@@ -91,6 +97,11 @@ class StageDir:
         # what each stage did matters, how long it took and where the model was read from do not
         done = {stage: {k: v for k, v in rec.items() if k != "seconds"} for stage, rec in self.history.items()}
         return key_of([files, facts, done, self.info.get("source", {}).get("sha256")])
+
+
+def default_max_seq_len(geometry: dict[str, Any]) -> int:
+    """Positions an engine covers when not told: the model's ``max_position_embeddings``, capped at 4096."""
+    return min(geometry.get("max_position_embeddings") or 4096, 4096)
 
 
 def write_stage(folder: Path, info: dict[str, Any]) -> StageDir:
@@ -143,9 +154,7 @@ def read_stage(path: str | Path, *, verify: bool = True) -> StageDir:
 
 def carry_forward(src: StageDir, dst: Path) -> dict[str, Any]:
     """Copy what the next stage needs besides the graph (tokenizer files, reference); return the inherited facts."""
-    for name in (*TOKENIZER_FILES, REFERENCE_NAME):
-        if name in src.info["files"]:
-            shutil.copyfile(src.path / name, dst / name)
+    src.copy_files((*TOKENIZER_FILES, REFERENCE_NAME), dst)
     inherited = {k: src.info[k] for k in MODEL_FACTS if k in src.info}
     inherited["tokenizer"] = src.info.get("tokenizer", {})
     inherited["history"] = src.history

@@ -7,6 +7,7 @@ from typing import Any
 from trtinfer.errors import ConfigError
 from trtinfer.export.config import ExportConfig
 from trtinfer.passes.config import DEFAULT_KEEP_FP32, check_keep_fp32
+from trtinfer.stages import default_max_seq_len
 
 PRECISIONS = ("fp32", "fp16", "bf16")  # int8/int4 come with the quantization stage
 TARGETS = ("cpu", "cuda")
@@ -51,7 +52,7 @@ class BuildConfig:
 
     def max_seq_len_for(self, geometry: dict[str, Any]) -> int:
         """The engine's max sequence length: ``max_seq_len``, else the model's positions capped at 4096."""
-        return self.max_seq_len or min(geometry.get("max_position_embeddings") or 4096, 4096)
+        return self.max_seq_len or default_max_seq_len(geometry)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the manifest."""

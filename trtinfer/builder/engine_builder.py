@@ -180,9 +180,7 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
         with bar.stage("package") as rec, atomic_dir(out, overwrite=overwrite) as tmp:
             for name in files.values():
                 shutil.copyfile(compiled / name, tmp / name)
-            for name in TOKENIZER_FILES:
-                if name in stage.info["files"]:
-                    shutil.copyfile(stage.path / name, tmp / name)
+            stage.copy_files(TOKENIZER_FILES, tmp)
             manifest = _manifest(config, stage, files, tmp, max_seq)
             if check is not None:
                 manifest["engine_check"] = check.to_dict()

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from trtinfer.passes import PIPELINES, PassConfig, optimize
     from trtinfer.passes.optimize import optimize_stage
     from trtinfer.passes.registry import all_passes
-    from trtinfer.stages import is_stage_dir, read_stage
+    from trtinfer.stages import default_max_seq_len, is_stage_dir, read_stage
 
     if args.list:
         passes = all_passes()
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
               "keep_fp32": groups(args.keep_fp32), "disable": tuple(args.disable)}
     if is_stage_dir(args.input):
         stage = read_stage(args.input)
-        max_seq = args.max_seq_len or min(stage.geometry.get("max_position_embeddings") or 4096, 4096)
+        max_seq = args.max_seq_len or default_max_seq_len(stage.geometry)
         out = optimize_stage(stage, args.output, PassConfig(max_seq_len=max_seq, **common), overwrite=args.force)
         if args.json:
             print(json.dumps(out.history["optimize"]["fusion_report"], indent=2))
