@@ -73,6 +73,12 @@ class InputError(TrtInferError, ValueError):
     exit_code = 2
 
 
+class CalibrationError(InputError):
+    """Calibration data is missing, empty, unreadable or too short, or a saved calibration does not fit the graph."""
+
+    exit_code = 2
+
+
 class BackendUnavailableError(TrtInferError):
     """The requested backend or execution provider is not installed on this machine."""
 

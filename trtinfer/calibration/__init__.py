@@ -1,0 +1,125 @@
+"""Calibration: activation ranges of a stage's graph over real prefill and decode feeds, saved for reuse.
+
+    texts (file / JSONL / built-in) -> CalibrationSet (token windows) -> feeds (prefill + decode with KV)
+        -> collect (extra graph outputs, streamed) -> calibrator (minmax / percentile / entropy)
+        -> CalibrationTable -> calibration.json + calibration.cache (TensorRT)
+
+:func:`calibrate_stage` does all of it for a stage directory and a :class:`CalibrationConfig`, or reuses a saved
+table (``cache_file``) after checking it fits the graph.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trtinfer.calibration.calibrators import (
+    Calibrator,
+    EntropyCalibrator,
+    MinMaxCalibrator,
+    PercentileCalibrator,
+    TensorRange,
+    calibrate,
+    calibrator_names,
+    collect,
+    entropy_threshold,
+    get_calibrator,
+    register_calibrator,
+    weight_matmul_inputs,
+)
+from trtinfer.calibration.data import (
+    BUILTIN_TEXTS,
+    DEFAULT_TEXT,
+    EVAL_TEXT,
+    CalibrationSet,
+    StageFeeds,
+    builtin_text,
+    calibration_set,
+    iter_feeds,
+    load_texts,
+)
+from trtinfer.calibration.table import (
+    CACHE_NAME,
+    JSON_NAME,
+    TRT_VERSION,
+    CalibrationTable,
+    graph_hash,
+    load_table,
+    scale_hex,
+)
+from trtinfer.errors import ConfigError
+from trtinfer.stages import StageDir, read_stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """How to calibrate: the method, the data and its shape, or a saved table to reuse instead.
+
+    ``source``: a text or JSONL file, ``builtin:NAME``, or None for the built-in default text. Each of
+    ``num_samples`` windows gives one prefill of ``seq_len`` tokens and ``decode_steps`` decode steps.
+    ``cache_file``: a ``calibration.json``/``calibration.cache`` (or a folder holding one) to reuse.
+    """
+
+    method: str = "minmax"
+    percentile: float = 99.99
+    source: str | Path | None = None
+    num_samples: int = 16
+    seq_len: int = 128
+    decode_steps: int = 8
+    cache_file: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in calibrator_names():
+            raise ConfigError(f"unknown calibration method {self.method!r}; known: {', '.join(calibrator_names())}",
+                              field="method")
+        if not 0 < self.percentile <= 100:
+            raise ConfigError(f"percentile must be in (0, 100], got {self.percentile}", field="percentile")
+        for name, low in (("num_samples", 1), ("seq_len", 1), ("decode_steps", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}", field=name)
+
+    def settings(self) -> dict[str, object]:
+        """The settings recorded with a table (paths as strings; ``cache_file`` left out)."""
+        d = asdict(self)
+        d.pop("cache_file")
+        d["source"] = None if self.source is None else str(self.source)
+        if self.method != "percentile":
+            d.pop("percentile")
+        return d
+
+
+def calibrate_stage(stage: str | Path | StageDir, config: CalibrationConfig | None = None, *,
+                    tensors: Sequence[str] | None = None, progress: bool = True) -> CalibrationTable:
+    """Calibrate ``stage``'s graph (or reuse ``config.cache_file``, checked against the graph) into a table.
+
+    ``tensors`` defaults to the activation inputs of MatMuls with constant weights. Save the result with
+    :meth:`CalibrationTable.save`.
+    """
+    config = config or CalibrationConfig()
+    stage = stage if isinstance(stage, StageDir) else read_stage(stage)
+    names = list(tensors) if tensors is not None else weight_matmul_inputs(stage)
+    ghash = graph_hash(stage)
+    if config.cache_file is not None:
+        table = load_table(config.cache_file)
+        table.check(ghash, names)
+        log.info("reusing calibration %s (%d tensors, %s)", config.cache_file, len(table.ranges), table.method)
+        return table
+    cset = calibration_set(stage.path / "tokenizer.json", config.source, num_samples=config.num_samples,
+                           seq_len=config.seq_len, decode_steps=config.decode_steps)
+    ranges = calibrate(stage, cset, method=config.method, tensors=names, percentile=config.percentile,
+                       progress=progress)
+    return CalibrationTable(ranges, config.method, ghash, cset.dataset_hash, config.settings())
+
+
+__all__ = [
+    "BUILTIN_TEXTS", "CACHE_NAME", "DEFAULT_TEXT", "EVAL_TEXT", "JSON_NAME", "TRT_VERSION",
+    "CalibrationConfig", "CalibrationSet", "CalibrationTable", "Calibrator", "EntropyCalibrator",
+    "MinMaxCalibrator", "PercentileCalibrator", "StageFeeds", "TensorRange",
+    "builtin_text", "calibrate", "calibrate_stage", "calibration_set", "calibrator_names", "collect",
+    "entropy_threshold", "get_calibrator", "graph_hash", "iter_feeds", "load_table", "load_texts",
+    "register_calibrator", "scale_hex", "weight_matmul_inputs",
+]
