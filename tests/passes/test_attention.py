@@ -127,7 +127,7 @@ def test_tiny_model_shared_buffers_match_unfused(arch: str, exports, tmp_path: P
     dst = tmp_path / "model.onnx"
     report = optimize(src, dst, PassConfig(target="onnxruntime-cpu", max_seq_len=64))
     assert report.fired("attention") == report.to_dict()["fusions"]["attention"]["expected"] > 0
-    assert report.fired("kv_share_buffer") == 1
+    assert report.fired("kv_share_buffer") == 1 and report.fired("logits_positions") == 1
     assert ir.load(str(dst)).metadata_props["trtinfer.kv_layout"] == SHARED
     rng = np.random.default_rng(1)
     lens, steps, cap = [9, 4, 7], 6, 24
@@ -139,9 +139,10 @@ def test_tiny_model_shared_buffers_match_unfused(arch: str, exports, tmp_path: P
     past = [i for i in sess.get_inputs() if i.name.startswith("past")]
     bufs = [ort.OrtValue.ortvalue_from_numpy(np.zeros((3, x.shape[1], cap, x.shape[3]), np.float32)) for x in past]
 
-    def run(ids: np.ndarray, seqlens: list[int], total: int, pos: np.ndarray) -> np.ndarray:
+    def run(ids: np.ndarray, seqlens: list[int], total: int, pos: np.ndarray, last: list[int]) -> np.ndarray:
         io = sess.io_binding()
         io.bind_cpu_input("input_ids", ids)
+        io.bind_cpu_input("logits_positions", np.asarray(last, np.int64)[:, None])  # each row's last token
         io.bind_cpu_input("seqlens_k", np.asarray(seqlens, np.int32))
         io.bind_cpu_input("total_sequence_length", np.asarray(total, np.int32))
         if "position_ids" in names:
@@ -156,11 +157,12 @@ def test_tiny_model_shared_buffers_match_unfused(arch: str, exports, tmp_path: P
     ids = np.zeros((3, max(lens)), np.int64)
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = p
-    got = [[row] for row in run(ids, [n - 1 for n in lens], max(lens), np.tile(np.arange(max(lens)), (3, 1)))]
+    got = [[row] for row in run(ids, [n - 1 for n in lens], max(lens), np.tile(np.arange(max(lens)), (3, 1)),
+                                [n - 1 for n in lens])]
     cur = list(lens)
     for t in range(steps):
         toks = np.array([[ref[b][1][t]] for b in range(3)])
-        for b, row in enumerate(run(toks, cur, max(cur) + 1, np.array(cur)[:, None])):
+        for b, row in enumerate(run(toks, cur, max(cur) + 1, np.array(cur)[:, None], [0, 0, 0])):
             got[b].append(row)
         cur = [c + 1 for c in cur]
     for b in range(3):

@@ -29,7 +29,7 @@ from trtinfer.stages import TOKENIZER_FILES, StageDir, graph_io, is_stage_dir, p
 
 log = logging.getLogger(__name__)
 
-ENGINE_FORMAT = 1  # bump when what a backend writes or the engine check does changes (invalidates cached engines)
+ENGINE_FORMAT = 2  # bump when what a backend writes or the engine check does changes (invalidates cached engines)
 CHECK_NAME = "engine_check.json"
 
 

@@ -24,18 +24,23 @@ def reference_logits(export_onnx: Path, prompts: list[np.ndarray], steps: int) -
     so.log_severity_level = 3
     sess = ort.InferenceSession(str(export_onnx), so, providers=["CPUExecutionProvider"])
     past = [i for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
+    # an optimized graph asks which positions reach the LM head: the last one
+    last = {"logits_positions": np.zeros((1, 1), np.int64)} if any(
+        i.name == "logits_positions" for i in sess.get_inputs()) else {}
     out = []
     for p in prompts:
         n = len(p)
         feeds: dict[str, np.ndarray] = {"input_ids": p[None], "attention_mask": np.ones((1, n), np.int64),
                                         "position_ids": np.arange(n)[None]}
+        if last:
+            feeds["logits_positions"] = np.full((1, 1), n - 1, np.int64)
         feeds.update({x.name: np.zeros((1, x.shape[1], 0, x.shape[3]), np.float32) for x in past})
         res = sess.run(None, feeds)
         logits, toks = [res[0][0, -1]], []
         for _ in range(steps):
             toks.append(int(np.argmax(logits[-1])))
             feeds = {"input_ids": np.array([[toks[-1]]]), "attention_mask": np.ones((1, n + 1), np.int64),
-                     "position_ids": np.array([[n]])}
+                     "position_ids": np.array([[n]]), **last}
             feeds.update({x.name: v for x, v in zip(past, res[1:])})
             res = sess.run(None, feeds)
             logits.append(res[0][0, -1])

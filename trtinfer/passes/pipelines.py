@@ -9,8 +9,10 @@ PASS_MODULES = ("cleanup", "attention", "layout", "norms", "activations", "trt_s
 for _m in PASS_MODULES:
     importlib.import_module(f"trtinfer.passes.{_m}")
 
-_ORT = ["cleanup", "attention", "rotary", "kv_share_buffer", "rms_norm", "layer_norm", "skip_norm", "gelu",
-        "matmul_bias", "precision", "dead_code"]
+# logits_positions before kv_share_buffer: the latter then finds no last-token Slice left to replace
+_ORT = ["cleanup", "attention", "rotary", "logits_positions", "kv_share_buffer", "rms_norm", "layer_norm",
+        "skip_norm", "gelu", "matmul_bias", "precision", "dead_code"]
 PIPELINES["onnxruntime-cpu"] = list(_ORT)
 PIPELINES["onnxruntime-cuda"] = list(_ORT)
-PIPELINES["tensorrt"] = ["cleanup", "tensorrt_attention", "rms_norm", "layer_norm", "gelu", "precision", "dead_code", "tensorrt_check"]
+PIPELINES["tensorrt"] = ["cleanup", "tensorrt_attention", "logits_positions", "rms_norm", "layer_norm", "gelu",
+                         "precision", "dead_code", "tensorrt_check"]

@@ -11,6 +11,7 @@ from trtinfer.errors import InputError
 from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent
 from trtinfer.runtime.manifest import Manifest, read_manifest
+from trtinfer.runtime.scoring import PerplexityResult, ScoreResult, check_ids, score_ids, windowed_perplexity
 from trtinfer.runtime.session import DecoderSession, open_session
 from trtinfer.runtime.tokenizer import EngineTokenizer, check_text
 
@@ -18,7 +19,8 @@ _GEN_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)}
 
 
 class Engine:
-    """A loaded engine. Generate with :meth:`generate`, stream with :meth:`stream`; close or use ``with``."""
+    """A loaded engine. Generate with :meth:`generate`, stream with :meth:`stream`, score with :meth:`score` and
+    :meth:`perplexity`; close or use ``with``."""
 
     def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
         self.path = Path(engine_dir)
@@ -101,6 +103,50 @@ class Engine:
                      config: GenerationConfig | None = None, **kwargs: Any) -> Iterator[StreamEvent]:
         """Generate for a batch, yielding a :class:`StreamEvent` per prompt per step; options as for :meth:`generate`."""
         yield from self._generation(prompts, input_ids, chat, config, kwargs).events()
+
+    def score(self, prompts: Sequence[str] | str | None = None, *,
+              input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False) -> list[ScoreResult]:
+        """Score each sequence: one :class:`~trtinfer.runtime.scoring.ScoreResult` per sequence, in order.
+
+        ``result.logprobs[i]`` is log p(token i+1 | tokens 0..i) (float32, length n-1), ``result.argmax[i]`` the
+        model's top-1 prediction there, ``result.perplexity = exp(-mean(logprobs))``. Texts are tokenized as for
+        :meth:`generate` (special tokens such as BOS included). A sequence longer than the engine's max sequence
+        length is an InputError (see :meth:`perplexity` for long texts), as are 1-token sequences (nothing to
+        score) and ids outside the vocabulary. Sequences run one at a time, in chunks, whatever the batch limit.
+        """
+        rows = self._prompt_ids(prompts, input_ids, chat)
+        if not rows:
+            raise InputError("nothing to score: pass at least one text or input_ids row")
+        vocab, max_len = int(self.manifest.geometry["vocab_size"]), self.manifest.max_seq_len
+        rows = [check_ids(r, vocab, max_len, f"sequence {i}") for i, r in enumerate(rows)]  # all, before any runs
+        self.session.check_can_score()
+        return [score_ids(self.session, r, what=f"sequence {i}") for i, r in enumerate(rows)]
+
+    def perplexity(self, text: str | None = None, *, input_ids: Sequence[int] | None = None,
+                   window: int | None = None, stride: int | None = None,
+                   max_tokens: int | None = None) -> PerplexityResult:
+        """Perplexity of one text (or token ids) of any length, scored in sliding windows.
+
+        The text is tokenized like ``tokenizer(text)`` (special tokens included); ``max_tokens`` keeps its first
+        tokens. Windows of ``window`` tokens (default: the engine's max sequence length) start every ``stride``
+        tokens (default ``window // 2``); each scores only tokens no earlier window scored, with up to
+        ``window - stride`` tokens of context (see :func:`~trtinfer.runtime.scoring.windowed_perplexity`).
+        """
+        if (text is None) == (input_ids is None):
+            raise InputError("give exactly one of text (a string) or input_ids (a list of token ids)")
+        if text is not None:
+            if not isinstance(text, str):
+                raise InputError(f"text must be a string, got {type(text).__name__}; pass token ids through input_ids=")
+            check_text(text, "the text")
+            ids = self.tokenizer.encode(text)
+        else:
+            assert input_ids is not None
+            ids = [int(t) for t in input_ids]
+        if max_tokens is not None:
+            if max_tokens < 2:
+                raise InputError(f"max_tokens must be at least 2 (the first token has no context), got {max_tokens}")
+            ids = ids[:max_tokens]
+        return windowed_perplexity(self.session, ids, window, stride)
 
     def describe(self) -> dict[str, Any]:
         """The manifest as a dict."""

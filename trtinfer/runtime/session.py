@@ -2,6 +2,10 @@
 
 A session turns prompts and next tokens into the graph's inputs for the engine's KV layout, keeps the KV cache as
 backend values (on the device for CUDA) in an opaque :class:`KVCache`, and returns next-token logits as numpy.
+
+Engines built since scoring exist take ``logits_positions [B,K]``: the positions of each row whose hidden states
+go through the LM head. Generation asks for one per row (the LM head costs what it did when the graph kept the last
+position only); :meth:`DecoderSession.run_chunk` asks for every position of a chunk, which scoring needs.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.manifest import Manifest, kv_dtype
 
 log = logging.getLogger(__name__)
+
+LOGITS_POSITIONS = "logits_positions"  # graph input [B,K] int64: positions whose logits the graph computes
 
 
 class KVCache:
@@ -60,6 +66,11 @@ class DecoderSession(ABC):
         self.present_names = [n for n in self.output_names if n.startswith("present.")]
         self.kv_layout = str(manifest.raw.get("kv_layout", "concat"))
         self.pad_token_id = int(manifest.raw.get("tokenizer", {}).get("pad_token_id") or 0)
+        self.has_logits_positions = LOGITS_POSITIONS in self.input_names
+        logits: dict[str, Any] = next((t for t in io["outputs"] if t["name"] == "logits"), {"shape": []})
+        # graphs exported with logits="all" return every position too (no logits_positions input needed)
+        self.logits_every_position = self.has_logits_positions or (
+            len(logits["shape"]) == 3 and logits["shape"][1] != 1)
 
     def __enter__(self) -> DecoderSession:  # noqa: PYI034
         return self
@@ -81,6 +92,35 @@ class DecoderSession(ABC):
     @abstractmethod
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
         """Keep only ``rows`` of the cache (finished rows leave the batch), without a trip through numpy."""
+
+    def run_chunk(self, tokens: Sequence[int], kv: KVCache | None, capacity: int,
+                  positions: Sequence[int] | None = None) -> tuple[np.ndarray, KVCache]:
+        """Feed the next ``tokens`` of one sequence after ``kv`` (None: its start); returns logits ``[K, V]``.
+
+        The logits are those at ``positions`` of the chunk (default: every position; position ``j`` predicts the
+        token after ``tokens[j]``) and the cache now holding the chunk too. ``capacity`` bounds the sequence's whole
+        length (shared KV buffers are allocated for it on the first chunk). Batch 1: scoring runs one sequence at a
+        time.
+        """
+        raise EngineLoadError(f"the {type(self).__name__} backend cannot run chunks of a sequence (scoring)")
+
+    def check_can_score(self) -> None:
+        """Raise :class:`InputError` when the engine returns last-position logits only (built before scoring)."""
+        if not self.logits_every_position:
+            raise InputError(f"the graph in {self.engine_dir} computes logits at the last position only (no "
+                             f"{LOGITS_POSITIONS} input: an engine built by an older trtinfer or with that pass disabled, or an "
+                             "export stage); "
+                             "rebuild the engine (or score the optimize stage) to score sequences")
+
+    def _select(self, logits: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The graph's logits ``[B,K',V]`` -> those at ``positions [B,K]``.
+
+        With the ``logits_positions`` input the graph already gathered them; a last-position-only graph chose its
+        own (generation's) position; an every-position graph is indexed here.
+        """
+        if self.has_logits_positions or logits.shape[1] == 1:
+            return logits
+        return np.take_along_axis(logits, positions[:, :, None], axis=1)
 
 
 _BACKENDS: dict[str, Callable[[Path, Manifest, RuntimeConfig], DecoderSession]] = {}
@@ -136,8 +176,10 @@ class OrtDecoderSession(DecoderSession):
         got = [i.name for i in self.sess.get_inputs()]
         if got != self.input_names:
             raise EngineLoadError(f"{model} inputs {got[:4]}... differ from the manifest's; rebuild the engine")
-        select = engine_dir / manifest.files["kv_select"]
-        self.select_sess = ort.InferenceSession(str(select), so, providers=providers)
+        # a graph opened without an engine directory (scoring a stage) has no row-selection graph: batch 1 needs none
+        select = manifest.files.get("kv_select")
+        self.select_sess = (None if select is None else
+                            ort.InferenceSession(str(engine_dir / select), so, providers=providers))
         geo = manifest.geometry
         self._kv_shape = (geo["num_kv_heads"], geo["head_dim"])
         self._kv_dtype = kv_dtype(manifest.raw["io"])  # float16/bfloat16 in fp16/bf16 engines
@@ -176,8 +218,14 @@ class OrtDecoderSession(DecoderSession):
         val.update_inplace(zeros)  # unexecuted here: no GPU in this project's CI
         return val
 
-    def _run(self, feeds: dict[str, np.ndarray], kv_in: list[Any], kv_out: list[Any] | None) -> tuple[np.ndarray, list[Any]]:
-        """One forward pass. ``kv_out`` None: presents are new values (concat); else bound in place (shared)."""
+    def _run(self, feeds: dict[str, np.ndarray], kv_in: list[Any], kv_out: list[Any] | None,
+             positions: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+        """One forward pass; logits ``[B,K,V]`` at ``positions [B,K]`` of each row.
+
+        ``kv_out`` None: presents are new values (concat); else bound in place (shared).
+        """
+        if self.has_logits_positions:
+            feeds = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
         io = self.sess.io_binding()
         for name, arr in feeds.items():
             self._bind_host_input(io, name, arr)
@@ -191,8 +239,7 @@ class OrtDecoderSession(DecoderSession):
                 io.bind_ortvalue_output(name, kv_out[i])
         self.sess.run_with_iobinding(io)
         outs = io.get_outputs()
-        logits = outs[0].numpy()
-        return logits[:, -1, :], (list(outs[1:]) if kv_out is None else kv_out)
+        return self._select(outs[0].numpy(), positions), (list(outs[1:]) if kv_out is None else kv_out)
 
     def prefill(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:
         n, width = len(prompts), max(len(p) for p in prompts)
@@ -208,16 +255,17 @@ class OrtDecoderSession(DecoderSession):
                      "total_sequence_length": np.array(width, dtype=np.int32)}
             if self._needs_positions:
                 feeds["position_ids"] = np.broadcast_to(np.arange(width, dtype=np.int64), (n, width)).copy()
-            logits, vals = self._run(feeds, bufs, bufs)
-            return logits, KVCache(vals, lengths, capacity=cap)
+            logits, vals = self._run(feeds, bufs, bufs, (lengths - 1)[:, None])  # each row's last real token
+            return logits[:, -1, :], KVCache(vals, lengths, capacity=cap)
         mask = np.zeros((n, width), dtype=np.int64)
         for r, p in enumerate(prompts):  # left padding: every row's last token is at the same column
             ids[r, width - len(p):] = p
             mask[r, width - len(p):] = 1
         pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         empty = [self._kv_value((n, kvh, 0, hd)) for _ in self.past_names]
-        logits, vals = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, empty, None)
-        return logits, KVCache(vals, lengths, mask=mask)
+        last = np.full((n, 1), width - 1, dtype=np.int64)
+        logits, vals = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, empty, None, last)
+        return logits[:, -1, :], KVCache(vals, lengths, mask=mask)
 
     def decode(self, tokens: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
@@ -232,14 +280,48 @@ class OrtDecoderSession(DecoderSession):
                      "total_sequence_length": np.array(int(kv.lengths.max()) + 1, dtype=np.int32)}
             if self._needs_positions:
                 feeds["position_ids"] = pos
-            logits, vals = self._run(feeds, kv.values, kv.values)
-            return logits, KVCache(vals, kv.lengths + 1, capacity=kv.capacity)
+            logits, vals = self._run(feeds, kv.values, kv.values, np.zeros_like(tokens))
+            return logits[:, -1, :], KVCache(vals, kv.lengths + 1, capacity=kv.capacity)
         assert kv.mask is not None
         mask = np.concatenate([kv.mask, np.ones((kv.batch, 1), np.int64)], axis=1)
-        logits, vals = self._run({"input_ids": tokens, "attention_mask": mask, "position_ids": pos}, kv.values, None)
-        return logits, KVCache(vals, kv.lengths + 1, mask=mask)
+        logits, vals = self._run({"input_ids": tokens, "attention_mask": mask, "position_ids": pos}, kv.values, None,
+                                 np.zeros_like(tokens))
+        return logits[:, -1, :], KVCache(vals, kv.lengths + 1, mask=mask)
+
+    def run_chunk(self, tokens: Sequence[int], kv: KVCache | None, capacity: int,
+                  positions: Sequence[int] | None = None) -> tuple[np.ndarray, KVCache]:
+        self.check_can_score()
+        ids = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
+        n = ids.shape[1]
+        if kv is not None and kv.batch != 1:
+            raise InputError(f"run_chunk continues one sequence; the cache holds {kv.batch} rows")
+        start = 0 if kv is None else int(kv.lengths[0])
+        want = (np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, np.int64))[None, :]
+        if n == 0 or want.size == 0 or want.min() < 0 or want.max() >= n:
+            raise InputError(f"run_chunk needs at least one token and positions inside the chunk of {n}, "
+                             f"got {want[0].tolist()[:8]}")
+        pos = np.arange(start, start + n, dtype=np.int64)[None, :]
+        lengths = np.array([start + n], dtype=np.int64)
+        kvh, hd = self._kv_shape
+        if self.kv_layout == "shared_buffer":
+            cap = capacity if kv is None else kv.capacity
+            if start + n > cap:
+                raise InputError(f"KV buffers hold {cap} positions; the sequence would need {start + n}")
+            bufs = [self._kv_value((1, kvh, cap, hd)) for _ in self.past_names] if kv is None else kv.values
+            feeds: dict[str, np.ndarray] = {"input_ids": ids, "seqlens_k": (lengths - 1).astype(np.int32),
+                                            "total_sequence_length": np.array(start + n, dtype=np.int32)}
+            if self._needs_positions:
+                feeds["position_ids"] = pos
+            logits, vals = self._run(feeds, bufs, bufs, want)
+            return logits[0], KVCache(vals, lengths, capacity=cap)
+        past = [self._kv_value((1, kvh, 0, hd)) for _ in self.past_names] if kv is None else kv.values
+        mask = np.ones((1, start + n), dtype=np.int64)
+        logits, vals = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, past, None, want)
+        return logits[0], KVCache(vals, lengths, mask=mask)
 
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
+        if self.select_sess is None:
+            raise EngineLoadError(f"{self.engine_dir} has no kv_select graph: it runs one sequence at a time")
         io = self.select_sess.io_binding()
         io.bind_cpu_input("rows", np.asarray(rows, dtype=np.int64))
         for i, val in enumerate(kv.values):
