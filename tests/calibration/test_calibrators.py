@@ -8,8 +8,14 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper, parser
 
-from trtinfer.calibration import (calibrate, calibrator_names, collect, entropy_threshold, get_calibrator,
-                                  weight_matmul_inputs)
+from trtinfer.calibration import (
+    calibrate,
+    calibrator_names,
+    collect,
+    entropy_threshold,
+    get_calibrator,
+    weight_matmul_inputs,
+)
 from trtinfer.errors import CalibrationError, ConfigError
 
 

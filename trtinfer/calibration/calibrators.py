@@ -1,7 +1,7 @@
 """Calibrators: stream activations out of a graph and reduce them to one range per tensor.
 
 ``collect`` adds the chosen tensors as extra graph outputs (weights stay in their external file: only the graph
-proto is rewritten, next to a link to the data), runs ONNX Runtime over the feeds and hands every batch of every
+proto is rewritten, in memory), runs ONNX Runtime over the feeds and hands every batch of every
 tensor to a callback, then forgets it. The calibrators are such callbacks, registered by name:
 
 - ``minmax``: running min and max; ``amax = max(|min|, |max|)``.
@@ -20,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,17 +301,11 @@ def _augmented_session(path: Path, tensors: Sequence[str]) -> Any:
     for t in tensors:
         if t not in outputs:  # no type given: ONNX Runtime infers it (fp16 graphs give fp16 outputs)
             model.graph.output.append(onnx.ValueInfoProto(name=t))
-    locations = {e.value for i in model.graph.initializer for e in i.external_data if e.key == "location"}
-    with tempfile.TemporaryDirectory(prefix="trtinfer-calib-") as tmp:
-        for loc in locations:  # the weights stay where they are: a link beside the rewritten graph
-            link = Path(tmp) / loc
-            link.parent.mkdir(parents=True, exist_ok=True)
-            os.symlink((path.parent / loc).resolve(), link)
-        aug = Path(tmp) / path.name
-        aug.write_bytes(model.SerializeToString())
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        yield ort.InferenceSession(str(aug), so, providers=["CPUExecutionProvider"])
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    # the weights stay where they are: ONNX Runtime reads them from the original folder
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent.resolve()))
+    yield ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def collect(model_path: str | Path | StageDir, feeds: Iterable[dict[str, np.ndarray]], tensors: Sequence[str],

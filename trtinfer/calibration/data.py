@@ -223,7 +223,10 @@ def _step_feeds(stage: StageDir, ids: np.ndarray, done: int, capacity: int) -> d
         if name not in known:
             raise CalibrationError(f"{stage.onnx_path} has an input {name} calibration does not know how to feed; "
                                    f"known: {', '.join(known)}")
-        feeds[name] = np.ascontiguousarray(known[name](), dtype=_dtype(spec))
+        value = np.asarray(known[name](), dtype=_dtype(spec))
+        if len(spec.get("shape", [])) == 1 and value.ndim == 0:  # a [1]-shaped scalar input
+            value = value.reshape(1)
+        feeds[name] = value
     return feeds
 
 
