@@ -1,0 +1,111 @@
+"""The quantize stage: an optimized fp32 stage directory -> a quantized stage directory ``trtinfer build`` takes.
+
+    trtinfer optimize X -o Y                  (fp32 graph for a target)
+    trtinfer quantize Y -o Z --precision P    (this stage: graph rewritten, calibration files, accuracy report)
+    trtinfer build Z -o ENGINE
+
+The stage record keeps everything earlier stages wrote and adds ``history.quantize``: the config, what the
+precision rewrote (its report), the calibration (computed or reused) and the accuracy report (perplexity on a
+held-out text and top-1 next-token agreement against the fp32 graph it came from).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+
+from trtinfer._cache import atomic_dir, cached_dir, key_of
+from trtinfer.errors import ConfigError
+from trtinfer.quantization.config import QuantConfig
+from trtinfer.quantization.registry import QuantContext, get_precision
+from trtinfer.stages import ONNX_NAME, StageDir, carry_forward, graph_io, package_versions, read_stage, write_stage
+
+log = logging.getLogger(__name__)
+
+QUANTIZE_FORMAT = 1  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
+CALIBRATION_FILES = ("calibration.json", "calibration.cache")
+
+
+def quant_versions() -> dict[str, str]:
+    """Versions the quantized graph depends on (package metadata only)."""
+    return package_versions("onnx", "onnx-ir", "onnxruntime", "numpy")
+
+
+def check_input(src: StageDir) -> str:
+    """The pass target of an optimize stage that can be quantized, or a one-line error saying what to give."""
+    if src.stage == "quantize":
+        done = src.history["quantize"]["config"]["precision"]
+        raise ConfigError(f"{src.path} is already quantized ({done}); give the `trtinfer optimize` directory it "
+                          "came from")
+    if src.stage != "optimize":
+        raise ConfigError(f"{src.path} is an export; quantize runs on an optimized fp32 graph: run `trtinfer optimize "
+                          f"{src.path} -o DIR` first (or `trtinfer build MODEL --precision ...` for everything)")
+    opt = src.history["optimize"]["config"]
+    if opt["precision"] != "fp32":
+        raise ConfigError(f"{src.path} holds a {opt['precision']} graph; quantize an fp32 optimize stage")
+    return str(opt["target"])
+
+
+def _quantize_into(src: StageDir, folder: Path, config: QuantConfig, progress: bool) -> StageDir:
+    target = check_input(src)
+    spec = get_precision(config.precision, target)
+    t0 = time.perf_counter()
+    model = ir.load(str(src.onnx_path))
+    ctx = QuantContext(src, config, target, folder, progress)
+    report = spec.fn(model, ctx)
+    from trtinfer.passes.optimize import save_model
+
+    save_model(model, folder / ONNX_NAME)
+    del model
+    seconds = round(time.perf_counter() - t0, 2)
+    from trtinfer.quantization.accuracy import accuracy_report
+
+    accuracy = accuracy_report(src, folder, progress=progress)
+    info = {**carry_forward(src, folder), "stage": "quantize", "io": graph_io(folder / ONNX_NAME),
+            "kv_layout": src.kv_layout}
+    info["history"]["quantize"] = {"config": config.to_dict(), "target": target, "seconds": seconds,
+                                   "report": report, "accuracy": accuracy, "format": QUANTIZE_FORMAT,
+                                   "versions": quant_versions()}
+    return write_stage(folder, info)
+
+
+def quantize_stage(src: str | Path | StageDir, output_dir: str | Path, config: QuantConfig | None = None, *,
+                   overwrite: bool = False, progress: bool = True) -> StageDir:
+    """Quantize the optimize stage ``src`` into the stage directory ``output_dir`` (see the module docstring)."""
+    config = config or QuantConfig()
+    stage = src if isinstance(src, StageDir) else read_stage(src)
+    check_input(stage)
+    out = Path(output_dir)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        done = _quantize_into(stage, tmp, config, progress)
+    return StageDir(out, done.info)
+
+
+def _calibration_key(config: QuantConfig) -> Any:
+    """What of the calibration data enters the cache key: a given file's content, not its path."""
+    cal = config.calibration
+    if not config.needs_calibration:
+        return None
+    from trtinfer._cache import sha256_file
+
+    files = {}
+    for name in ("source", "cache_file"):
+        path = getattr(cal, name, None)
+        if path is not None and Path(path).is_file():
+            files[name] = sha256_file(Path(path))
+    return files
+
+
+def quantize_cached(src: StageDir, config: QuantConfig, *, stats: dict[str, Any] | None = None,
+                    progress: bool = True) -> StageDir:
+    """:func:`quantize_stage` into ``~/.cache/trtinfer/quantized/<hash of input, config, data, versions>``, reused."""
+    check_input(src)
+    key = key_of([QUANTIZE_FORMAT, src.content_key(), config.to_dict(), _calibration_key(config), quant_versions()])
+    made = []
+    path = cached_dir("quantized", key, lambda tmp: made.append(_quantize_into(src, tmp, config, progress)))
+    if stats is not None:
+        stats["cached"] = not made
+    return read_stage(path, verify=False)

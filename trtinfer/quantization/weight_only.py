@@ -1,0 +1,124 @@
+"""``int4`` and ``int8`` for ONNX Runtime graphs: weight-only blocks on ``MatMulNBits``, int8 compute.
+
+Every selected MatMul weight becomes symmetric blocks along ``K`` (round-to-nearest, or GPTQ with Hessians of the
+MatMul's input over calibration data). The LM head takes ``lm_head_bits`` (8 by default: an int4 LM head costs
+accuracy on every token and was reported to make models repeat themselves, ORT #24384); with tied embeddings the
+embedding Gather becomes ``GatherBlockQuantized`` on the LM head's own packed weight (one stored copy).
+``accuracy_level=4`` is the only fast path (int8 activations, VNNI/AVX2 dot products); symmetric codes avoid ONNX
+Runtime's asymmetric int8 batch-1 bug on AVX2 (ORT #29853) and the slow float-zero-point path.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from trtinfer.quantization.blocks import BlockWeight, quantize_rtn
+from trtinfer.quantization.config import LM_HEAD
+from trtinfer.quantization.registry import QuantContext, register_precision
+from trtinfer.quantization.weights import (
+    WeightSite,
+    embedding_gather,
+    matches,
+    replace_gather,
+    replace_matmul,
+    tied_embedding,
+    weight_sites,
+)
+
+log = logging.getLogger(__name__)
+
+ORT = ("onnxruntime-cpu", "onnxruntime-cuda")
+
+
+def selected(sites: list[WeightSite], ctx: QuantContext) -> tuple[list[WeightSite], dict[str, str]]:
+    """The sites to quantize under the config's include / keep-fp32 / exclude patterns, and why others are kept."""
+    cfg = ctx.config
+    chosen, kept = [], {}
+    for s in sites:
+        names = [s.name, s.weight.name or ""] + ([LM_HEAD] if s.lm_head else [])
+        if any(matches(n, cfg.skip_patterns) for n in names):
+            kept[s.name] = "kept in fp32 (--keep-fp32/--exclude)"
+        elif cfg.include and not any(matches(n, cfg.include) for n in names):
+            kept[s.name] = "not in --include"
+        elif s.k % cfg.block_size and not s.lm_head:
+            kept[s.name] = f"K={s.k} is not a multiple of block {cfg.block_size}"
+        else:
+            chosen.append(s)
+    return chosen, kept
+
+
+def layout_for(site: WeightSite, ctx: QuantContext, bits: int) -> tuple[int, int, bool]:
+    """(bits, block, symmetric) of one site: the LM head takes ``lm_head_bits`` and is always symmetric (it may
+    serve the embedding's GatherBlockQuantized, which takes no zero points here)."""
+    cfg = ctx.config
+    block = cfg.block_size
+    while site.k % block and block > 16:
+        block //= 2
+    if site.lm_head:
+        return (cfg.lm_head_bits if bits == 4 else 8), block, True
+    return bits, block, cfg.symmetric
+
+
+def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, Any]:
+    graph = model.graph
+    vocab = int(ctx.geometry["vocab_size"])
+    sites = weight_sites(graph, vocab)
+    chosen, kept = selected(sites, ctx)
+    head = next((s for s in sites if s.lm_head), None)
+    gather = embedding_gather(graph, vocab)
+    tied = tied_embedding(graph, gather, head)
+    method = ctx.config.method if bits == 4 else "rtn"
+    hessians: dict[str, np.ndarray] = {}
+    if method == "gptq":
+        from trtinfer.quantization.gptq_stats import matmul_hessians
+
+        hessians = matmul_hessians(ctx, chosen)
+    fp32_bytes = sum(s.array().nbytes for s in sites)
+    stored = 0
+    forms: dict[str, int] = {}
+    head_packed: tuple[ir.Value, BlockWeight] | None = None
+    for s in chosen:
+        b, block, sym = layout_for(s, ctx, bits)
+        w = s.array()
+        if method == "gptq" and s.name in hessians:
+            from trtinfer.quantization.gptq import gptq_quantize
+
+            q = gptq_quantize(w, hessians[s.name], bits=b, block=block, symmetric=sym)
+        else:
+            q = quantize_rtn(w, b, block, sym)
+        _, packed = replace_matmul(graph, s, q, ctx.config.accuracy_level)
+        stored += q.packed().nbytes + q.scales.nbytes
+        key = f"{b}-bit block {block} {'symmetric' if sym else 'asymmetric'}"
+        forms[key] = forms.get(key, 0) + 1
+        if s.lm_head:
+            head_packed = (packed, q)
+    embedding = "fp32"
+    if tied and head_packed is not None and gather is not None:
+        packed, q = head_packed
+        stored += replace_gather(graph, gather, q, packed)
+        embedding = f"GatherBlockQuantized sharing the LM head's {q.bits}-bit weight"
+    elif gather is not None:
+        table = gather.inputs[0]
+        assert table is not None and table.const_value is not None
+        stored += table.const_value.nbytes
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+    calibration = ctx.notes.get("calibration")
+    return {"method": method, "quantized": len(chosen), **({"calibration": calibration} if calibration else {}), "matmuls": len(sites), "forms": forms,
+            "kept": kept, "tied_embedding": tied, "embedding": embedding,
+            "accuracy_level": ctx.config.accuracy_level,
+            "weight_bytes_fp32": fp32_bytes, "weight_bytes": stored}
+
+
+@register_precision("int4", targets=ORT)
+def int4_weight_only(model: ir.Model, ctx: QuantContext) -> dict[str, Any]:
+    """4-bit symmetric MatMulNBits blocks (RTN or GPTQ), LM head at lm_head_bits, int8 compute."""
+    return _quantize_sites(model, ctx, 4)
+
+
+@register_precision("int8", targets=ORT)
+def int8_weight_only(model: ir.Model, ctx: QuantContext) -> dict[str, Any]:
+    """8-bit symmetric MatMulNBits blocks, int8 compute (accuracy_level 4)."""
+    return _quantize_sites(model, ctx, 8)

@@ -1,0 +1,172 @@
+"""Weight-only rewrites onto ONNX Runtime's ``com.microsoft`` block-quantized ops.
+
+    x [.., K] --MatMul(W [K,N] fp32)-->  y        becomes   x --MatMulNBits(B, scales; bits, block, level 4)--> y
+    ids --Gather(E [V,K] fp32)--> emb          becomes   ids --GatherBlockQuantized(B', scales')--> Reshape --> emb
+
+Each MatMul with a constant 2-D weight is a :class:`WeightSite`; a quantizer (round-to-nearest, GPTQ, an imported
+GGUF block) turns its weight into a :class:`~trtinfer.quantization.blocks.BlockWeight` and :func:`replace_matmul`
+swaps the node. With tied embeddings the LM head's packed ``B [V, K/block, blob]`` also feeds the embedding's
+``GatherBlockQuantized`` (3-D data, quantized along its last axis; a Reshape folds ``[.., K/block, block]`` back to
+``[.., K]``): one stored copy serves both, as onnxruntime-genai does.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from trtinfer.quantization.blocks import BlockWeight
+
+log = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+
+
+@dataclass
+class WeightSite:
+    """A MatMul reading a constant ``[K, N]`` fp32 weight; ``lm_head`` marks the one producing the logits."""
+
+    node: ir.Node
+    weight: ir.Value
+    lm_head: bool
+
+    @property
+    def name(self) -> str:
+        """The node's name (traces back to the HF module, e.g. ``/model/model/layers.3/self_attn/q_proj/MatMul``)."""
+        return self.node.name or self.weight.name or "?"
+
+    @property
+    def k(self) -> int:
+        """Input features."""
+        return int(self.array().shape[0])
+
+    @property
+    def n(self) -> int:
+        """Output features."""
+        return int(self.array().shape[1])
+
+    def array(self) -> np.ndarray:
+        """The weight as float32 ``[K, N]``."""
+        assert self.weight.const_value is not None
+        return np.asarray(self.weight.const_value.numpy(), dtype=np.float32)
+
+
+def _const_2d(v: ir.Value | None) -> bool:
+    return (v is not None and v.const_value is not None and v.producer() is None and v.shape is not None
+            and len(v.shape) == 2 and v.const_value.dtype == ir.DataType.FLOAT)
+
+
+def lm_head_node(graph: ir.Graph, vocab_size: int) -> ir.Node | None:
+    """The MatMul whose output columns are the vocabulary and whose result reaches the ``logits`` output."""
+    logits = next((v for v in graph.outputs if v.name == "logits"), None)
+    seen: set[int] = set()
+    stack = [logits.producer()] if logits is not None and logits.producer() is not None else []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type == "MatMul" and _const_2d(node.inputs[1]) and node.inputs[1].shape[1] == vocab_size:  # type: ignore[union-attr,index]
+            return node
+        stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
+    return None
+
+
+def weight_sites(graph: ir.Graph, vocab_size: int) -> list[WeightSite]:
+    """Every MatMul of ``graph`` with a constant fp32 2-D weight, in graph order."""
+    head = lm_head_node(graph, vocab_size)
+    return [WeightSite(n, n.inputs[1], n is head)  # type: ignore[arg-type]
+            for n in graph if n.op_type == "MatMul" and n.domain == "" and _const_2d(n.inputs[1])]
+
+
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """True if ``name`` matches a glob pattern (``*q_proj*``) or contains a plain pattern as a substring."""
+    for p in patterns:
+        if any(c in p for c in "*?[") and fnmatch.fnmatchcase(name, p) or p in name:
+            return True
+    return False
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, const_value=ir.Tensor(np.ascontiguousarray(array), name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def replace_matmul(graph: ir.Graph, site: WeightSite, q: BlockWeight, accuracy_level: int = 4,
+                   packed: ir.Value | None = None) -> tuple[ir.Node, ir.Value]:
+    """Swap ``site``'s MatMul for a MatMulNBits computing ``x @ q.dequantize()``; returns the node and its B value.
+
+    ``packed`` reuses an existing B initializer (same codes) instead of storing another copy.
+    """
+    node = site.node
+    base = (site.weight.name or node.name or "w").replace("/", "_").strip("_")
+    if packed is None:
+        packed = _initializer(graph, f"{base}_q{q.bits}", q.packed())
+    inputs = [node.inputs[0], packed, _initializer(graph, f"{base}_scales", q.scales.reshape(-1))]
+    zp = q.packed_zero_points()
+    if zp is not None:
+        inputs.append(_initializer(graph, f"{base}_zp", zp))
+    new = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"{node.name}_Q{q.bits}",
+                  attributes={"K": q.k, "N": q.n, "bits": q.bits, "block_size": q.block,
+                              "accuracy_level": accuracy_level})
+    graph.insert_before(node, new)
+    out = node.outputs[0]
+    new.outputs[0].name, new.outputs[0].shape, new.outputs[0].type = out.name, out.shape, out.type
+    out.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    return new, packed
+
+
+def embedding_gather(graph: ir.Graph, vocab_size: int) -> ir.Node | None:
+    """The Gather reading a constant ``[V, K]`` table with ``input_ids``-derived indices (the token embedding)."""
+    for node in graph:
+        if node.op_type == "Gather" and node.domain == "" and _const_2d(node.inputs[0]):
+            table = node.inputs[0]
+            if table.shape[0] == vocab_size:  # type: ignore[union-attr,index]
+                return node
+    return None
+
+
+def replace_gather(graph: ir.Graph, node: ir.Node, q: BlockWeight, packed: ir.Value | None = None) -> int:
+    """Swap the embedding Gather for GatherBlockQuantized on ``q`` (``q`` quantizes ``E^T``, i.e. ``W [K, V]``).
+
+    Returns the bytes newly stored (0 for the table when ``packed``, the LM head's B, is shared).
+    """
+    if q.zero_points is not None:
+        raise ValueError("GatherBlockQuantized is used with symmetric blocks only")
+    table = node.inputs[0]
+    assert table is not None
+    base = (table.name or "embedding").replace("/", "_")
+    stored = 0
+    if packed is None:
+        packed = _initializer(graph, f"{base}_q{q.bits}", q.packed())
+        stored += q.packed().nbytes
+    scales = _initializer(graph, f"{base}_gather_scales", q.scales[:, :, None])
+    stored += q.scales.nbytes
+    shape = _initializer(graph, f"{base}_gather_shape", np.array([0, 0, q.k], dtype=np.int64))
+    gbq = ir.node("GatherBlockQuantized", [packed, node.inputs[1], scales], domain=MS_DOMAIN,
+                  name=f"{node.name}_Q{q.bits}",
+                  attributes={"gather_axis": 0, "quantize_axis": 2, "block_size": q.block, "bits": q.bits})
+    out = node.outputs[0]
+    reshape = ir.node("Reshape", [gbq.outputs[0], shape], name=f"{node.name}_Q{q.bits}_reshape")
+    graph.insert_before(node, [gbq, reshape])
+    reshape.outputs[0].name, reshape.outputs[0].shape, reshape.outputs[0].type = out.name, out.shape, out.type
+    out.replace_all_uses_with(reshape.outputs[0], replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    return stored
+
+
+def tied_embedding(graph: ir.Graph, gather: ir.Node | None, head: WeightSite | None) -> bool:
+    """True when the embedding table equals the LM head's weight transposed (tied embeddings)."""
+    if gather is None or head is None:
+        return False
+    table = gather.inputs[0]
+    assert table is not None and table.const_value is not None
+    e = np.asarray(table.const_value.numpy())
+    w = head.array()
+    return bool(e.shape == (w.shape[1], w.shape[0]) and np.array_equal(e, w.T))
