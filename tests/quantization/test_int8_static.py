@@ -1,0 +1,362 @@
+"""int8-static (explicit QDQ) and TensorRT's int4 form: placement, scales, numerics on ONNX Runtime CPU, opset 21,
+block sizes, and reusing a saved calibration."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from trtinfer.calibration import CalibrationConfig
+from trtinfer.errors import CalibrationError, ConfigError
+from trtinfer.quantization.config import QuantConfig
+from trtinfer.quantization.int8_static import (
+    TRT_INT4_BLOCKS,
+    blocked_int4,
+    quantize_int8_static,
+    trt_int4_block,
+    upgrade_opset,
+)
+from trtinfer.quantization.registry import QuantContext, get_precision
+
+GRAPH = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[B,S,64] x, float[64] gamma, float[64,64] W1, float[64,32] W2, float[64,32] W3) => (float[B,S,32] y) {
+    h = SimplifiedLayerNormalization <axis = -1, epsilon = 0.00001> (x, gamma)
+    m1 = MatMul (h, W1)
+    a = Add (m1, x)
+    m2 = MatMul (a, W2)
+    m3 = MatMul (h, W3)
+    s = Add (m2, m3)
+    y = Softmax <axis = -1> (s)
+}
+"""
+NORM_SOFTMAX_ADD = {"SimplifiedLayerNormalization", "Softmax", "Add"}
+
+
+def small_model(seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The 7-node graph above with its weights as initializers (random, with one large column in W1)."""
+    rng = np.random.default_rng(seed)
+    weights = {"gamma": (1 + 0.1 * rng.standard_normal(64)).astype(np.float32),
+               "W1": (0.2 * rng.standard_normal((64, 64))).astype(np.float32),
+               "W2": (0.2 * rng.standard_normal((64, 32))).astype(np.float32),
+               "W3": (0.2 * rng.standard_normal((64, 32))).astype(np.float32)}
+    weights["W1"][:, 5] *= 8  # per-channel scales differ a lot
+    proto = onnx.parser.parse_model(GRAPH)
+    keep = [i for i in proto.graph.input if i.name not in weights]
+    del proto.graph.input[:]
+    proto.graph.input.extend(keep)
+    proto.graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in weights.items())
+    return proto, weights
+
+
+def float_tensors(x: np.ndarray, w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The MatMul inputs ``h`` and ``a`` of the float graph, in numpy."""
+    h = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w["gamma"]
+    return {"h": h, "a": h @ w["W1"] + x}
+
+
+def ort_run(model: ir.Model | onnx.ModelProto, feeds: dict[str, np.ndarray], optimize: bool = True,
+            accuracy_level: int | None = None) -> np.ndarray:
+    import onnxruntime as ort
+
+    proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if accuracy_level is not None:
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[0]
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    """max|a - b| / max|b|."""
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def init(model: ir.Model, value: ir.Value | None) -> np.ndarray:
+    assert value is not None and value.const_value is not None
+    return value.const_value.numpy()
+
+
+@pytest.fixture
+def small():
+    proto, weights = small_model()
+    x = np.random.default_rng(1).standard_normal((2, 5, 64)).astype(np.float32)
+    ranges = {k: float(np.abs(v).max()) for k, v in float_tensors(x, weights).items()}
+    return proto, weights, x, ranges
+
+
+# --- int8-static on a hand-written graph --------------------------------------------------------------------------
+
+def test_qdq_only_on_matmul_inputs_one_pair_per_tensor(small):
+    proto, _, _, ranges = small
+    model = ir.from_proto(proto)
+    report = quantize_int8_static(model, QuantConfig(precision="int8-static"), 0, amax=ranges)
+    assert report["quantized"] == 3 and report["activation_qdq"] == 2
+    nodes = list(model.graph)
+    qs = [n for n in nodes if n.op_type == "QuantizeLinear"]
+    assert sorted(n.inputs[0].name for n in qs) == ["a", "h"]  # h read by MatMul(W1) and MatMul(W3): one pair
+    for n in nodes:
+        fed_by_dq = [i for i, v in enumerate(n.inputs) if v is not None and v.producer() is not None
+                     and v.producer().op_type == "DequantizeLinear"]
+        if n.op_type in NORM_SOFTMAX_ADD:
+            assert not fed_by_dq, f"{n.op_type} reads a DequantizeLinear output"
+        if n.op_type == "MatMul":
+            assert fed_by_dq == [0, 1]
+    # the residual Add reads the float x and the float MatMul output
+    add = next(n for n in nodes if n.op_type == "Add" and n.outputs[0].name == "a")
+    assert add.inputs[1] is model.graph.inputs[0]
+    # the norm's output still goes to the MatMuls only through the Q/DQ pair
+    h = next(n for n in nodes if n.op_type == "SimplifiedLayerNormalization").outputs[0]
+    assert {u.node.op_type for u in h.uses()} == {"QuantizeLinear"}
+
+
+def test_weight_and_activation_scales(small):
+    proto, weights, _, ranges = small
+    model = ir.from_proto(proto)
+    report = quantize_int8_static(model, QuantConfig(precision="int8-static"), 0, amax=ranges)
+    for mm in (n for n in model.graph if n.op_type == "MatMul"):
+        wdq, xdq = mm.inputs[1].producer(), mm.inputs[0].producer()
+        assert wdq.attributes["axis"].as_int() == 1
+        codes, scale, zp = (init(model, v) for v in wdq.inputs)
+        original = next(w for w in (weights["W1"], weights["W2"], weights["W3"])
+                        if w.shape == codes.shape and np.allclose(codes * scale, w, atol=scale.max()))
+        np.testing.assert_array_equal(scale, (np.abs(original).max(axis=0) / np.float32(127)).astype(np.float32))
+        assert codes.dtype == np.int8 and np.abs(codes.astype(int)).max() <= 127
+        assert zp.dtype == np.int8 and not zp.any()
+        x_name = xdq.inputs[0].producer().inputs[0].name
+        x_scale, x_zp = init(model, xdq.inputs[1]), init(model, xdq.inputs[2])
+        assert x_scale.shape == () and x_scale == np.float32(ranges[x_name] / 127.0)
+        assert x_zp.dtype == np.int8 and x_zp == 0
+        assert report["activation_scales"][x_name] == float(x_scale)
+
+
+def test_int8_static_numerics_on_ort(small):
+    proto, weights, x, ranges = small
+    model = ir.from_proto(proto)
+    quantize_int8_static(model, QuantConfig(precision="int8-static"), 0, amax=ranges)
+    feeds = {"x": x}
+    ref = ort_run(proto, feeds)
+    fused = ort_run(model, feeds)
+    plain = ort_run(model, feeds, optimize=False)  # Q, DQ and MatMul as written, no ORT fusion
+    # numpy fake-quant of the same graph
+    w = {k: v.copy() for k, v in weights.items()}
+    for name in ("W1", "W2", "W3"):
+        s = np.abs(w[name]).max(0) / 127
+        w[name] = (np.clip(np.rint(w[name] / s), -127, 127) * s).astype(np.float32)
+
+    def fq(t: np.ndarray, amax: float) -> np.ndarray:
+        s = np.float32(amax / 127)
+        return np.clip(np.rint(t / s), -128, 127) * s
+
+    h = fq(float_tensors(x, weights)["h"], ranges["h"])
+    a = fq(h @ w["W1"] + x, ranges["a"])
+    s_ = a @ w["W2"] + h @ w["W3"]
+    expected = np.exp(s_ - s_.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    assert rel(plain, expected) < 1e-4
+    assert rel(fused, plain) < 1e-4  # ORT's QDQ fusions compute what the graph says
+    assert rel(fused, ref) < 0.05 and (fused.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_missing_range_is_refused(small):
+    proto = small[0]
+    with pytest.raises(ConfigError, match="no activation range"):
+        quantize_int8_static(ir.from_proto(proto), QuantConfig(precision="int8-static"), 0, amax={"h": 1.0})
+
+
+def test_keep_fp32_and_include_select_matmuls(small):
+    proto, *_, ranges = small
+    model = ir.from_proto(proto)
+    # the parsed graph's MatMuls have no names: select by weight name
+    report = quantize_int8_static(model, QuantConfig(precision="int8-static", keep_fp32=("W2",)), 0, amax=ranges)
+    assert report["quantized"] == 2 and report["activation_qdq"] == 1 and len(report["kept"]) == 1
+
+
+# --- int4 for TensorRT --------------------------------------------------------------------------------------------
+
+def int4_small(block: int) -> tuple[onnx.ModelProto, ir.Model, dict]:
+    from trtinfer.quantization.int8_static import int4_tensorrt
+
+    proto, _ = small_model()
+    model = ir.from_proto(proto)
+
+    class Stage:  # int4 reads only the geometry of the stage
+        geometry: ClassVar[dict[str, int]] = {"vocab_size": 0}
+
+    ctx = QuantContext(Stage(), QuantConfig(precision="int4", method="rtn", block_size=block),  # type: ignore[arg-type]
+                       "tensorrt", Path("."))
+    return proto, model, int4_tensorrt(model, ctx)
+
+
+def test_trt_int4_form():
+    _, model, report = int4_small(64)
+    assert model.opset_imports[""] == 21 and report["trt_unsupported_ops"] == {"SimplifiedLayerNormalization": 1}
+    dqs = [n for n in model.graph if n.op_type == "DequantizeLinear"]
+    assert len(dqs) == 3 and not any(n.op_type == "QuantizeLinear" for n in model.graph)
+    for dq in dqs:
+        assert len(dq.inputs) == 2  # no zero point: symmetric
+        assert dq.attributes["axis"].as_int() == 0 and dq.attributes["block_size"].as_int() == 64
+        codes, scale = dq.inputs[0].const_value, init(model, dq.inputs[1])
+        assert codes.dtype == ir.DataType.INT4
+        k, n = codes.shape
+        assert scale.shape == (k // 64, n) and scale.dtype == np.float32 and (scale >= 0).all()
+        assert [u.node.op_type for u in dq.outputs[0].uses()] == ["MatMul"]
+    # saved and reloaded, the packed int4 data round-trips
+    reloaded = onnx.helper.make_model(ir.to_proto(model).graph, opset_imports=ir.to_proto(model).opset_import)
+    w = next(i for i in reloaded.graph.initializer if i.data_type == onnx.TensorProto.INT4)
+    assert len(w.raw_data) == 64 * 64 // 2
+
+
+def test_trt_int4_numerics_on_ort():
+    proto, model, _ = int4_small(64)
+    x = np.random.default_rng(1).standard_normal((2, 5, 64)).astype(np.float32)
+    ref = ort_run(proto, {"x": x})
+    # the fp32 graph on the dequantized weights: what the int4 graph must compute
+    _, weights = small_model()
+    deq = onnx.parser.parse_model(GRAPH)
+    keep = [i for i in deq.graph.input if i.name not in weights]
+    del deq.graph.input[:]
+    deq.graph.input.extend(keep)
+    for k, v in weights.items():
+        if k != "gamma":
+            codes, scale = blocked_int4(v, 64)
+            v = (codes.astype(np.float32).reshape(-1, 64, v.shape[1]) * scale[:, None, :]).reshape(v.shape)
+        deq.graph.initializer.append(onnx.numpy_helper.from_array(v.astype(np.float32), k))
+    exact = ort_run(deq, {"x": x})
+    assert rel(ort_run(model, {"x": x}, optimize=False), exact) < 1e-5
+    assert rel(ort_run(model, {"x": x}, accuracy_level=0), exact) < 1e-4  # fused to MatMulNBits, fp32 compute
+    assert rel(ort_run(model, {"x": x}), exact) < 5e-2  # MatMulNBits level 4: int8 activations (0.038 here)
+    got = ort_run(model, {"x": x})
+    # int4 against fp32 on this random graph, through a Softmax over large logits: 0.22 here
+    assert rel(got, ref) < 0.3 and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
+
+
+@pytest.mark.parametrize("block", [16, 256, 1024])
+def test_trt_int4_block_sizes_other_than_64_128_are_refused(block):
+    with pytest.raises(ConfigError, match="64 or 128"):
+        trt_int4_block(QuantConfig(precision="int4", block_size=block))
+
+
+def test_trt_int4_block_default_and_allowed():
+    assert trt_int4_block(QuantConfig(precision="int4")) == 128  # the ORT default 32 is not a TensorRT block
+    for b in TRT_INT4_BLOCKS:
+        assert trt_int4_block(QuantConfig(precision="int4", block_size=b)) == b
+
+
+def test_upgrade_moves_reduce_axes_to_an_input():
+    proto = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,3,4] x) => (float[2,3,1] y) { p = Pow (x, x) \n y = ReduceMean <axes = [-1], keepdims = 1> (p) }
+    """)
+    model = ir.from_proto(proto)
+    assert upgrade_opset(model, 21) == {"ReduceMean": 1}
+    x = np.abs(np.random.default_rng(0).standard_normal((2, 3, 4))).astype(np.float32)
+    np.testing.assert_allclose(ort_run(model, {"x": x}), ort_run(proto, {"x": x}), rtol=1e-6)
+
+
+def test_registered_targets():
+    for target in ("onnxruntime-cpu", "onnxruntime-cuda", "tensorrt"):
+        assert get_precision("int8-static", target).fn.__name__ == "int8_static"
+    assert get_precision("int4", "tensorrt").fn.__name__ == "int4_tensorrt"
+
+
+# --- tiny llama end to end ----------------------------------------------------------------------------------------
+
+CAL = {"num_samples": 2, "seq_len": 24, "decode_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def tiny_stages(tiny_model_dir, tmp_path_factory):
+    from trtinfer.export import ExportConfig, export
+    from trtinfer.passes import PassConfig
+    from trtinfer.passes.optimize import optimize_stage
+
+    root = tmp_path_factory.mktemp("int8-static")
+    exp = export(tiny_model_dir("llama"), root / "exp", ExportConfig())
+    return {t: optimize_stage(exp, root / t, PassConfig(target=t, max_seq_len=64))
+            for t in ("onnxruntime-cpu", "tensorrt")}
+
+
+def quantize(stage, precision: str, folder: Path, **cal) -> tuple[ir.Model, dict]:
+    target = stage.history["optimize"]["config"]["target"]
+    model = ir.load(str(stage.onnx_path))
+    folder.mkdir(parents=True, exist_ok=True)
+    config = QuantConfig(precision=precision, method="rtn", block_size=64,
+                         calibration=CalibrationConfig(**{**CAL, **cal}))
+    report = get_precision(precision, target).fn(model, QuantContext(stage, config, target, folder, progress=False))
+    return model, report
+
+
+def stage_logits(stage, model: ir.Model | None = None) -> np.ndarray:
+    """Last-position logits of prefill and decode feeds of held-out text (the GPL, not the calibration text)."""
+    import onnxruntime as ort
+
+    from trtinfer.calibration import calibration_set, iter_feeds
+
+    cset = calibration_set(stage.path / "tokenizer.json", "builtin:gpl-3.0", num_samples=3, seq_len=20,
+                           decode_steps=3)
+    feeds = list(iter_feeds(stage, cset))
+    if model is None:
+        sess = ort.InferenceSession(str(stage.onnx_path), providers=["CPUExecutionProvider"])
+    else:
+        so = ort.SessionOptions()
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(stage.path))
+        sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return np.concatenate([sess.run(["logits"], f)[0].reshape(-1, stage.geometry["vocab_size"]) for f in feeds])
+
+
+def agreement(q: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """(||q - ref|| / ||ref||, top-1 agreement)."""
+    return float(np.linalg.norm(q - ref) / np.linalg.norm(ref)), float((q.argmax(-1) == ref.argmax(-1)).mean())
+
+
+@pytest.mark.parametrize("target", ["onnxruntime-cpu", "tensorrt"])
+def test_tiny_llama_int8_static_close_to_fp32(tiny_stages, target, tmp_path):
+    stage = tiny_stages[target]
+    model, report = quantize(stage, "int8-static", tmp_path)
+    assert report["quantized"] == report["matmuls"] == 15 and report["activation_qdq"] == 9  # 2 layers x 4 + head
+    assert report["calibration"]["source"] == "computed" and not report["calibration"]["reused"]
+    assert (tmp_path / "calibration.json").is_file() and (tmp_path / "calibration.cache").is_file()
+    for n in model.graph:
+        if n.op_type == "DequantizeLinear":
+            assert {u.node.op_type for u in n.outputs[0].uses()} == {"MatMul"}
+    l2, top1 = agreement(stage_logits(stage, model), stage_logits(stage))
+    assert l2 < 0.15 and top1 >= 0.75, (l2, top1)  # measured 0.092 and 0.83 (10 of 12 positions)
+
+
+def test_tiny_llama_trt_int4_close_to_fp32(tiny_stages, tmp_path):
+    from trtinfer.passes.trt_support import unsupported_ops
+
+    stage = tiny_stages["tensorrt"]
+    model, report = quantize(stage, "int4", tmp_path)
+    assert report["quantized"] == 15 and model.opset_imports[""] == 21 and unsupported_ops(model) == {}
+    assert report["opset_upgrade"].get("ReduceMean", 0) > 0
+    l2, top1 = agreement(stage_logits(stage, model), stage_logits(stage))
+    assert l2 < 0.35 and top1 >= 0.5, (l2, top1)
+
+
+def test_calibration_cache_reused_bit_identical(tiny_stages, tmp_path):
+    stage = tiny_stages["tensorrt"]
+    first, r1 = quantize(stage, "int8-static", tmp_path / "a")
+    for cache in (tmp_path / "a", tmp_path / "a" / "calibration.cache"):  # our JSON, then TensorRT's table
+        second, r2 = quantize(stage, "int8-static", tmp_path / "b", cache_file=cache)
+        assert r2["calibration"]["reused"] and r2["calibration"]["source"].startswith("file")
+        assert r2["activation_scales"] == r1["activation_scales"]
+        a = {v.name: v.const_value.numpy() for v in first.graph.initializers.values()}
+        b = {v.name: v.const_value.numpy() for v in second.graph.initializers.values()}
+        assert a.keys() == b.keys()
+        for k, value in a.items():
+            assert value.tobytes() == b[k].tobytes(), k
+
+
+def test_calibration_cache_of_another_graph_is_refused(tiny_stages, tmp_path):
+    quantize(tiny_stages["onnxruntime-cpu"], "int8-static", tmp_path / "a")
+    with pytest.raises(CalibrationError, match="another graph"):
+        quantize(tiny_stages["tensorrt"], "int8-static", tmp_path / "b", cache_file=tmp_path / "a")
