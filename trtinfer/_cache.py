@@ -587,7 +587,7 @@ class CacheEntry:
 
 
 #: the folders of the cache root that trtinfer fills; anything else there is not ours to list or remove
-CACHE_KINDS = ("models", "onnx", "optimized", "compiled")
+CACHE_KINDS = ("models", "onnx", "optimized", "quantized", "compiled")
 
 
 def _kind_dirs(kind: str | None) -> list[Path]:

@@ -21,7 +21,7 @@ from trtinfer.errors import ModelSourceError
 
 STAGE_FILE = "stage.json"
 STAGE_FORMAT = 1
-STAGES = ("export", "optimize")
+STAGES = ("export", "optimize", "quantize")
 ONNX_NAME = "model.onnx"
 DATA_NAME = "model.onnx.data"
 REFERENCE_NAME = "reference.npz"
@@ -40,7 +40,7 @@ class StageDir:
 
     @property
     def stage(self) -> str:
-        """``export`` or ``optimize``."""
+        """``export``, ``optimize`` or ``quantize``."""
         return str(self.info["stage"])
 
     @property
@@ -137,8 +137,9 @@ def read_stage(path: str | Path, *, verify: bool = True) -> StageDir:
     shape = {"geometry": dict, "io": dict, "history": dict, "architecture": str}
     bad = [k for k, t in shape.items() if not isinstance(info.get(k), t)]
     bad += [f"files.{n}" for n, r in info["files"].items() if not isinstance(r, dict) or not {"size", "sha256"} <= set(r)]
-    if info["stage"] == "optimize" and not isinstance(info.get("history", {}).get("optimize", {}).get("config"), dict):
-        bad.append("history.optimize.config")
+    for done in ("optimize", "quantize")[:STAGES.index(info["stage"])]:
+        if not isinstance(info.get("history", {}).get(done, {}).get("config"), dict):
+            bad.append(f"history.{done}.config")
     if bad:
         raise ModelSourceError(f"{file} lacks or mistypes {', '.join(bad)}; produce {folder} again")
     if info.get("format") != STAGE_FORMAT:

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 # fp16 on ORT CPU kernels: tiny random models ~1e-3, SmolLM2 2.2e-3 (0.065 on logits of magnitude 29), Gemma-3 1.07e-2
 # (6.7e-3 when emulated with fp32 arithmetic, as GPUs accumulate); bf16 keeps 3 fewer mantissa bits than fp16
 TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 8e-2}
+# quantized engines are checked against their own quantize-stage graph: int8 activation rounding (accuracy level 4)
+# may round a value differently after ONNX Runtime's offline rewrites; anything larger is a broken compile
+QUANTIZED_TOLERANCE = 2e-2
 
 
 @dataclass(frozen=True)
@@ -51,14 +54,30 @@ class EngineCheck:
     def summary(self) -> str:
         """One line for a person."""
         verdict = "passed" if self.passed else "FAILED"
-        return (f"engine check vs export ({self.precision}): max|diff| {self.max_abs_diff:.3g} "
+        return (f"engine check vs {self.reference} ({self.precision}): max|diff| {self.max_abs_diff:.3g} "
                 f"{'<=' if self.passed else '>'} {self.tolerance:g} x {self.logits_scale:.3g}, "
                 f"top-1 agreement {self.top1_agreement:.0%}: {verdict}")
 
 
+def _runtime_logits(sess: Any, prompts: list[np.ndarray], tokens: np.ndarray) -> np.ndarray:
+    """The reference protocol through a runtime session: ragged prefill, then the given tokens; ``[rows, steps+1, V]``."""
+    steps = tokens.shape[1]
+    logits, kv = sess.prefill([p.tolist() for p in prompts], max(len(p) for p in prompts) + steps + 1)
+    got = [logits.astype(np.float32)]
+    for t in range(steps):
+        logits, kv = sess.decode(tokens[:, t], kv)
+        got.append(logits.astype(np.float32))
+    return np.stack(got, axis=1)
+
+
 def check_engine(engine_dir: Path, manifest: Manifest, reference: Path, precision: str,
-                 provider: str = "cpu") -> EngineCheck:
-    """Compare the engine in ``engine_dir`` (described by ``manifest``) with the export's stored ``reference``."""
+                 provider: str = "cpu", graph: Any = None) -> EngineCheck:
+    """Compare the engine in ``engine_dir`` (described by ``manifest``) with the export's stored ``reference``.
+
+    ``graph`` (a quantize stage): compare with that graph instead, run through the same runtime protocol on the
+    reference's prompts and tokens. A quantized graph differs from fp32 by design (the accuracy report measures how
+    much); what the engine check guards is that compiling it changed nothing beyond int8 rounding.
+    """
     from trtinfer.export.reference import load_reference
     from trtinfer.runtime.config import RuntimeConfig
     from trtinfer.runtime.session import open_session
@@ -66,17 +85,19 @@ def check_engine(engine_dir: Path, manifest: Manifest, reference: Path, precisio
     prompts, tokens, theirs = load_reference(reference)
     steps = tokens.shape[1]
     with open_session(engine_dir, manifest, RuntimeConfig(provider=provider)) as sess:
-        logits, kv = sess.prefill([p.tolist() for p in prompts], max(len(p) for p in prompts) + steps + 1)
-        got = [logits.astype(np.float32)]
-        for t in range(steps):
-            logits, kv = sess.decode(tokens[:, t], kv)
-            got.append(logits.astype(np.float32))
-    ours = np.stack(got, axis=1)  # [rows, steps + 1, vocab]
+        ours = _runtime_logits(sess, prompts, tokens)
+    what = "exported fp32 graph"
+    tol = TOLERANCE.get(precision, QUANTIZED_TOLERANCE)
+    if graph is not None:
+        from trtinfer.runtime.scoring import open_stage_session
+
+        with open_stage_session(graph, RuntimeConfig(provider=provider)) as sess:
+            theirs = _runtime_logits(sess, prompts, tokens)
+        what = f"{precision} quantize-stage graph"
     scale = float(max(1.0, np.abs(theirs).max()))
     diff = float(np.abs(ours - theirs).max()) if np.isfinite(ours).all() else float("inf")
-    tol = TOLERANCE[precision]
     top1 = float((ours.argmax(-1) == theirs.argmax(-1)).mean())
-    result = EngineCheck("exported fp32 graph", precision,
+    result = EngineCheck(what, precision,
                          tuple(len(p) for p in prompts), steps, diff, scale, tol, top1, diff <= tol * scale)
     log.debug("%s", result.summary())
     return result

@@ -7,9 +7,12 @@ from typing import Any
 from trtinfer.errors import ConfigError
 from trtinfer.export.config import ExportConfig
 from trtinfer.passes.config import DEFAULT_KEEP_FP32, check_keep_fp32
+from trtinfer.quantization.config import PRECISIONS as QUANT_PRECISIONS
+from trtinfer.quantization.config import QuantConfig
 from trtinfer.stages import default_max_seq_len
 
-PRECISIONS = ("fp32", "fp16", "bf16")  # int8/int4 come with the quantization stage
+FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = FLOAT_PRECISIONS + QUANT_PRECISIONS
 TARGETS = ("cpu", "cuda")
 
 
@@ -23,6 +26,8 @@ class BuildConfig:
     in fp16 than fp32; a cpu fp16 build is for checking numerics). ``keep_fp32`` names the groups kept in fp32 by
     fp16/bf16 builds (norms, softmax, residual, logits, lm_head); ``keep_io_types`` keeps KV inputs/outputs fp32.
     ``disable_passes`` names pipeline passes to skip (``trtinfer optimize --list`` shows them).
+    ``precision`` int4/int8/int8-static/gguf runs the quantize stage on the fp32 graph (settings in
+    ``quantization``, a :class:`~trtinfer.quantization.QuantConfig`; defaults when None).
     """
 
     backend: str = "onnxruntime"
@@ -34,8 +39,18 @@ class BuildConfig:
     keep_fp32: tuple[str, ...] = DEFAULT_KEEP_FP32
     disable_passes: tuple[str, ...] = ()
     export: ExportConfig = field(default_factory=ExportConfig)
+    quantization: QuantConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.precision in QUANT_PRECISIONS:
+            if self.quantization is None:
+                object.__setattr__(self, "quantization", QuantConfig(precision=self.precision))
+            elif self.quantization.precision != self.precision:
+                raise ConfigError(f"precision {self.precision} but quantization settings for "
+                                  f"{self.quantization.precision}; give one precision")
+        elif self.quantization is not None:
+            raise ConfigError(f"quantization settings need a quantized precision ({', '.join(QUANT_PRECISIONS)}), "
+                              f"not {self.precision}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision '{self.precision}' is not available in this version; supported: "
                               f"{', '.join(PRECISIONS)}")
@@ -50,6 +65,11 @@ class BuildConfig:
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 
+    @property
+    def pass_precision(self) -> str:
+        """The precision the optimize stage converts to: fp32 under a quantized precision."""
+        return "fp32" if self.quantization is not None else self.precision
+
     def max_seq_len_for(self, geometry: dict[str, Any]) -> int:
         """The engine's max sequence length: ``max_seq_len``, else the model's positions capped at 4096."""
         return self.max_seq_len or default_max_seq_len(geometry)
@@ -59,4 +79,5 @@ class BuildConfig:
         d = asdict(self)
         d["disable_passes"] = list(self.disable_passes)
         d["keep_fp32"] = list(self.keep_fp32)
+        d["quantization"] = None if self.quantization is None else self.quantization.to_dict()
         return d

@@ -64,6 +64,8 @@ def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engin
         "fusion_report": report,
         "fused_ops": fused_op_counts(hist, stage.geometry, report),
         "versions": engine_versions(),
+        "quantization": ({k: history["quantize"][k] for k in ("config", "target", "report", "accuracy")}
+                         if "quantize" in history else None),
     }
 
 
@@ -71,7 +73,10 @@ def _from_stage(stage: StageDir, config: BuildConfig) -> tuple[BuildConfig, int]
     """Check the build config against an optimize stage given as input; returns the config with the stage's pass
     settings (what the graph was really made with, as the manifest records them) and the max sequence length."""
     opt = stage.history["optimize"]["config"]
-    if opt["precision"] != config.precision:
+    quant = stage.history.get("quantize", {}).get("config", {}).get("precision")
+    if quant is not None and quant != config.precision:
+        raise ConfigError(f"{stage.path} holds a {quant} graph; build it with --precision {quant}")
+    if quant is None and config.quantization is None and opt["precision"] != config.precision:
         raise ConfigError(f"{stage.path} holds a {opt['precision']} graph; build it with --precision "
                           f"{opt['precision']}, or optimize the export again for {config.precision}")
     if config.max_seq_len is not None and config.max_seq_len > opt["max_seq_len"]:
@@ -94,7 +99,8 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
         if stage.reference_path is None:
             return
         manifest = _manifest(config, stage, files, tmp, max_seq)
-        check = check_engine(tmp, Manifest(manifest), stage.reference_path, config.precision, provider=config.target)
+        check = check_engine(tmp, Manifest(manifest), stage.reference_path, config.precision, provider=config.target,
+                             graph=stage if stage.stage == "quantize" else None)
         if not check.passed:
             nan = check.max_abs_diff == float("inf")
             raise BuildError(
@@ -130,7 +136,7 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
     if out.exists() and not overwrite:
         raise BuildError(f"{out} already exists; choose another -o or pass --force to replace it")
     t_start = time.perf_counter()
-    if config.precision != "fp32" and config.target == "cpu":
+    if config.precision in ("fp16", "bf16") and config.target == "cpu":
         log.warning("%s on the CPU provider is for checking numerics: ONNX Runtime's CPU fp16 kernels are ~3x slower "
                     "than fp32 (SmolLM2 decode 12 vs 38 tok/s); build fp32 for CPU, fp16/bf16 for --target cuda",
                     config.precision)
@@ -152,6 +158,8 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
             log.debug("built encoder %s in %.1f s", out, time.perf_counter() - t_start)
             return out
     names = (["export"] if stage is None else []) + (["optimize"] if stage is None or stage.stage == "export" else [])
+    if config.quantization is not None and (stage is None or stage.stage != "quantize"):
+        names.append("quantize")
     with StageProgress([*names, "compile + check", "package"], enabled=progress) as bar:
         if stage is None:
             from trtinfer.export.onnx_export import export_cached
@@ -163,7 +171,7 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
             from trtinfer.passes.optimize import optimize_cached
 
             max_seq = config.max_seq_len_for(stage.geometry)
-            pcfg = PassConfig(target=backend.pass_target(config), max_seq_len=max_seq, precision=config.precision,
+            pcfg = PassConfig(target=backend.pass_target(config), max_seq_len=max_seq, precision=config.pass_precision,
                               keep_io_types=config.keep_io_types, keep_fp32=config.keep_fp32,
                               disable=config.disable_passes)
             with bar.stage("optimize") as rec:
@@ -175,6 +183,11 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
                 raise ConfigError(f"{stage.path} was optimized for {got}, but --backend {config.backend} "
                                   f"--target {config.target} needs {want}; optimize the export with --target {want}")
             config, max_seq = _from_stage(stage, config)
+        if config.quantization is not None and stage.stage != "quantize":
+            from trtinfer.quantization.stage import quantize_cached
+
+            with bar.stage("quantize") as rec:
+                stage = quantize_cached(stage, config.quantization, stats=rec, progress=progress)
         with bar.stage("compile + check") as rec:
             compiled, files, check = _compile(stage, config, backend, max_seq, rec)
         with bar.stage("package") as rec, atomic_dir(out, overwrite=overwrite) as tmp:

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 
 from trtinfer.errors import TrtInferError
 
-VERBS = ("export", "optimize", "build", "generate", "embed", "eval", "inspect", "bench", "cache")
+VERBS = ("export", "optimize", "quantize", "build", "generate", "embed", "eval", "inspect", "bench", "cache")
 
 
 def _parser() -> argparse.ArgumentParser:
     from trtinfer import __version__
-    from trtinfer.cli import bench, build, cache, embed, export, generate, inspect, optimize
+    from trtinfer.cli import bench, build, cache, embed, export, generate, inspect, optimize, quantize
     from trtinfer.cli import eval as eval_
 
     p = argparse.ArgumentParser(prog="trtinfer", description="Export, build and run transformer engines.")
@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show other libraries' log lines and progress bars (transformers, onnxruntime)")
     sub = p.add_subparsers(dest="verb", metavar="{" + ",".join(VERBS) + "}")
-    for mod in (export, optimize, build, generate, embed, eval_, inspect, bench, cache):
+    for mod in (export, optimize, quantize, build, generate, embed, eval_, inspect, bench, cache):
         mod.add_parser(sub)
     return p
 

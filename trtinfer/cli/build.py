@@ -14,10 +14,12 @@ def add_parser(sub: Any) -> None:
                                   "`trtinfer export` / `trtinfer optimize`")
     p.add_argument("-o", "--output", required=True, help="engine directory to create")
     p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
-    p.add_argument("--precision", default="fp32", help="fp32 (default), fp16 or bf16 (GPU targets)")
-    p.add_argument("--keep-fp32", default=",".join(DEFAULT_KEEP_FP32), metavar="GROUPS",
+    p.add_argument("--precision", default="fp32",
+                   help="fp32 (default), fp16 or bf16 (GPU targets), int4, int8, int8-static or gguf (quantized)")
+    p.add_argument("--keep-fp32", default=None, metavar="GROUPS",
                    help=f"fp16/bf16: comma-separated groups computed in fp32 (of {', '.join(KEEP_FP32_GROUPS)}; "
-                        f"default {','.join(DEFAULT_KEEP_FP32)}; '' for none)")
+                        f"default {','.join(DEFAULT_KEEP_FP32)}; '' for none); quantized precisions: node-name "
+                        "patterns left in fp32 ('lm_head' names the LM head)")
     p.add_argument("--keep-io-types", action="store_true", help="fp16/bf16: keep KV inputs/outputs in fp32")
     p.add_argument("--disable-pass", action="append", default=[], metavar="PASS", help="skip a pass (repeatable)")
     p.add_argument("--target", default="cpu", choices=("cpu", "cuda"), help="execution provider to optimize for")
@@ -25,6 +27,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help="default: min(model's max positions, 4096)")
     p.add_argument("--atol", type=float, default=1e-4, help="export validation tolerance")
     p.add_argument("--force", action="store_true", help="replace an existing engine directory")
+    from trtinfer.cli.quantize import add_quant_args
+
+    add_quant_args(p)
     p.set_defaults(func=run)
 
 
@@ -40,10 +45,18 @@ def run(args: argparse.Namespace) -> int:
     from trtinfer.export import ExportConfig
     from trtinfer.runtime.manifest import read_manifest
 
+    from trtinfer.cli.quantize import quant_config
+    from trtinfer.quantization.accuracy import accuracy_text
+    from trtinfer.quantization.config import PRECISIONS as QUANTIZED
+
+    keep = groups(args.keep_fp32) if args.keep_fp32 is not None else None
+    quant = quant_config(args, args.precision, keep or ()) if args.precision in QUANTIZED else None
     cfg = BuildConfig(backend=args.backend, precision=args.precision, target=args.target,
                       max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                      keep_io_types=args.keep_io_types, keep_fp32=groups(args.keep_fp32),
-                      disable_passes=tuple(args.disable_pass), export=ExportConfig(atol=args.atol))
+                      keep_io_types=args.keep_io_types,
+                      keep_fp32=DEFAULT_KEEP_FP32 if keep is None or quant is not None else keep,
+                      disable_passes=tuple(args.disable_pass), export=ExportConfig(atol=args.atol),
+                      quantization=quant)
     out = build(args.model, args.output, cfg, overwrite=args.force, progress=not args.quiet)
     m = read_manifest(out).raw
     g = m["geometry"]
@@ -60,10 +73,16 @@ def run(args: argparse.Namespace) -> int:
               f"KV layout {m['kv_layout']}")
     print(validation_text(m["export"]["validation"]))
     print("fused: " + fused_text(m.get("fused_ops", {})))
+    q = m.get("quantization")
+    if q:
+        from trtinfer.cli.quantize import quant_summary
+
+        print("quantized: " + quant_summary(q))
+        print(accuracy_text(q.get("accuracy")))
     c = m.get("engine_check")
     if c:
-        print(f"engine check vs export ({c['precision']}): max|diff| {c['max_abs_diff']:.3g} <= {c['tolerance']:g} x "
-              f"{c['logits_scale']:.3g}, top-1 agreement {c['top1_agreement']:.0%}")
+        print(f"engine check vs {c['reference']} ({c['precision']}): max|diff| {c['max_abs_diff']:.3g} <= "
+              f"{c['tolerance']:g} x {c['logits_scale']:.3g}, top-1 agreement {c['top1_agreement']:.0%}")
     for w in (m.get("fusion_report") or {}).get("warnings", []):
         print(f"warning: {w}")
     return 0
