@@ -1,0 +1,594 @@
+"""Import a GGUF file's own quantized blocks, exactly, onto ONNX Runtime's ``com.microsoft`` weight-only ops.
+
+The fp32 graph was exported from the GGUF's dequantized weights, so each MatMul weight *is* a GGUF tensor (up to
+fp32 rounding and, for Llama's q/k, transformers' rotary row permutation). Re-rounding those values onto a new
+4-bit grid doubles the error (NOTES.md: 1.17-1.48x perplexity); here each GGUF block becomes a symmetric
+``MatMulNBits`` block holding the same integers, so the graph computes what llama.cpp computes.
+
+Every supported type is read as ``w[n, k] = s[n, k/block] * (code[n, k] - 2^(bits-1)) + c[n, k/32]``:
+
+    type   GGUF value            ORT form                         codes         offset c (per 32 values)
+    Q8_0   d*q, q in -128..127   8-bit symmetric, block 32        q + 128       -
+    Q4_0   d*(q-8)               4-bit symmetric, block 32        q             -
+    Q4_1   d*q + m               4-bit symmetric, block 32        q             m + 8d
+    Q4_K   d*sc*q - dmin*m       4-bit symmetric, block 32        q             8*d*sc - dmin*m
+    Q5_0   d*(q-16)              8-bit symmetric, block 32        q + 112       -
+    Q5_1   d*q + m               8-bit symmetric, block 32        q + 112       m + 16d
+    Q5_K   d*sc*q - dmin*m       8-bit symmetric, block 32        q + 112       16*d*sc - dmin*m
+    Q6_K   d*sc*(q-32)           8-bit symmetric, block 16        q + 96        -
+
+A non-zero offset is the block-sum identity ``x.W = x.(s*(code - z)) + sum_b c_b * (sum_{k in b} x_k)``: exact, no
+float zero points (ORT's slow path) and no asymmetric codes (the AVX2 batch-1 bug, ORT #29853)::
+
+    x [.., K] ──MatMulNBits(B, s; level 4)────────────────────────────────► y0 ─┐
+      └──Reshape [.., K/32, 32]──ReduceSum(-1)──► xs [.., K/32] ──MatMul(C [K/32, N])──► Add ──► y
+                    (one per distinct x: q/k/v share it, gate/up share it)
+
+The token embedding becomes ``GatherBlockQuantized`` on the same codes; with tied embeddings it reads the LM
+head's ``B`` through a Reshape, so one copy is stored. A table with offsets adds them back exactly
+(``Gather(C^T)`` expanded by a 0/1 matrix). Anything else (F32/F16/BF16 tensors, other GGUF types, weights that
+match no tensor) stays as it was and is reported.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx_ir as ir
+
+from trtinfer.quantization.blocks import BlockWeight
+
+if TYPE_CHECKING:
+    from trtinfer.stages import StageDir
+
+log = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+SUM_BLOCK = 32  # offsets are per 32 values in every type that has them
+#: weights equal a GGUF tensor when every value is within this much of it, relative to the tensor's largest value
+MATCH_RTOL = 2e-6
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two little-endian bytes per row -> float32 ``[nb, 1]``."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """``[nb, 16]`` bytes -> ``[nb, 32]`` values: the 16 low nibbles, then the 16 high ones (ggml's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: 4 bytes (one little-endian uint32) -> bit ``j`` of value ``j``, ``[nb, 32]``."""
+    word = np.ascontiguousarray(qh).view("<u4")
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """K-quants' 12 bytes -> eight 6-bit scales and eight 6-bit mins per super-block, ``[nb, 8]`` each."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+# Each decoder: raw blocks [nb, type_size] uint8 -> codes [nb, elems], scales [nb, elems/block],
+# offsets [nb, elems/32] or None. Scales are the float32 products ggml multiplies by (d, d*sc).
+Decoded = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+
+
+def _q8_0(b: np.ndarray) -> Decoded:
+    return b[:, 2:] ^ np.uint8(0x80), _f16(b[:, :2]), None  # int8 q -> uint8 q + 128
+
+
+def _q4_0(b: np.ndarray) -> Decoded:
+    return _nibbles(b[:, 2:]), _f16(b[:, :2]), None
+
+
+def _q4_1(b: np.ndarray) -> Decoded:
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    return _nibbles(b[:, 4:]), d, m + 8 * d
+
+
+def _q5_0(b: np.ndarray) -> Decoded:
+    q = _nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4)
+    return q + np.uint8(112), _f16(b[:, :2]), None
+
+
+def _q5_1(b: np.ndarray) -> Decoded:
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    q = _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4)
+    return q + np.uint8(112), d, m + 16 * d
+
+
+def _k_low(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K: 128 bytes -> ``[nb, 8, 32]``; each 32-byte group holds sub-block 2g (low) and 2g+1 (high)."""
+    g = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (g & 0x0F).reshape(-1, 8, 32)
+
+
+def _q4_k(b: np.ndarray) -> Decoded:
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    scale, mins = d * sc, dmin * mn
+    return _k_low(b[:, 16:]).reshape(-1, 256), scale, 8 * scale - mins
+
+
+def _q5_k(b: np.ndarray) -> Decoded:
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # bit j: sub-block j
+    q = _k_low(b[:, 48:]) | ((qh & 1) << 4)
+    scale, mins = d * sc, dmin * mn
+    return (q + np.uint8(112)).reshape(-1, 256), scale, 16 * scale - mins
+
+
+def _q6_k(b: np.ndarray) -> Decoded:
+    ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    q = (ql & 0x0F).reshape(-1, 8, 32) | ((qh & 0x03).reshape(-1, 8, 32) << 4)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    return (q + np.uint8(96)).reshape(-1, 256), _f16(b[:, 208:210]) * sc, None
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """How one GGUF type maps onto ``MatMulNBits``: its decoder, ORT bits and block, and its super-block size."""
+
+    decode: Callable[[np.ndarray], Decoded]
+    bits: int
+    block: int
+    elems: int  # values per GGUF block (32, or 256 for K-quants)
+
+    @property
+    def form(self) -> str:
+        """The ORT form in words, for reports."""
+        return f"{self.bits}-bit symmetric block {self.block}"
+
+
+#: Registry of the GGUF types imported exactly, by ``GGMLQuantizationType`` name.
+BLOCK_TYPES: dict[str, BlockType] = {
+    "Q8_0": BlockType(_q8_0, 8, 32, 32),
+    "Q4_0": BlockType(_q4_0, 4, 32, 32),
+    "Q4_1": BlockType(_q4_1, 4, 32, 32),
+    "Q5_0": BlockType(_q5_0, 8, 32, 32),
+    "Q5_1": BlockType(_q5_1, 8, 32, 32),
+    "Q4_K": BlockType(_q4_k, 4, 32, 256),
+    "Q5_K": BlockType(_q5_k, 8, 32, 256),
+    "Q6_K": BlockType(_q6_k, 8, 16, 256),
+}
+
+
+@dataclass
+class GGUFBlocks:
+    """One GGUF tensor ``[N, K]`` (HF ``Linear`` layout) in symmetric ``MatMulNBits`` form plus 32-value offsets."""
+
+    name: str
+    qtype: str
+    weight: BlockWeight  # codes [N, K], scales [N, K/block]; stands for x @ W with W [K, N]
+    offsets: np.ndarray | None  # [N, K/32] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)``."""
+        return self.weight.n, self.weight.k
+
+    def rows(self) -> np.ndarray:
+        """The float32 values ``[N, K]`` these blocks stand for."""
+        w = np.ascontiguousarray(self.weight.dequantize().T)
+        if self.offsets is not None:
+            n, k = w.shape
+            w = (w.reshape(n, k // SUM_BLOCK, SUM_BLOCK) + self.offsets[:, :, None]).reshape(n, k)
+        return w
+
+    def take(self, perm: np.ndarray) -> GGUFBlocks:
+        """These blocks with their rows reordered (``out[i] = self[perm[i]]``): blocks run along K, so rows are free."""
+        w = self.weight
+        return GGUFBlocks(self.name, self.qtype, BlockWeight(w.codes[perm], w.scales[perm], None, w.bits, w.block),
+                          None if self.offsets is None else self.offsets[perm])
+
+
+def decode_tensor(name: str, qtype: str, raw: np.ndarray, k: int) -> GGUFBlocks:
+    """Raw GGUF bytes of a 2-D tensor (``[N, bytes per row]``, ``k`` values per row) -> :class:`GGUFBlocks`."""
+    bt = BLOCK_TYPES[qtype]
+    n = raw.shape[0]
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * (k // bt.elems), -1)
+    codes, scales, offsets = bt.decode(raw)
+    weight = BlockWeight(np.ascontiguousarray(codes.reshape(n, k)),
+                         np.ascontiguousarray(scales.reshape(n, k // bt.block), dtype=np.float32), None, bt.bits, bt.block)
+    off = None if offsets is None else np.ascontiguousarray(offsets.reshape(n, k // SUM_BLOCK), dtype=np.float32)
+    return GGUFBlocks(name, qtype, weight, off)
+
+
+@dataclass
+class _Tensor:
+    """A 2-D GGUF tensor: decoded blocks when its type is supported, else only its dequantized rows."""
+
+    name: str
+    qtype: str
+    shape: tuple[int, int]  # (N, K)
+    raw: np.ndarray  # [N, bytes per row], a view of the file
+    blocks: GGUFBlocks | None
+    proj: np.ndarray | None = None
+    sorted_proj: np.ndarray | None = None
+
+    def rows(self) -> np.ndarray:
+        """The tensor's float32 values ``[N, K]``."""
+        if self.blocks is not None:
+            return self.blocks.rows()
+        from gguf import GGMLQuantizationType, quants
+
+        return np.asarray(quants.dequantize(self.raw, GGMLQuantizationType[self.qtype]), np.float32).reshape(self.shape)
+
+
+_SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
+           12: "<f8"}
+
+
+def _tensor_infos(path: Path) -> tuple[list[tuple[str, list[int], int, int]], int]:
+    """GGUF header -> (name, dims, type id, offset) per tensor and the data section's start.
+
+    ``gguf.GGUFReader`` builds a numpy view per metadata item: 34 s for Gemma-3's 262,144-token vocabulary.
+    Skipping the metadata by its lengths takes well under a second.
+    """
+    with open(path, "rb") as f:
+        buf = f.read(1 << 20)
+        pos = 0
+
+        def need(n: int) -> None:
+            nonlocal buf
+            while pos + n > len(buf):
+                more = f.read(max(1 << 20, n))
+                if not more:
+                    raise ValueError(f"{path} ends inside its header")
+                buf += more
+
+        def u(fmt: str) -> int:
+            nonlocal pos
+            size = np.dtype(fmt).itemsize
+            need(size)
+            v = int(np.frombuffer(buf, fmt, 1, pos)[0]) if fmt[1] != "f" else 0
+            pos += size
+            return v
+
+        def string() -> str:
+            nonlocal pos
+            n = u("<u8")
+            need(n)
+            pos += n
+            return buf[pos - n:pos].decode("utf-8", "replace")
+
+        def skip(vtype: int) -> int | None:
+            nonlocal pos
+            if vtype == 8:
+                string()
+            elif vtype == 9:
+                itype, count = u("<u4"), u("<u8")
+                if itype in _SCALAR:
+                    size = np.dtype(_SCALAR[itype]).itemsize * count
+                    need(size)
+                    pos += size
+                else:
+                    for _ in range(count):
+                        skip(itype)
+            else:
+                return u(_SCALAR[vtype])
+            return None
+
+        need(24)
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        pos = 8
+        n_tensors, n_kv = u("<u8"), u("<u8")
+        alignment = 32
+        for _ in range(n_kv):
+            key = string()
+            value = skip(u("<u4"))
+            if key == "general.alignment" and value:
+                alignment = value
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = [u("<u8") for _ in range(u("<u4"))]
+            infos.append((name, dims, u("<u4"), u("<u8")))
+        start = (pos + alignment - 1) // alignment * alignment
+    return infos, start
+
+
+def read_gguf(path: str | Path) -> list[_Tensor]:
+    """Every 2-D tensor of a GGUF file (memory-mapped), decoded when its type is in :data:`BLOCK_TYPES`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
+    infos, start = _tensor_infos(path)
+    data = np.memmap(path, np.uint8, mode="r")
+    out = []
+    for name, dims, type_id, offset in infos:
+        if len(dims) < 2 or any(d > 1 for d in dims[2:]):
+            continue
+        k, n = dims[0], dims[1]
+        try:
+            qtype = GGMLQuantizationType(type_id).name
+        except ValueError:
+            continue
+        elems, size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+        row = k // elems * size
+        raw = data[start + offset:start + offset + n * row].reshape(n, row)
+        ok = qtype in BLOCK_TYPES and k % BLOCK_TYPES[qtype].elems == 0
+        out.append(_Tensor(name, qtype, (n, k), raw, decode_tensor(name, qtype, raw, k) if ok else None))
+    return out
+
+
+def _probe(k: int) -> np.ndarray:
+    return np.random.default_rng(k).standard_normal(k)
+
+
+def _match(rows: np.ndarray, tensors: list[_Tensor]) -> tuple[_Tensor, np.ndarray] | str:
+    """The GGUF tensor whose rows, reordered, equal ``rows [N, K]``, and that order; else why none does.
+
+    Rows are matched by content: each row's projection on a fixed random vector is its fingerprint, so a row
+    permutation (transformers' rotary layout for Llama q/k) is found by sorting, then checked value by value.
+    """
+    n, k = rows.shape
+    proj = rows @ _probe(k)
+    order = np.argsort(proj, kind="stable")
+    sp = proj[order]
+    scale = float(np.abs(sp).max()) or 1.0
+    same_shape = [t for t in tensors if t.shape == (n, k)]
+    if not same_shape:
+        return "no GGUF tensor of this shape"
+    for t in same_shape:
+        assert t.sorted_proj is not None and t.proj is not None
+        if np.abs(t.sorted_proj - sp).max() > 1e-4 * scale:
+            continue
+        perm = np.empty(n, np.int64)
+        perm[order] = np.argsort(t.proj, kind="stable")
+        ref = t.rows()[perm]
+        tol = MATCH_RTOL * float(np.abs(ref).max()) + 1e-30
+        if np.abs(ref - rows).max() <= tol:
+            return t, perm
+    return "no GGUF tensor holds these values"
+
+
+@dataclass
+class _Rewriter:
+    graph: ir.Graph
+    accuracy_level: int
+    report: dict[str, Any]
+    packed: dict[tuple[str, str], tuple[ir.Value, ir.Value, ir.Value | None]] = field(default_factory=dict)
+    sums: dict[tuple[int, int], ir.Value] = field(default_factory=dict)
+    count: int = 0
+
+    def _init(self, name: str, array: np.ndarray) -> ir.Value:
+        base, i = name, 1
+        while name in self.graph.initializers:
+            name, i = f"{base}.{i}", i + 1
+        array = np.ascontiguousarray(array)
+        t = ir.tensor(array, name=name)
+        v = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(t.dtype), const_value=t)
+        self.graph.register_initializer(v)
+        return v
+
+    def stored(self, blocks: GGUFBlocks, perm: np.ndarray) -> tuple[ir.Value, ir.Value, ir.Value | None]:
+        """B ``[N, K/block, blob]``, scales ``[N, K/block]`` and offsets ``C [K/32, N]`` (or None), stored once."""
+        key = (blocks.name, hashlib.sha1(perm.tobytes()).hexdigest())
+        if key not in self.packed:
+            b = blocks.take(perm)
+            c = None if b.offsets is None else self._init(f"gguf.{b.name}.offsets", b.offsets.T)
+            self.packed[key] = (self._init(f"gguf.{b.name}.B", b.weight.packed()),
+                                self._init(f"gguf.{b.name}.scales", b.weight.scales), c)
+        return self.packed[key]
+
+    def _node(self, op: str, inputs: list[ir.Value | None], name: str, domain: str = "",
+              **attrs: Any) -> ir.Node:
+        self.count += 1
+        return ir.node(op, inputs, attrs or None, domain=domain, name=f"{name}/{op}_gguf{self.count}")
+
+    def block_sums(self, x: ir.Value, k: int, where: ir.Node, new: list[ir.Node]) -> ir.Value:
+        """``xs [.., K/32]``: sums of ``x`` over each 32 values, built once per input."""
+        key = (id(x), k)
+        if key in self.sums:
+            return self.sums[key]
+        base = where.name or "gguf"
+        rank = len(x.shape) if x.shape is not None else None
+        if rank is not None and rank >= 1:
+            shape: ir.Value = self._init(f"gguf.sum_shape.{rank}.{k}",
+                                         np.array([0] * (rank - 1) + [k // SUM_BLOCK, SUM_BLOCK], np.int64))
+        else:
+            lead = self._node("Shape", [x], base, end=-1)
+            tail = self._init(f"gguf.sum_tail.{k}", np.array([k // SUM_BLOCK, SUM_BLOCK], np.int64))
+            cat = self._node("Concat", [lead.outputs[0], tail], base, axis=0)
+            new += [lead, cat]
+            shape = cat.outputs[0]
+        reshape = self._node("Reshape", [x, shape], base)
+        axes = self.graph.initializers.get("gguf.axes_last") or self._init("gguf.axes_last", np.array([-1], np.int64))
+        total = self._node("ReduceSum", [reshape.outputs[0], axes], base, keepdims=0)
+        new += [reshape, total]
+        # the sums must exist before every consumer of x that may use them: place them right after x's producer
+        self.sums[key] = total.outputs[0]
+        return total.outputs[0]
+
+    def matmul(self, node: ir.Node, blocks: GGUFBlocks, perm: np.ndarray) -> None:
+        """``MatMul(x, W)`` -> ``MatMulNBits(x, B, scales)`` (+ block-sum correction)."""
+        x = node.inputs[0]
+        assert x is not None
+        b, s, c = self.stored(blocks, perm)
+        w = blocks.weight
+        new: list[ir.Node] = []
+        base = node.name or "gguf"
+        mm = self._node("MatMulNBits", [x, b, s], base, domain=MS_DOMAIN, K=w.k, N=w.n, bits=w.bits,
+                        block_size=w.block, accuracy_level=self.accuracy_level)
+        new.append(mm)
+        out = mm.outputs[0]
+        if c is not None:
+            xs = self.block_sums(x, w.k, node, new)
+            corr = self._node("MatMul", [xs, c], base)
+            add = self._node("Add", [out, corr.outputs[0]], base)
+            new += [corr, add]
+            out = add.outputs[0]
+        ir.convenience.replace_nodes_and_values(self.graph, node, [node], new, [node.outputs[0]], [out])
+
+    def gather(self, node: ir.Node, blocks: GGUFBlocks, perm: np.ndarray) -> None:
+        """``Gather(E, ids)`` -> ``GatherBlockQuantized(reshape(B), ids, scales)`` (+ the offsets, gathered)."""
+        ids = node.inputs[1]
+        b, s, c = self.stored(blocks, perm)
+        w = blocks.weight
+        base = node.name or "gguf"
+        data_shape = self._init(f"gguf.{blocks.name}.gather_shape", np.array([w.n, w.k * w.bits // 8], np.int64))
+        data = self._node("Reshape", [b, data_shape], base)
+        gbq = self._node("GatherBlockQuantized", [data.outputs[0], ids, s], base, domain=MS_DOMAIN,
+                         gather_axis=0, quantize_axis=1, block_size=w.block, bits=w.bits)
+        new = [data, gbq]
+        out = gbq.outputs[0]
+        if c is not None:
+            assert c.const_value is not None
+            table = self._init(f"gguf.{blocks.name}.offsets_rows", c.const_value.numpy().T)
+            spread = self._init(f"gguf.spread.{w.k}", np.kron(np.eye(w.k // SUM_BLOCK, dtype=np.float32),
+                                                               np.ones((1, SUM_BLOCK), np.float32)))
+            off = self._node("Gather", [table, ids], base, axis=0)
+            full = self._node("MatMul", [off.outputs[0], spread], base)  # one 1.0 per output: exact
+            add = self._node("Add", [out, full.outputs[0]], base)
+            new += [off, full, add]
+            out = add.outputs[0]
+        ir.convenience.replace_nodes_and_values(self.graph, node, [node], new, [node.outputs[0]], [out])
+
+
+def _const_2d(v: ir.Value | None) -> np.ndarray | None:
+    if v is None or v.const_value is None or v.producer() is not None:
+        return None
+    if v.const_value.dtype != ir.DataType.FLOAT or len(v.const_value.shape) != 2:
+        return None
+    return np.asarray(v.const_value.numpy(), np.float32)
+
+
+def _nbytes(v: ir.Value) -> int:
+    assert v.const_value is not None
+    return int(v.const_value.nbytes)
+
+
+def import_gguf(model: ir.Model, gguf_path: str | Path, *, accuracy_level: int = 4,
+                exclude: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """Rewrite, in place, every MatMul/Gather whose constant weight is a GGUF tensor onto that tensor's own blocks.
+
+    ``MatMul(x, W [K, N])`` with ``W^T`` equal (up to fp32 rounding, rows in any order) to a tensor of
+    ``gguf_path`` becomes ``MatMulNBits`` (plus the block-sum correction for types with mins); ``Gather(E, ids)``
+    becomes ``GatherBlockQuantized``, sharing the LM head's stored codes when the two are tied. ``exclude(node
+    name)`` keeps a node as it is. Returns a report: counts per GGUF type and ORT form, what stayed float and why,
+    and the weight bytes before and after.
+    """
+    graph = model.graph
+    sites: list[tuple[ir.Node, ir.Value, bool]] = []  # (node, weight, is_gather)
+    for node in graph:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "MatMul" and _const_2d(node.inputs[1]) is not None:
+            sites.append((node, node.inputs[1], False))  # type: ignore[arg-type]
+        elif (node.op_type == "Gather" and _const_2d(node.inputs[0]) is not None
+              and (node.attributes.get_int("axis", 0) or 0) == 0):
+            sites.append((node, node.inputs[0], True))  # type: ignore[arg-type]
+    report: dict[str, Any] = {"gguf_types": {}, "imported": {}, "kept_float": {}, "excluded": [],
+                              "bytes_before": 0, "bytes_after": 0, "shared_embedding": False}
+    if not sites:
+        return report
+
+    tensors = read_gguf(gguf_path)
+    for t in tensors:
+        report["gguf_types"][t.qtype] = report["gguf_types"].get(t.qtype, 0) + 1
+    wanted = {_rows_shape(w, g) for _, w, g in sites}
+    for t in tensors:
+        if t.shape in wanted:
+            rows = t.rows()
+            t.proj = rows @ _probe(t.shape[1])
+            t.sorted_proj = np.sort(t.proj)
+
+    rw = _Rewriter(graph, accuracy_level, report)
+    matched: dict[int, tuple[_Tensor, np.ndarray] | str] = {}
+    weights_before: dict[int, ir.Value] = {}
+    for node, weight, is_gather in sites:
+        name = node.name or weight.name or "?"
+        if exclude is not None and exclude(name):
+            report["excluded"].append(name)
+            continue
+        if id(weight) not in matched:
+            arr = _const_2d(weight)
+            assert arr is not None
+            matched[id(weight)] = _match(arr if is_gather else np.ascontiguousarray(arr.T), tensors)
+        found = matched[id(weight)]
+        if isinstance(found, str):
+            report["kept_float"][name] = found
+            continue
+        t, perm = found
+        if t.blocks is None:
+            report["kept_float"][name] = f"{t.name} is {t.qtype} in the GGUF (no exact ORT block form)"
+            continue
+        weights_before[id(weight)] = weight
+        form = BLOCK_TYPES[t.qtype].form + (" + block-sum offsets" if t.blocks.offsets is not None else "")
+        op = "GatherBlockQuantized" if is_gather else "MatMulNBits"
+        entry = report["imported"].setdefault(f"{t.qtype} -> {op} {form}", [])
+        entry.append(name)
+        if is_gather:
+            rw.gather(node, t.blocks, perm)
+        else:
+            rw.matmul(node, t.blocks, perm)
+
+    report["bytes_before"] = sum(_nbytes(w) for w in weights_before.values())
+    for w in weights_before.values():
+        if not w.uses() and not w.is_graph_output() and w.name is not None and w.name in graph.initializers:
+            del graph.initializers[w.name]
+    after = {id(v): v for trio in rw.packed.values() for v in trio if v is not None}
+    report["bytes_after"] = sum(_nbytes(v) for v in after.values())
+    gathers = [n for n in graph if n.op_type == "GatherBlockQuantized"]
+    heads = {id(n.inputs[1]) for n in graph if n.op_type == "MatMulNBits"}
+    report["shared_embedding"] = any(id(g.inputs[0].producer().inputs[0]) in heads  # type: ignore[union-attr]
+                                     for g in gathers if g.inputs[0] is not None and g.inputs[0].producer())
+    if any(n.domain == MS_DOMAIN for n in graph):
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    graph.sort()
+    report["counts"] = {k: len(v) for k, v in report["imported"].items()}
+    log.info("gguf import: %d weights imported, %d kept float; %.1f MB -> %.1f MB",
+             sum(report["counts"].values()), len(report["kept_float"]),
+             report["bytes_before"] / 1e6, report["bytes_after"] / 1e6)
+    return report
+
+
+def _rows_shape(w: ir.Value, is_gather: bool) -> tuple[int, int]:
+    """``(N, K)`` of the GGUF tensor a weight would be: a Gather table is ``[V, K]``, a MatMul weight ``[K, N]``."""
+    assert w.const_value is not None
+    a, b = w.const_value.shape.numpy()
+    return (a, b) if is_gather else (b, a)
+
+
+def gguf_source(stage: StageDir) -> Path | None:
+    """The GGUF file ``stage`` was exported from (alias or ``.gguf`` path), if it is still there unchanged."""
+    from trtinfer._cache import sha256_file
+    from trtinfer.errors import ModelSourceError
+    from trtinfer.export.sources import ALIASES
+
+    source = stage.info.get("source") or {}
+    alias, kind = source.get("model"), source.get("kind")
+    try:
+        if kind == "alias" and alias in ALIASES:
+            path = ALIASES[alias]()
+        elif kind == "gguf" and alias:
+            path = Path(str(alias)).expanduser()  # the MODEL argument; "path" is the dequantized folder
+        else:
+            return None
+    except ModelSourceError as e:
+        log.warning("the GGUF behind %s is not available: %s", stage.path, e)
+        return None
+    if not path.is_file():
+        log.warning("%s was exported from %s, which is gone", stage.path, path)
+        return None
+    digest = sha256_file(path)
+    if source.get("sha256") and digest != source["sha256"]:
+        log.warning("%s was exported from a GGUF with sha256 %s but %s now has %s; not importing its blocks",
+                    stage.path, str(source["sha256"])[:12], path, digest[:12])
+        return None
+    return path
