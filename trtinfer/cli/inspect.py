@@ -49,9 +49,16 @@ def run(args: argparse.Namespace) -> int:
     if v:
         print(f"validation   logits max|diff| prefill {v['prefill_logits_max_abs_diff']:.2e} decode "
               f"{v['decode_logits_max_abs_diff']:.2e} (tol {v['tolerance']:.2e}), present {v['present_max_abs_diff']:.2e}")
+    q = m.get("quantization")
+    if q:
+        from trtinfer.cli.quantize import quant_summary
+        from trtinfer.quantization.accuracy import accuracy_text
+
+        print(f"quantized    {quant_summary(q)}")
+        print(f"accuracy     {accuracy_text(q.get('accuracy')).removeprefix('accuracy ')}")
     c = m.get("engine_check")
     if c:
-        print(f"engine check vs export: max|diff| {c['max_abs_diff']:.2e} (tol {c['tolerance']:g} x "
+        print(f"engine check vs {c.get('reference', 'export')}: max|diff| {c['max_abs_diff']:.2e} (tol {c['tolerance']:g} x "
               f"{c['logits_scale']:.3g}), top-1 agreement {c['top1_agreement']:.0%}, "
               f"{'passed' if c['passed'] else 'FAILED'}")
     ins, outs = m["io"]["inputs"], m["io"]["outputs"]

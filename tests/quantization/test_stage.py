@@ -1,0 +1,186 @@
+"""The quantize stage on tiny models: what each precision writes, the stage record, builds from it, errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from trtinfer.errors import ConfigError
+from trtinfer.quantization import QuantConfig, quantize_cached, quantize_stage
+from trtinfer.stages import read_stage
+
+
+@pytest.fixture(scope="module")
+def stages(tiny_model_dir, tmp_path_factory):
+    """``stages(arch)`` -> (export stage, fp32 optimize stage for onnxruntime-cpu)."""
+    from trtinfer.export import export
+    from trtinfer.passes import PassConfig
+    from trtinfer.passes.optimize import optimize_stage
+
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(f"q-{arch}")
+            exp = export(tiny_model_dir(arch), root / "exp")
+            opt = optimize_stage(exp, root / "opt", PassConfig(max_seq_len=256))
+            made[arch] = (exp, opt)
+        return made[arch]
+
+    return get
+
+
+def graph(path: Path) -> onnx.ModelProto:
+    return onnx.load(str(path / "model.onnx"), load_external_data=False)
+
+
+def ops(model: onnx.ModelProto, op: str) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == op]
+
+
+def attr(node: onnx.NodeProto, name: str) -> int:
+    return next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name)
+
+
+def float_weight_matmuls(model: onnx.ModelProto) -> list[str]:
+    inits = {i.name for i in model.graph.initializer}
+    return [n.name for n in ops(model, "MatMul") if n.input[1] in inits]
+
+
+def engine_logits(engine: Path, ids: list[list[int]]) -> np.ndarray:
+    from trtinfer.runtime import Engine
+
+    with Engine(engine) as eng:
+        return np.stack([r.logprobs for r in eng.score(input_ids=ids)])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_int4_rtn_replaces_every_weight_matmul(stages, arch, tmp_path):
+    _, opt = stages(arch)
+    before = float_weight_matmuls(graph(opt.path))
+    q = quantize_stage(opt, tmp_path / "q", QuantConfig(precision="int4", method="rtn"), progress=False)
+    m = graph(q.path)
+    nbits = ops(m, "MatMulNBits")
+    assert float_weight_matmuls(m) == [] and len(nbits) == len(before)
+    assert all(attr(n, "accuracy_level") == 4 and attr(n, "block_size") == 32 for n in nbits)
+    head = [n for n in nbits if attr(n, "N") == opt.geometry["vocab_size"]]
+    assert len(head) == 1 and attr(head[0], "bits") == 8  # the LM head keeps 8 bits by default
+    assert sorted({attr(n, "bits") for n in nbits if n is not head[0]}) == [4]
+    assert all(len(n.input) == 3 for n in nbits)  # symmetric: no zero points
+    rec = q.history["quantize"]
+    assert q.stage == "quantize" and rec["config"]["precision"] == "int4" and rec["report"]["quantized"] == len(before)
+    acc = rec["accuracy"]
+    assert acc["tokens"] > 100 and np.isfinite(acc["perplexity"]) and 0 <= acc["top1_agreement"] <= 1
+    assert read_stage(q.path).stage == "quantize"  # files verified against the record
+
+
+def test_tied_embedding_shares_the_lm_head_blocks(stages, tmp_path):
+    _, opt = stages("gemma3")  # Gemma-3 ties its embeddings
+    q = quantize_stage(opt, tmp_path / "q", QuantConfig(precision="int4", method="rtn"), progress=False)
+    m = graph(q.path)
+    gbq = ops(m, "GatherBlockQuantized")
+    head = [n for n in ops(m, "MatMulNBits") if attr(n, "N") == opt.geometry["vocab_size"]]
+    tables = {i.name for i in m.graph.initializer if list(i.dims[:1]) == [opt.geometry["vocab_size"]]}
+    assert len(gbq) == 1 and not [n for n in ops(m, "Gather") if n.input[0] in tables]  # no fp32 table left
+    assert gbq[0].input[0] == head[0].input[1]  # one stored copy of the table
+    assert q.history["quantize"]["report"]["tied_embedding"] is True
+    # 8-bit blocks of the tied table: the model still predicts as the fp32 one does on most positions
+    assert q.history["quantize"]["accuracy"]["top1_agreement"] > 0.5
+
+
+def test_int8_engine_stays_close_to_fp32(stages, tmp_path):
+    from trtinfer.builder import BuildConfig, build
+
+    exp, opt = stages("llama")
+    q = quantize_stage(opt, tmp_path / "q", QuantConfig(precision="int8"), progress=False)
+    assert {attr(n, "bits") for n in ops(graph(q.path), "MatMulNBits")} == {8}
+    e8 = build(q.path, tmp_path / "e8", BuildConfig(precision="int8"), progress=False)
+    e32 = build(opt.path, tmp_path / "e32", BuildConfig(), progress=False)
+    m = json.loads((e8 / "manifest.json").read_text())
+    assert m["precision"] == "int8" and m["engine_check"]["passed"]
+    assert m["quantization"]["accuracy"]["ratio"] == q.history["quantize"]["accuracy"]["ratio"]
+    ids = [list(range(5, 60))]
+    lp8, lp32 = engine_logits(e8, ids), engine_logits(e32, ids)
+    assert np.abs(lp8 - lp32).max() < 0.1  # 8-bit weights + int8 activations: log-probs within 0.1 nats
+    assert q.history["quantize"]["accuracy"]["top1_agreement"] > 0.9
+
+
+def test_gptq_uses_calibration_statistics(stages, tmp_path):
+    from trtinfer.calibration import CalibrationConfig
+
+    _, opt = stages("llama")
+    cal = CalibrationConfig(num_samples=4, seq_len=32, decode_steps=2)
+    q = quantize_stage(opt, tmp_path / "q", QuantConfig(precision="int4", method="gptq", calibration=cal),
+                       progress=False)
+    rep = q.history["quantize"]["report"]
+    assert rep["method"] == "gptq" and rep["calibration"]["samples"] == 4
+    assert rep["calibration"]["runs"] == 4 * 3  # each window: one prefill + two decode steps
+    assert q.history["quantize"]["config"]["calibration"]["num_samples"] == 4
+
+
+def test_keep_fp32_and_include_patterns(stages, tmp_path):
+    _, opt = stages("gemma3")
+    vocab = opt.geometry["vocab_size"]
+    q = quantize_stage(opt, tmp_path / "a", QuantConfig(precision="int4", method="rtn", keep_fp32=("lm_head",)),
+                       progress=False)
+    m = graph(q.path)
+    assert len(float_weight_matmuls(m)) == 1 and ops(m, "GatherBlockQuantized") == []  # head and table stay fp32
+    assert all(attr(n, "N") != vocab for n in ops(m, "MatMulNBits"))
+    q2 = quantize_stage(opt, tmp_path / "b", QuantConfig(precision="int4", method="rtn", include=("*mlp*",)),
+                        progress=False)
+    names = [n.name for n in ops(graph(q2.path), "MatMulNBits")]
+    assert names and all("mlp" in n for n in names)
+    assert all("mlp" not in k for k in q2.history["quantize"]["report"]["kept"])
+
+
+def test_quantize_refuses_what_it_cannot_take(stages, tmp_path):
+    from trtinfer.builder import BuildConfig, build
+
+    exp, opt = stages("llama")
+    with pytest.raises(ConfigError, match="trtinfer optimize"):
+        quantize_stage(exp, tmp_path / "x", QuantConfig(precision="int4", method="rtn"), progress=False)
+    q = quantize_stage(opt, tmp_path / "q", QuantConfig(precision="int4", method="rtn"), progress=False)
+    with pytest.raises(ConfigError, match="already quantized"):
+        quantize_stage(q, tmp_path / "y", QuantConfig(precision="int8"), progress=False)
+    with pytest.raises(ConfigError, match="--precision int4"):
+        build(q.path, tmp_path / "e", BuildConfig(), progress=False)
+    with pytest.raises(ConfigError, match="not available for no-such-target"):
+        from trtinfer.quantization.registry import get_precision
+
+        get_precision("int4", "no-such-target")
+    with pytest.raises(ConfigError, match="power of 2"):
+        QuantConfig(block_size=48)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_quantize_cached_reuses_the_entry(stages):
+    _, opt = stages("llama")
+    cfg = QuantConfig(precision="int4", method="rtn")
+    first, second = {}, {}
+    a = quantize_cached(opt, cfg, stats=first, progress=False)
+    b = quantize_cached(opt, cfg, stats=second, progress=False)
+    assert first["cached"] is False and second["cached"] is True and a.path == b.path
+
+
+def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trtinfer", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_quantize_build_inspect(stages, tmp_path):
+    _, opt = stages("llama")
+    r = run_cli("quantize", opt.path, "-o", tmp_path / "q", "--precision", "int4", "--method", "rtn")
+    assert r.returncode == 0, r.stderr
+    assert "int4 (rtn)" in r.stdout and "perplexity" in r.stdout and "top-1 agreement" in r.stdout
+    r = run_cli("build", tmp_path / "q", "-o", tmp_path / "e", "--precision", "int4")
+    assert r.returncode == 0, r.stderr
+    assert "quantized: int4 (rtn)" in r.stdout and "engine check vs int4 quantize-stage graph" in r.stdout
+    r = run_cli("inspect", tmp_path / "e")
+    assert "quantized    int4" in r.stdout and "accuracy     on" in r.stdout
+    r = run_cli("quantize", opt.path, "-o", tmp_path / "z", "--precision", "int4", "--block-size", "48")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--block-size" in r.stderr
+    assert not (tmp_path / "z").exists()
