@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer.errors import CalibrationError, ConfigError
-from trtinfer.stages import StageDir
+from trtinfer.stages import ONNX_NAME, StageDir
 
 log = logging.getLogger(__name__)
 
@@ -209,61 +209,81 @@ class EntropyCalibrator(Calibrator):
     def ranges(self) -> dict[str, TensorRange]:
         out = {}
         for t, r in self._minmax.ranges().items():
-            amax = entropy_threshold(self.histogram.hist[t], self.histogram.edges(t), self.num_quantized_bins)
+            hist, width = self.histogram.hist[t], self.histogram.width[t]
+            if hist.size > self.histogram.num_bins:  # grown past its bins: back to num_bins over the whole range
+                k = -(-hist.size // self.histogram.num_bins)
+                hist, width = np.add.reduceat(hist, np.arange(0, hist.size, k)), width * k
+            edges = np.arange(hist.size + 1) * width
+            amax = entropy_threshold(hist, edges, self.num_quantized_bins)
             out[t] = TensorRange(r.min, r.max, min(amax, r.amax))
         return out
 
 
-def _smooth(counts: np.ndarray, eps: float = 1e-4) -> np.ndarray | None:
-    """Give empty bins ``eps`` taken evenly from the others, so KL stays finite (MXNet's ``_smooth_distribution``)."""
-    zeros = counts == 0
-    n_zeros = int(zeros.sum())
-    if n_zeros == counts.size:
-        return None
-    out = counts + eps * zeros - (eps * n_zeros / (counts.size - n_zeros)) * ~zeros
-    return None if (out <= 0).any() else out
+def _smooth_rows(x: np.ndarray, valid: np.ndarray, eps: float = 1e-4) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, give empty (valid) bins ``eps`` taken evenly from the others, so KL stays finite (MXNet's
+    ``_smooth_distribution``); also returns which rows are usable (some non-empty bin, nothing driven to <= 0)."""
+    zeros = valid & (x == 0)
+    nonzero = valid & (x != 0)
+    n_zeros, n_nonzero = zeros.sum(1), nonzero.sum(1)
+    eps1 = eps * n_zeros / np.maximum(n_nonzero, 1)
+    out = x + eps * zeros - eps1[:, None] * nonzero
+    ok = (n_nonzero > 0) & ~(valid & (out <= 0)).any(1)
+    return np.where(valid, out, 0.0), ok
 
 
 def entropy_threshold(hist: np.ndarray, edges: np.ndarray, num_quantized_bins: int = 128,
-                      max_candidates: int = 2048) -> float:
+                      chunk: int = 128) -> float:
     """The clip point (a bin edge) of the ``|x|`` histogram with the least KL divergence after quantization.
 
     TensorRT's ``EntropyCalibration2`` search (NVIDIA's GTC 2017 "8-bit inference with TensorRT"), as MXNet and
     ONNX Runtime write it: for each candidate of ``i`` bins (``num_quantized_bins`` up), the reference ``p`` is the
     first ``i`` bins with everything beyond folded into the last; ``q`` merges those bins into
     ``num_quantized_bins`` levels and spreads each level evenly over the bins where ``p`` is non-empty; both are
-    smoothed and the KL divergence compared. Ties go to the larger threshold.
+    smoothed and the KL divergence compared. Ties go to the larger threshold. Candidates are evaluated ``chunk``
+    at a time as rows of one matrix.
     """
     hist = np.asarray(hist, dtype=np.float64)
-    n = hist.size
-    if n <= num_quantized_bins or hist.sum() == 0:
+    n, levels = hist.size, num_quantized_bins
+    if n <= levels or hist.sum() == 0:
         return float(edges[-1])
-    stride = max(1, (n - num_quantized_bins) // max_candidates)
     tail = np.concatenate([np.cumsum(hist[::-1])[::-1], [0.0]])  # tail[i] = sum(hist[i:])
-    best, best_i = np.inf, n
-    for i in range(num_quantized_bins, n + 1, stride):
-        ref = hist[:i]
+    j = np.arange(n)
+    kls = []
+    candidates = np.arange(levels, n + 1)
+    for start in range(0, candidates.size, chunk):
+        ii = candidates[start:start + chunk]
+        rows = np.arange(ii.size)
+        valid = j[None, :] < ii[:, None]
+        level = np.where(valid, (j[None, :] * levels) // ii[:, None], levels)  # ``levels``: a bin past the end
+        ref = np.where(valid, hist[None, :], 0.0)
         p = ref.copy()
-        p[-1] += tail[i]
-        level = (np.arange(i) * num_quantized_bins) // i
+        p[rows, ii - 1] += tail[ii]
         nz = p > 0
-        counts = np.bincount(level, weights=ref, minlength=num_quantized_bins)
-        nonempty = np.bincount(level[nz], minlength=num_quantized_bins)
-        q = np.where(nz, counts[level] / np.maximum(nonempty[level], 1), 0.0)
-        ps, qs = _smooth(p), _smooth(q)
-        if ps is None or qs is None:
-            continue
-        ps, qs = ps / ps.sum(), qs / qs.sum()
-        kl = float(np.sum(ps * np.log(ps / qs)))
-        if kl <= best:
-            best, best_i = kl, i
-    return float(edges[best_i])
+        flat = rows[:, None] * (levels + 1) + level
+        counts = np.bincount(flat.ravel(), weights=ref.ravel(), minlength=ii.size * (levels + 1))
+        nonempty = np.bincount(flat[nz], minlength=ii.size * (levels + 1))
+        q = np.where(nz, counts[flat] / np.maximum(nonempty[flat], 1), 0.0)
+        ps, p_ok = _smooth_rows(p, valid)
+        qs, q_ok = _smooth_rows(q, valid)
+        ps /= ps.sum(1, keepdims=True)
+        qs /= np.where(q_ok, qs.sum(1), 1.0)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = np.where(valid, ps * np.log(np.where(valid, ps, 1.0) / np.where(valid, qs, 1.0)), 0.0)
+        kls.append(np.where(p_ok & q_ok, terms.sum(1), np.inf))
+    kl = np.concatenate(kls)
+    if not np.isfinite(kl).any():
+        return float(edges[-1])
+    best = kl.size - 1 - int(np.argmin(kl[::-1]))  # the last minimum: ties go to the larger threshold
+    return float(edges[candidates[best]])
 
 
 # --- running graphs -------------------------------------------------------------------------------------------
 
 def _model_path(model: str | Path | StageDir) -> Path:
-    return model.onnx_path if isinstance(model, StageDir) else Path(model)
+    """The graph file of a stage, a stage folder or a path to an ``.onnx`` file."""
+    if isinstance(model, StageDir):
+        return model.onnx_path
+    return Path(model) / ONNX_NAME if Path(model).is_dir() else Path(model)
 
 
 def weight_matmul_inputs(model_path: str | Path | StageDir, op_types: Sequence[str] = ("MatMul",)) -> list[str]:
@@ -325,7 +345,8 @@ def collect(model_path: str | Path | StageDir, feeds: Iterable[dict[str, np.ndar
     total = len(feeds) if isinstance(feeds, Sized) else None
     runs = 0
     with _augmented_session(path, tensors) as sess, \
-            tqdm(total=total, desc="calibrating", unit="run", disable=not progress, leave=False) as bar:
+            tqdm(total=total, desc="calibrating", unit="run", leave=False,
+                 disable=None if progress else True) as bar:  # None: draws only on a terminal
 
         def hand_over(outputs: dict[str, np.ndarray]) -> None:
             nonlocal runs
@@ -359,6 +380,8 @@ def calibrate(stage_or_model_path: str | Path | StageDir, feeds: Iterable[dict[s
     cls = get_calibrator(method)
     calibrator = cls(percentile=percentile) if method == "percentile" else cls()  # type: ignore[call-arg]
     stage = stage_or_model_path
+    if not isinstance(stage, StageDir) and Path(stage).is_dir():
+        stage = read_stage(stage, verify=False)
     if isinstance(feeds, CalibrationSet):
         if not isinstance(stage, StageDir):
             stage = read_stage(stage, verify=False)
