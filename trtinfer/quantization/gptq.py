@@ -1,0 +1,240 @@
+"""GPTQ: block quantization of ``W [K, N]`` that feeds each column's rounding error forward onto the columns not yet
+quantized, weighted by the input activations' second moments (Frantar et al. 2022, "GPTQ: Accurate Post-Training
+Quantization for Generative Pre-trained Transformers").
+
+It minimises the layer's output error ``||X W - X Q||^2 = tr((W - Q)^T (X^T X) (W - Q))`` one input feature (a row
+of ``W``, a column in the paper's ``[out, in]`` orientation) at a time, in the order of ``K``:
+
+    H    = 2 X^T X / rows + λ·I,   λ = percdamp · mean(diag H)
+    U    = upper Cholesky factor of H^-1                      (H^-1 = U^T U)
+    for k in 0..K-1:                                          (quantization groups = MatMulNBits blocks along K)
+        if k starts a block: scale (and zero point) from the error-updated rows of that block
+        q_k  = quantize(w_k);   e_k = (w_k - q_k) / U[k, k]
+        w_j -= U[k, j] · e_k    for every j > k
+
+The updates are lazy, as in the reference: rank-1 updates touch only the current block, a GEMM carries a finished
+block's errors to the rest of its 128-row batch, and another carries a finished batch's errors to the rows after it.
+The output is a :class:`~trtinfer.quantization.blocks.BlockWeight` in MatMulNBits' layout, so it packs the same way as
+round-to-nearest.
+
+``act_order`` quantizes rows in order of decreasing ``diag H`` with "static groups": every block's scale is fixed up
+front from the original weights, so each block stays the contiguous run of ``K`` that MatMulNBits expects.
+``scale_search`` shrinks each block's scale by the factor (of :data:`SCALE_FACTORS`) that minimises the block's
+error weighted by ``diag H`` (an MSE-optimal clip).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from trtinfer.quantization.blocks import BlockWeight, check_layout, symmetric_scales
+
+logger = logging.getLogger(__name__)
+
+#: Rows per lazy batch (the reference's ``blocksize``); raised to a multiple of the block when a block is larger.
+LAZY_BATCH = 128
+
+#: Candidate shrink factors of a block's scale tried by ``scale_search``.
+SCALE_FACTORS = tuple(1.0 - 0.05 * i for i in range(10))
+
+
+class HessianAccumulator:
+    """Sums ``X^T X`` over calibration activations of one MatMul's input, in float64, with the row count."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.xtx = np.zeros((k, k), np.float64)
+        self.rows = 0
+
+    def add(self, x: np.ndarray) -> None:
+        """Add activations ``x [..., K]`` (every leading index is one row of ``X``)."""
+        if x.shape[-1] != self.k:
+            raise ValueError(f"activations must end in {self.k} features, got shape {x.shape}")
+        x2 = np.asarray(x, np.float64).reshape(-1, self.k)
+        self.xtx += x2.T @ x2
+        self.rows += x2.shape[0]
+
+    def hessian(self) -> np.ndarray:
+        """``H = 2 X^T X / rows`` ``[K, K]`` float64 (the Hessian of the mean squared output error)."""
+        if self.rows == 0:
+            raise ValueError("no activations were added; call add() before hessian()")
+        return 2.0 * self.xtx / self.rows
+
+
+def weighted_error(w: np.ndarray, q: BlockWeight, hessian: np.ndarray) -> float:
+    """Relative proxy loss ``tr((W-Q)^T H (W-Q)) / tr(W^T H W)``: with ``H ∝ X^T X``, ``||X(W-Q)||² / ||XW||²``."""
+    w32 = np.asarray(w, np.float32)
+    e = w32 - q.dequantize()
+    h = np.asarray(hessian, np.float32)
+    num = float(np.einsum("kn,kn->", h @ e, e, dtype=np.float64))
+    den = float(np.einsum("kn,kn->", h @ w32, w32, dtype=np.float64))
+    return num / den if den > 0 else num
+
+
+def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int = 4, block: int = 32, symmetric: bool = True,
+                  percdamp: float = 0.01, act_order: bool = False, scale_search: bool = False) -> BlockWeight:
+    """Quantize ``w [K, N]`` (for ``x @ w``) in blocks of ``block`` along ``K`` with GPTQ, given ``H [K, K]``.
+
+    Dead input features (``diag H == 0``: never active in calibration) keep their weights and are rounded plainly;
+    their errors do not propagate (the reference zeroes them instead, which would break inputs calibration missed).
+    """
+    k, n = w.shape
+    check_layout(k, bits, block)
+    if hessian.shape != (k, k):
+        raise ValueError(f"hessian must be [{k}, {k}] for a weight of shape {w.shape}, got {hessian.shape}")
+    if not 0.0 <= percdamp < 1.0:
+        raise ValueError(f"percdamp must be in [0, 1), got {percdamp}")
+    qmax = (1 << bits) - 1
+    mid = 1 << (bits - 1)
+    h = np.array(hessian, np.float64)
+    diag = np.diag(h).copy()
+    dead = diag <= 0
+    h[dead, :] = 0.0
+    h[:, dead] = 0.0
+    live_mean = float(diag[~dead].mean()) if (~dead).any() else 1.0
+    h[dead, dead] = live_mean
+    diag_w = np.diag(h).copy()  # per-row weights of the scale search
+
+    wq = np.array(w, np.float32)  # rows are updated in place, then overwritten by their quantized values
+    nb = k // block
+    scales = np.zeros((n, nb), np.float32)
+    zeros = None if symmetric else np.zeros((n, nb), np.float32)
+    codes = np.zeros((k, n), np.uint8)
+
+    def block_params(rows: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Scale (and zero point) per column of one block's rows ``[block, N]``."""
+        s, z = _params(rows.T, bits, symmetric)
+        if scale_search:
+            s, z = _search(rows.T, weights, s, z, bits, symmetric)
+        return s, z
+
+    perm = np.arange(k)
+    if act_order:
+        for g in range(nb):
+            s, z = block_params(wq[g * block:(g + 1) * block], diag_w[g * block:(g + 1) * block])
+            scales[:, g] = s
+            if zeros is not None and z is not None:
+                zeros[:, g] = z
+        perm = np.argsort(-np.diag(h), kind="stable")
+        wq = wq[perm]
+        h = h[np.ix_(perm, perm)]
+
+    safe_scales = np.where(scales == 0, 1.0, scales).T.astype(np.float32)  # act_order: every block known up front
+    safe_block = safe_scales[0]
+    u = _inverse_cholesky(h, percdamp * live_mean)
+    u32 = u.astype(np.float32)
+    batch = max(LAZY_BATCH, block)
+    chunk = block if not act_order else min(block, 32)
+    err = np.zeros((batch, n), np.float32)
+    for i1 in range(0, k, batch):
+        i2 = min(i1 + batch, k)
+        for j1 in range(i1, i2, chunk):
+            j2 = min(j1 + chunk, i2)
+            if not act_order:  # j1 starts block j1 // block; its rows carry every earlier row's error by now
+                s, z = block_params(wq[j1:j2], diag_w[j1:j2])
+                scales[:, j1 // block] = s
+                if zeros is not None and z is not None:
+                    zeros[:, j1 // block] = z
+                safe_block = np.where(s == 0, 1.0, s).astype(np.float32)
+            for j in range(j1, j2):
+                g = int(perm[j]) // block
+                s = scales[:, g]
+                safe = safe_scales[g] if act_order else safe_block
+                zp = mid if zeros is None else zeros[:, g]
+                c = np.clip(np.rint(wq[j] / safe) + zp, 0, qmax)
+                q = (c - zp) * s
+                e = (wq[j] - q) / u32[j, j]
+                codes[j] = c.astype(np.uint8)
+                wq[j] = q
+                err[j - i1] = e
+                if j + 1 < j2:
+                    wq[j + 1:j2] -= np.outer(u32[j, j + 1:j2], e)
+            if j2 < i2:
+                wq[j2:i2] -= u32[j1:j2, j2:i2].T @ err[j1 - i1:j2 - i1]
+        if i2 < k:
+            wq[i2:] -= u32[i1:i2, i2:].T @ err[:i2 - i1]
+
+    if act_order:
+        inv = np.empty_like(perm)
+        inv[perm] = np.arange(k)
+        codes = codes[inv]
+    zp_out = None if zeros is None else zeros.astype(np.uint8)
+    return BlockWeight(np.ascontiguousarray(codes.T), scales, zp_out, bits, block)
+
+
+def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
+    """Upper ``U`` with ``U^T U = (H + damp·I)^-1``; the damping doubles until ``H`` is positive definite.
+
+    With ``J`` the order reversal and ``J H J = M M^T`` (lower ``M``), ``U = J M^-1 J``: one Cholesky and one
+    triangular inverse instead of the reference's Cholesky, inverse and second Cholesky.
+    """
+    k = h.shape[0]
+    eye = np.eye(k)
+    flipped = np.ascontiguousarray(h[::-1, ::-1])
+    damp = max(damp, 1e-8 * float(np.mean(np.abs(np.diag(h)))) or 1e-8)
+    for _ in range(20):
+        try:
+            m = np.linalg.cholesky(flipped + damp * eye)
+        except np.linalg.LinAlgError:
+            logger.debug("Hessian not positive definite with damping %g; doubling it", damp)
+            damp *= 2.0
+            continue
+        return np.ascontiguousarray(np.triu(_lower_inverse(m)[::-1, ::-1]))
+    raise np.linalg.LinAlgError("the Hessian stayed singular after 20 doublings of its damping")
+
+
+def _lower_inverse(m: np.ndarray) -> np.ndarray:
+    """Inverse of a lower-triangular ``m`` by halves (``[[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]]``).
+
+    numpy has no triangular inverse; this is a third of the flops of ``np.linalg.inv`` and runs as GEMMs.
+    """
+    k = m.shape[0]
+    if k <= 128:
+        return np.linalg.inv(m)
+    a = k // 2
+    ai, di = _lower_inverse(m[:a, :a]), _lower_inverse(m[a:, a:])
+    out = np.zeros_like(m)
+    out[:a, :a] = ai
+    out[a:, a:] = di
+    out[a:, :a] = -(di @ (m[a:, :a] @ ai))
+    return out
+
+
+def _params(cols: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Round-to-nearest parameters of ``cols [N, block]``, as :func:`~trtinfer.quantization.blocks.quantize_rtn`."""
+    if symmetric:
+        return symmetric_scales(cols, bits), None
+    qmax = (1 << bits) - 1
+    lo = np.minimum(cols.min(axis=-1), 0.0)
+    hi = np.maximum(cols.max(axis=-1), 0.0)
+    s = ((hi - lo) / qmax).astype(np.float32)
+    safe = np.where(s == 0, 1.0, s)
+    return s, np.clip(np.rint(-lo / safe), 0, qmax).astype(np.float32)
+
+
+def _search(cols: np.ndarray, weights: np.ndarray, s: np.ndarray, z: np.ndarray | None, bits: int,
+            symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per column of ``cols [N, block]``, the scale among ``s·f`` (f in SCALE_FACTORS) of least weighted error."""
+    qmax = (1 << bits) - 1
+    best_s, best_z = s.copy(), None if z is None else z.copy()
+    best = np.full(s.shape, np.inf)
+    wts = weights.astype(np.float32)
+    for f in SCALE_FACTORS:
+        if symmetric:
+            sf = (s * f).astype(np.float32)
+            zf = np.full(s.shape, float(1 << (bits - 1)), np.float32)
+        else:  # shrink the range around zero, as GPTQ's own grid search does
+            lo = -(z if z is not None else 0.0) * s * f
+            sf = (s * f).astype(np.float32)
+            safe0 = np.where(sf == 0, 1.0, sf)
+            zf = np.clip(np.rint(-lo / safe0), 0, qmax).astype(np.float32)
+        safe = np.where(sf == 0, 1.0, sf)[:, None]
+        q = (np.clip(np.rint(cols / safe) + zf[:, None], 0, qmax) - zf[:, None]) * sf[:, None]
+        loss = ((cols - q) ** 2 * wts).sum(axis=-1)
+        better = loss < best
+        best = np.where(better, loss, best)
+        best_s = np.where(better, sf, best_s)
+        if best_z is not None:
+            best_z = np.where(better, zf, best_z)
+    return best_s.astype(np.float32), best_z
