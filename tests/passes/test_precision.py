@@ -150,6 +150,8 @@ def _prefill(path, feeds_dtype, seq: int = 7):
     for i in sess.get_inputs():
         if i.name.startswith("past"):
             feeds[i.name] = np.zeros((2, i.shape[1], 0, i.shape[3]), feeds_dtype)
+        elif i.name == "logits_positions":  # optimized graphs: the last position, which the export keeps
+            feeds[i.name] = np.full((2, 1), seq - 1, np.int64)
     return sess.run(None, feeds)
 
 
