@@ -218,6 +218,8 @@ def _feeds(sess: ort.InferenceSession, ids: np.ndarray, past: int, max_seq: int)
             feeds[i.name] = np.full(ids.shape[0], past + ids.shape[1] - 1, np.int32)
         elif i.name == "total_sequence_length":
             feeds[i.name] = np.array(past + ids.shape[1], np.int32)
+        elif i.name == "logits_positions":  # every new position's logits
+            feeds[i.name] = np.tile(np.arange(ids.shape[1], dtype=np.int64), (ids.shape[0], 1))
         else:
             heads, dim = int(i.shape[1]), int(i.shape[3])
             feeds[i.name] = np.random.default_rng(0).standard_normal(
@@ -269,7 +271,7 @@ def test_real_gguf_import(tmp_path: Path, alias: str, layers: int) -> None:
     max_seq = 256
     prefill = _feeds(fp32, ids, 0, max_seq)
     want = fp32.run(["logits"], prefill)[0][0, -1]
-    got = q.run(["logits"], prefill)[0][0, -1]
+    got = q.run(["logits"], prefill)[0][0, -1]  # the last position's
     err = float(np.abs(got - want).max() / np.abs(want).max())
     decode = _feeds(fp32, ids[:, -1:], 128, max_seq)  # one token after a 128-token KV in the shared buffer
     ms = {"fp32": _time_decode(fp32, decode), "gguf": _time_decode(q, decode)}
