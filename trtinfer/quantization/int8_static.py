@@ -35,7 +35,8 @@ other block), default opset raised to 21 (blocked DequantizeLinear and INT4 are 
 between the graph's opset and 21 (see :func:`upgrade_opset`).
 
 Accuracy on ONNX Runtime CPU, which fuses DQ+MatMul itself (blocked int4 DQ -> ``MatMulNBits`` at accuracy level 4;
-int8 QDQ MatMuls -> ``MatMulIntegerToFloat`` where its selectors match, float DQ+MatMul elsewhere). On a QDQ graph
+int8 QDQ MatMuls -> ``MatMulIntegerToFloat`` where the Q/DQ pair has one reader, float DQ+MatMul where it is
+shared: q/k/v and gate/up; separate pairs per reader do not help, ORT's common-subexpression pass merges them). On a QDQ graph
 ORT's output equals the numpy fake-quant of the same graph (relative 1e-4), so the distance to fp32 is the
 quantization's own. Measured on the tests' tiny random llama (last-position logits of 12 prefill+decode feeds of
 held-out text; ``||q - fp32|| / ||fp32||`` and top-1 agreement): int8-static minmax 0.092 / 0.83 (entropy 0.10,
