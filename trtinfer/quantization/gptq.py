@@ -76,6 +76,12 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int = 4, block: i
                   percdamp: float = 0.01, act_order: bool = False, scale_search: bool = False) -> BlockWeight:
     """Quantize ``w [K, N]`` (for ``x @ w``) in blocks of ``block`` along ``K`` with GPTQ, given ``H [K, K]``.
 
+    ``hessian`` is :meth:`HessianAccumulator.hessian` of the MatMul's input (only its shape up to a factor matters);
+    ``percdamp`` adds ``percdamp · mean(diag H)`` to its diagonal. ``act_order`` visits rows by decreasing
+    ``diag H`` with every block's scale fixed up front (static groups, so blocks stay contiguous runs of ``K``);
+    ``scale_search`` picks each block's scale among :data:`SCALE_FACTORS` times the round-to-nearest one. Both
+    lowered SmolLM2-135M's and Gemma-3-270M's perplexity (``benchmarks/gptq_probe.py``).
+
     Dead input features (``diag H == 0``: never active in calibration) keep their weights and are rounded plainly;
     their errors do not propagate (the reference zeroes them instead, which would break inputs calibration missed).
     """
