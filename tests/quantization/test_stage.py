@@ -66,11 +66,23 @@ def test_int4_rtn_replaces_every_weight_matmul(stages, arch, tmp_path):
     q = quantize_stage(opt, tmp_path / "q", QuantConfig(precision="int4", method="rtn"), progress=False)
     m = graph(q.path)
     nbits = ops(m, "MatMulNBits")
-    assert float_weight_matmuls(m) == [] and len(nbits) == len(before)
+    rep = q.history["quantize"]["report"]
+    assert float_weight_matmuls(m) == [] and rep["quantized"] == len(before)
+    # q/k/v and gate/up read one input each: packed into one MatMulNBits per group
+    layers = opt.geometry["num_layers"]
+    gqa = ops(m, "GroupQueryAttention")
+    if arch == "llama":  # q/k/v feed attention directly: packed QKV (Gemma-3 normalizes q and k first)
+        assert rep["packing"]["packed_qkv_attention"] == layers and all(g.input[1] == "" for g in gqa)
+        assert len(nbits) == 4 * layers + 1
+    assert rep["packing"]["matmuls_packed"] >= 2 * layers
     assert all(attr(n, "accuracy_level") == 4 and attr(n, "block_size") == 32 for n in nbits)
     head = [n for n in nbits if attr(n, "N") == opt.geometry["vocab_size"]]
-    assert len(head) == 1 and attr(head[0], "bits") == 8  # the LM head keeps 8 bits by default
-    assert sorted({attr(n, "bits") for n in nbits if n is not head[0]}) == [4]
+    assert len(head) == 1 and attr(head[0], "bits") == 4  # the LM head takes 4 bits by default
+    assert sorted({attr(n, "bits") for n in nbits}) == [4]
+    q8 = quantize_stage(opt, tmp_path / "q8", QuantConfig(precision="int4", method="rtn", lm_head_bits=8),
+                        progress=False)
+    head8 = [n for n in ops(graph(q8.path), "MatMulNBits") if attr(n, "N") == opt.geometry["vocab_size"]]
+    assert attr(head8[0], "bits") == 8
     assert all(len(n.input) == 3 for n in nbits)  # symmetric: no zero points
     rec = q.history["quantize"]
     assert q.stage == "quantize" and rec["config"]["precision"] == "int4" and rec["report"]["quantized"] == len(before)

@@ -356,7 +356,8 @@ def collect(model_path: str | Path | StageDir, feeds: Iterable[dict[str, np.ndar
             bar.update(1)
 
         if isinstance(feeds, StageFeeds):
-            for _ in iter_feeds(feeds.stage, feeds.cset, sess, on_outputs=lambda _f, outs: hand_over(outs)):
+            for _ in iter_feeds(feeds.stage, feeds.cset, sess, on_outputs=lambda _f, outs: hand_over(outs),
+                                all_logits=feeds.all_logits):
                 pass
         else:
             for feed in feeds:

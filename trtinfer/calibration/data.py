@@ -204,8 +204,13 @@ def _kv_names(stage: StageDir) -> tuple[list[str], list[str]]:
     return past, present
 
 
-def _step_feeds(stage: StageDir, ids: np.ndarray, done: int, capacity: int) -> dict[str, np.ndarray]:
-    """Feeds other than the KV for one step of ``ids`` (batch 1) after ``done`` tokens already in the cache."""
+def _step_feeds(stage: StageDir, ids: np.ndarray, done: int, capacity: int,
+                all_logits: bool = False) -> dict[str, np.ndarray]:
+    """Feeds other than the KV for one step of ``ids`` (batch 1) after ``done`` tokens already in the cache.
+
+    ``all_logits``: ask for the logits of every position (``logits_positions``), so the LM head's input is seen
+    at every token, not only the last one (GPTQ's LM-head statistics need the rows).
+    """
     n = ids.shape[1]
     specs = {i["name"]: i for i in stage.io["inputs"]}
     known: dict[str, Callable[[], np.ndarray]] = {
@@ -214,7 +219,7 @@ def _step_feeds(stage: StageDir, ids: np.ndarray, done: int, capacity: int) -> d
         "attention_mask": lambda: np.ones((1, done + n)),
         "seqlens_k": lambda: np.array([done + n - 1]),
         "total_sequence_length": lambda: np.array(done + n),
-        "logits_positions": lambda: np.array([[n - 1]]),
+        "logits_positions": lambda: np.arange(n)[None, :] if all_logits else np.array([[n - 1]]),
     }
     feeds = {}
     for name, spec in specs.items():
@@ -232,7 +237,7 @@ def _step_feeds(stage: StageDir, ids: np.ndarray, done: int, capacity: int) -> d
 
 def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
                on_outputs: Callable[[dict[str, np.ndarray], dict[str, np.ndarray]], None] | None = None,
-               ) -> Iterator[dict[str, np.ndarray]]:
+               all_logits: bool = False) -> Iterator[dict[str, np.ndarray]]:
     """Yield each window's prefill feed, then its ``decode_steps`` teacher-forced decode feeds.
 
     Every feed is run on ``session`` (an ``onnxruntime.InferenceSession`` over the stage's graph, or over that
@@ -256,7 +261,7 @@ def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
         done = 0
         steps = [(0, cset.seq_len)] + [(cset.seq_len + k, cset.seq_len + k + 1) for k in range(cset.decode_steps)]
         for start, stop in steps:
-            feed = {**_step_feeds(stage, ids[:, start:stop], done, capacity), **kv}
+            feed = {**_step_feeds(stage, ids[:, start:stop], done, capacity, all_logits), **kv}
             yield feed
             outputs = dict(zip(out_names, session.run(None, feed)))
             if on_outputs is not None:
@@ -272,9 +277,10 @@ class StageFeeds:
 
     stage: StageDir
     cset: CalibrationSet
+    all_logits: bool = False
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        return iter_feeds(self.stage, self.cset)
+        return iter_feeds(self.stage, self.cset, all_logits=self.all_logits)
 
     def __len__(self) -> int:
         return self.cset.num_feeds

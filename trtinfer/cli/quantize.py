@@ -25,7 +25,7 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=32, help="int4/int8 weight block along K (default 32)")
     g.add_argument("--asymmetric", action="store_true",
                    help="int4: asymmetric blocks (slower; wrong on AVX2-only CPUs at batch 1, ORT #29853)")
-    g.add_argument("--lm-head-bits", type=int, default=8, help="int4: LM head (and tied embedding) bits, 8 or 4")
+    g.add_argument("--lm-head-bits", type=int, default=4, help="int4: LM head (and tied embedding) bits, 4 or 8")
     g.add_argument("--include", action="append", default=[], metavar="PATTERN",
                    help="quantize only nodes whose name matches (glob or substring; repeatable)")
     g.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
@@ -104,5 +104,6 @@ def quant_summary(rec: dict[str, Any]) -> str:
         parts.append(f"weights {rep['weight_bytes_fp32'] / 2**20:.0f} -> {rep['weight_bytes'] / 2**20:.0f} MiB")
     if rep.get("calibration"):
         c = rep["calibration"]
-        parts.append(f"calibration {c.get('method')} ({'reused' if c.get('reused') else 'computed'})")
+        what = c.get("method") or f"GPTQ statistics, {c.get('samples')} samples"
+        parts.append(f"calibration {what} ({'reused' if c.get('reused') else 'computed'})")
     return "; ".join(parts)

@@ -9,7 +9,8 @@ What the exporter traces per layer (``trtinfer.export.wrapper.gqa_attention``, a
 
 becomes::
 
-    [B,S,N*D] views of q, k, v (Reshape(Transpose)), past k/v, seqlens_k, total_sequence_length,
+    [B,S,N*D] views of q, k, v (the projections themselves where q/k/v only split them into heads, else
+    Reshape(Transpose)), past k/v, seqlens_k, total_sequence_length,
     cos_cache, sin_cache -> com.microsoft.GroupQueryAttention(do_rotary, scale, local_window_size)
                          -> out [B,S,H*D], present.i.key, present.i.value
 
@@ -103,6 +104,49 @@ def _unsqueezed_source(v: ir.Value) -> ir.Value | None:
     if axes is None or axes.tolist() not in ([1], 1):
         return None
     return node.inputs[0]
+
+
+def _dim_of(v: ir.Value | None) -> tuple[ir.Value, int] | None:
+    """``(t, i)`` for ``v = Unsqueeze(Gather(Shape(t), i), 0)`` (one dimension of ``t`` as a 1-element tensor)."""
+    un = v.producer() if v is not None else None
+    if un is None or un.op_type != "Unsqueeze":
+        return None
+    gather = un.inputs[0].producer() if un.inputs[0] is not None else None
+    if gather is None or gather.op_type != "Gather":
+        return None
+    shape = gather.inputs[0].producer() if gather.inputs[0] is not None else None
+    index = const_array(gather.inputs[1])
+    if shape is None or shape.op_type != "Shape" or shape.attributes.get("start") is not None or index is None \
+            or index.size != 1 or shape.inputs[0] is None:
+        return None
+    return shape.inputs[0], int(index.reshape(-1)[0])
+
+
+def flat_source(heads: ir.Value, head_dim: int) -> ir.Value | None:
+    """``x [B,S,N*D]`` when ``heads = Transpose(Reshape(x, [B, S, -1, D]), perm=[0,2,1,3])``, else None.
+
+    That is how HF attention splits a projection into heads; GroupQueryAttention takes the projection itself, so
+    the split and its inverse both go. Proven structurally: the shape is ``Concat(dim 0 of t, dim 1 of t, -1, D)``
+    for the very ``t`` the projection ``x = MatMul(t, W)`` reads, so B and S are ``x``'s own.
+    """
+    tr = heads.producer()
+    if tr is None or tr.op_type != "Transpose" or list(tr.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+        return None
+    rs = tr.inputs[0].producer() if tr.inputs[0] is not None else None
+    if rs is None or rs.op_type != "Reshape" or rs.attributes.get_int("allowzero", 0):
+        return None
+    x, shape = rs.inputs[0], rs.inputs[1]
+    cat = shape.producer() if shape is not None else None
+    proj = x.producer() if x is not None else None
+    if cat is None or cat.op_type != "Concat" or len(cat.inputs) != 4 or proj is None or proj.op_type != "MatMul":
+        return None
+    tail = [const_array(v) for v in cat.inputs[2:]]
+    if any(t is None or t.size != 1 for t in tail) or [int(t.reshape(-1)[0]) for t in tail] != [-1, head_dim]:  # type: ignore[union-attr]
+        return None
+    dims = [_dim_of(v) for v in cat.inputs[:2]]
+    if dims[0] is None or dims[1] is None or dims[0] != (proj.inputs[0], 0) or dims[1] != (proj.inputs[0], 1):
+        return None
+    return x
 
 
 def _evaluate_from_positions(targets: list[ir.Value], n: int) -> list[np.ndarray] | None:
@@ -211,8 +255,9 @@ class GqaFusion(pattern.RewriteRuleClassBase):
         window = geo.get("sliding_window") if geo["layer_types"][layer] == "sliding_attention" else None
         flat = op.Constant(value_ints=[0, 0, -1])
 
-        def bsd(x: ir.Value) -> Any:  # [B,N,S,D] -> [B,S,N*D]; Transpose pairs cancel in the final cleanup
-            return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), flat)
+        def bsd(x: ir.Value) -> Any:  # [B,N,S,D] -> [B,S,N*D]: the projection itself when x only split it
+            src = flat_source(x, int(geo["head_dim"]))
+            return src if src is not None else op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), flat)
 
         inputs = [bsd(q_heads), bsd(k_heads), bsd(v_heads), past_k, past_v, self._seqlens, self._total]
         if self._rotary:

@@ -20,24 +20,32 @@ class QuantConfig:
     the form TensorRT compiles), ``gguf`` (the GGUF source's own blocks, imported exactly).
     ``method`` (int4): ``rtn`` rounds each block to nearest; ``gptq`` corrects rounding errors with second-order
     statistics of calibration activations. ``block_size`` (int4/int8, power of 2 >= 16), ``symmetric`` (zero point
-    in the middle of the grid: the fast and, on AVX2, the correct int8 kernel path). ``lm_head_bits`` (8 or 4): the
-    LM head and, with tied embeddings, the embedding table sharing it. ``accuracy_level`` 4 selects ONNX Runtime's
+    in the middle of the grid: the fast and, on AVX2, the correct int8 kernel path). ``lm_head_bits`` (4 or 8): the
+    LM head and, with tied embeddings, the embedding table sharing it (4 by default: with GPTQ it measured 1.066x
+    vs 1.051x perplexity for 8 bits on SmolLM2, 1.105x vs 1.089x on Gemma-3, and reads half the bytes per token:
+    SmolLM2 decode 144-157 vs 104-143 tok/s, and Gemma-3's 262k-token head is most of its weights). ``accuracy_level`` 4 selects ONNX Runtime's
     int8-compute kernels (the only fast ones). ``keep_fp32``: node-name patterns (glob or substring; ``lm_head``
     names the LM head) left unquantized; ``include`` (if given) limits quantization to matching nodes;
     ``exclude`` is the same as ``keep_fp32``. ``calibration`` configures the data and calibrator for ``gptq`` and
-    ``int8-static``.
+    ``int8-static``. ``act_order`` and ``scale_search`` (gptq): quantize input features in order of decreasing
+    Hessian diagonal (block scales fixed up front, so the layout stays contiguous) and pick each block's scale
+    among shrunk candidates by weighted error (measured on SmolLM2/Gemma-3: 1.127/1.160x -> 1.055/1.089x
+    perplexity). ``pack`` merges weight-only MatMuls that read one input (q/k/v, gate/up) into one.
     """
 
     precision: str = "int4"
     method: str = "gptq"
     block_size: int = 32
     symmetric: bool = True
-    lm_head_bits: int = 8
+    lm_head_bits: int = 4
     accuracy_level: int = 4
     keep_fp32: tuple[str, ...] = ()
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     calibration: Any = field(default=None)
+    pack: bool = True
+    act_order: bool = True
+    scale_search: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -78,6 +86,9 @@ class QuantConfig:
         cal = self.calibration
         d["calibration"] = ({**cal.settings(), "cache_file": None if cal.cache_file is None else str(cal.cache_file)}
                             if self.needs_calibration else None)
+        if self.precision != "int4" or self.method != "gptq":
+            d.pop("act_order")
+            d.pop("scale_search")
         if self.precision != "int4":
             d.pop("method")
         if self.precision in ("gguf", "int8-static"):

@@ -6,6 +6,7 @@ from typing import Any
 import onnx_ir as ir
 
 from trtinfer.errors import ConfigError
+from trtinfer.quantization.packing import pack_shared_inputs
 from trtinfer.quantization.registry import QuantContext, register_precision
 from trtinfer.quantization.weights import matches
 
@@ -24,4 +25,6 @@ def gguf_blocks(model: ir.Model, ctx: QuantContext) -> dict[str, Any]:
     exclude = (lambda name: matches(name, patterns)) if patterns else None
     report = import_gguf(model, path, accuracy_level=ctx.config.accuracy_level, exclude=exclude)
     report["gguf"] = str(path)
+    report["packing"] = pack_shared_inputs(model.graph) if ctx.config.pack else {}
+    ir.passes.common.RemoveUnusedNodesPass()(model)
     return report

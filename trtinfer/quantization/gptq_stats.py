@@ -18,14 +18,17 @@ log = logging.getLogger(__name__)
 
 
 def matmul_hessians(ctx: QuantContext, sites: Sequence[WeightSite]) -> dict[str, np.ndarray]:
-    """``{site.name: H [K, K]}`` for ``sites`` (the LM head is left out: it sees one row per run, and its 8-bit
-    round-to-nearest is near lossless); records the calibration set in ``ctx.notes["calibration"]``."""
+    """``{site.name: H [K, K]}`` for ``sites``; records the calibration set in ``ctx.notes["calibration"]``.
+
+    The graph is asked for the logits of every position, so the LM head's input counts every token (with the
+    last-position logits generation uses, it would see one row per run).
+    """
     from trtinfer.calibration import calibration_set, collect
     from trtinfer.calibration.data import StageFeeds
     from trtinfer.quantization.gptq import HessianAccumulator
 
     cal = ctx.config.calibration
-    wanted = [s for s in sites if not s.lm_head and s.node.inputs[0] is not None]
+    wanted = [s for s in sites if s.node.inputs[0] is not None]
     acc: dict[str, HessianAccumulator] = {}
     for s in wanted:
         name = s.node.inputs[0].name  # type: ignore[union-attr]
@@ -37,7 +40,7 @@ def matmul_hessians(ctx: QuantContext, sites: Sequence[WeightSite]) -> dict[str,
     def add(tensor: str, x: np.ndarray) -> None:
         acc[tensor].add(x)
 
-    runs = collect(ctx.stage, StageFeeds(ctx.stage, cset), list(acc), add, progress=ctx.progress)
+    runs = collect(ctx.stage, StageFeeds(ctx.stage, cset, all_logits=True), list(acc), add, progress=ctx.progress)
     info: dict[str, Any] = {"samples": len(cset), "runs": runs, "dataset_hash": cset.dataset_hash,
                             "source": str(cal.source) if cal.source else "builtin", "tensors": len(acc)}
     ctx.notes["calibration"] = info

@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 from trtinfer.quantization.blocks import BlockWeight, quantize_rtn
 from trtinfer.quantization.config import LM_HEAD
+from trtinfer.quantization.packing import pack_shared_inputs
 from trtinfer.quantization.registry import QuantContext, register_precision
 from trtinfer.quantization.weights import (
     WeightSite,
@@ -86,7 +87,8 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
         if method == "gptq" and s.name in hessians:
             from trtinfer.quantization.gptq import gptq_quantize
 
-            q = gptq_quantize(w, hessians[s.name], bits=b, block=block, symmetric=sym)
+            q = gptq_quantize(w, hessians[s.name], bits=b, block=block, symmetric=sym,
+                              act_order=ctx.config.act_order, scale_search=ctx.config.scale_search)
         else:
             q = quantize_rtn(w, b, block, sym)
         _, packed = replace_matmul(graph, s, q, ctx.config.accuracy_level)
@@ -104,12 +106,13 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
         table = gather.inputs[0]
         assert table is not None and table.const_value is not None
         stored += table.const_value.nbytes
+    packing = pack_shared_inputs(graph) if ctx.config.pack else {}
     ir.passes.common.RemoveUnusedNodesPass()(model)
     calibration = ctx.notes.get("calibration")
     return {"method": method, "quantized": len(chosen), **({"calibration": calibration} if calibration else {}), "matmuls": len(sites), "forms": forms,
             "kept": kept, "tied_embedding": tied, "embedding": embedding,
             "accuracy_level": ctx.config.accuracy_level,
-            "weight_bytes_fp32": fp32_bytes, "weight_bytes": stored}
+            "weight_bytes_fp32": fp32_bytes, "weight_bytes": stored, "packing": packing}
 
 
 @register_precision("int4", targets=ORT)
