@@ -282,3 +282,29 @@ def test_real_gguf_import(tmp_path: Path, alias: str, layers: int) -> None:
     # level 4 quantizes activations to int8 (the import itself is exact: ~3e-6 / 6e-6 at level 0); measured max
     # relative logits error on a fixed-id prompt: SmolLM2 0.025-0.033, Gemma-3 0.063
     assert err < 0.1
+
+
+@pytest.mark.parametrize("q_t,k_t", [("Q4_1", "Q4_1"), ("Q4_K", "Q4_K"), ("Q4_0", "Q4_0")])
+def test_packing_merges_block_sum_corrections(tmp_path: Path, q_t: str, k_t: str) -> None:
+    """q and k read one input: one MatMulNBits, and for types with mins one correction MatMul + Add, same logits."""
+    from trtinfer.quantization.packing import pack_shared_inputs
+
+    path, a = _case(tmp_path, "Q8_0", q_t, k_t)
+    ref = _model(a["E"], a["Wq"], a["Wk"], a["Wx"])
+    import_gguf(ref, path, accuracy_level=0, rank_hint=3)
+    model = _model(a["E"], a["Wq"], a["Wk"], a["Wx"])
+    import_gguf(model, path, accuracy_level=0, rank_hint=3)
+    before = [n.op_type for n in model.graph]
+    counts = pack_shared_inputs(model.graph)
+    after = [n.op_type for n in model.graph]
+    assert counts["matmuls_packed"] == 2 and counts["packed_nodes"] == 1
+    assert after.count("MatMulNBits") == before.count("MatMulNBits") - 1
+    mins = q_t != "Q4_0"
+    assert counts["corrections_packed"] == int(mins)
+    if mins:  # two correction MatMuls (+ Adds) became one of each
+        assert after.count("MatMul") == before.count("MatMul") - 1 and after.count("Add") == before.count("Add") - 1
+    assert "Shape" not in after and "Concat" not in after  # block sums reshape by a constant (rank hint)
+    ids = np.random.default_rng(1).integers(0, V, size=(2, 3)).astype(np.int64)
+    want, _ = _session(ref).run(None, {"ids": ids})
+    got, _ = _session(model).run(None, {"ids": ids})
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

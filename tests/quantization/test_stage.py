@@ -197,3 +197,34 @@ def test_cli_quantize_build_inspect(stages, tmp_path):
     r = run_cli("quantize", opt.path, "-o", tmp_path / "z", "--precision", "int4", "--block-size", "48")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--block-size" in r.stderr
     assert not (tmp_path / "z").exists()
+
+
+def test_int8_static_calibration_cache_is_reused(stages, tmp_path):
+    """A second int8-static quantize given the first one's calibration file reuses its scales bit for bit."""
+    _, opt = stages("llama")
+    r = run_cli("quantize", opt.path, "-o", tmp_path / "a", "--precision", "int8-static",
+                "--calibration-samples", "4", "--calibration-seq-len", "32", "--calibration-decode-steps", "2")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "a" / "calibration.json").is_file() and (tmp_path / "a" / "calibration.cache").is_file()
+    header = (tmp_path / "a" / "calibration.cache").read_text().splitlines()[0]
+    assert header.startswith("TRT-") and header.endswith("Calibration")
+    r = run_cli("quantize", opt.path, "-o", tmp_path / "b", "--precision", "int8-static",
+                "--calibration-cache", tmp_path / "a" / "calibration.json", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["report"]["calibration"]["reused"] is True
+    a, b = read_stage(tmp_path / "a"), read_stage(tmp_path / "b")
+    assert a.history["quantize"]["report"]["calibration"]["reused"] is False
+
+    def scales(path: Path) -> dict[str, np.ndarray]:
+        m = onnx.load(str(path / "model.onnx"))
+        inits = {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer}
+        return {n.input[1]: inits[n.input[1]] for n in m.graph.node if n.op_type == "QuantizeLinear"}
+
+    sa, sb = scales(a.path), scales(b.path)
+    assert sa and sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
+    # bad calibration data: one line, exit 2, nothing written
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = run_cli("quantize", opt.path, "-o", tmp_path / "c", "--precision", "int8-static", "--calibration-data", empty)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "empty" in r.stderr and not (tmp_path / "c").exists()

@@ -98,6 +98,12 @@ def quant_summary(rec: dict[str, Any]) -> str:
     parts = [head]
     if "quantized" in rep and "matmuls" in rep:
         parts.append(f"{rep['quantized']}/{rep['matmuls']} MatMuls" + (f" ({forms})" if forms else ""))
+    if rep.get("counts") and "quantized" not in rep:  # gguf: what each GGUF type became
+        parts.append(", ".join(f"{k} x{v}" for k, v in rep["counts"].items()))
+        if rep.get("kept_float"):
+            parts.append(f"kept float: {len(rep['kept_float'])}")
+    if rep.get("bytes_before") and rep.get("bytes_after"):
+        parts.append(f"weights {rep['bytes_before'] / 2**20:.0f} -> {rep['bytes_after'] / 2**20:.0f} MiB")
     if rep.get("embedding"):
         parts.append(f"embedding: {rep['embedding']}")
     if rep.get("weight_bytes") and rep.get("weight_bytes_fp32"):

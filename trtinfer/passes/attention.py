@@ -133,7 +133,7 @@ def flat_source(heads: ir.Value, head_dim: int) -> ir.Value | None:
     if tr is None or tr.op_type != "Transpose" or list(tr.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
         return None
     rs = tr.inputs[0].producer() if tr.inputs[0] is not None else None
-    if rs is None or rs.op_type != "Reshape" or rs.attributes.get_int("allowzero", 0):
+    if rs is None or rs.op_type != "Reshape" or rs.attributes.get_int("allowzero", False):
         return None
     x, shape = rs.inputs[0], rs.inputs[1]
     cat = shape.producer() if shape is not None else None

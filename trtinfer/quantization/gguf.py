@@ -365,6 +365,7 @@ class _Rewriter:
     packed: dict[tuple[str, str], tuple[ir.Value, ir.Value, ir.Value | None]] = field(default_factory=dict)
     sums: dict[tuple[int, int], ir.Value] = field(default_factory=dict)
     count: int = 0
+    rank_hint: int | None = None  # rank of every MatMul input when the graph carries no shapes
 
     def _init(self, name: str, array: np.ndarray) -> ir.Value:
         base, i = name, 1
@@ -397,7 +398,7 @@ class _Rewriter:
         if key in self.sums:
             return self.sums[key]
         base = where.name or "gguf"
-        rank = len(x.shape) if x.shape is not None else None
+        rank = len(x.shape) if x.shape is not None else self.rank_hint
         if rank is not None and rank >= 1:
             shape: ir.Value = self._init(f"gguf.sum_shape.{rank}.{k}",
                                          np.array([0] * (rank - 1) + [k // SUM_BLOCK, SUM_BLOCK], np.int64))
@@ -474,13 +475,14 @@ def _nbytes(v: ir.Value) -> int:
 
 
 def import_gguf(model: ir.Model, gguf_path: str | Path, *, accuracy_level: int = 4,
-                exclude: Callable[[str], bool] | None = None) -> dict[str, Any]:
+                exclude: Callable[[str], bool] | None = None, rank_hint: int | None = None) -> dict[str, Any]:
     """Rewrite, in place, every MatMul/Gather whose constant weight is a GGUF tensor onto that tensor's own blocks.
 
     ``MatMul(x, W [K, N])`` with ``W^T`` equal (up to fp32 rounding, rows in any order) to a tensor of
     ``gguf_path`` becomes ``MatMulNBits`` (plus the block-sum correction for types with mins); ``Gather(E, ids)``
     becomes ``GatherBlockQuantized``, sharing the LM head's stored codes when the two are tied. ``exclude(node
-    name)`` keeps a node as it is. Returns a report: counts per GGUF type and ORT form, what stayed float and why,
+    name)`` keeps a node as it is. ``rank_hint``: the rank of MatMul inputs where the graph carries no shapes (3 for
+    trtinfer decoders), so block sums reshape by a constant instead of a shape subgraph. Returns a report: counts per GGUF type and ORT form, what stayed float and why,
     and the weight bytes before and after.
     """
     graph = model.graph
@@ -508,7 +510,7 @@ def import_gguf(model: ir.Model, gguf_path: str | Path, *, accuracy_level: int =
             t.proj = rows @ _probe(t.shape[1])
             t.sorted_proj = np.sort(t.proj)
 
-    rw = _Rewriter(graph, accuracy_level, report)
+    rw = _Rewriter(graph, accuracy_level, report, rank_hint=rank_hint)
     matched: dict[int, tuple[_Tensor, np.ndarray] | str] = {}
     weights_before: dict[int, ir.Value] = {}
     for node, weight, is_gather in sites:

@@ -23,7 +23,8 @@ def gguf_blocks(model: ir.Model, ctx: QuantContext) -> dict[str, Any]:
                           "blocks: use int4 or int8 for other models")
     patterns = ctx.config.skip_patterns
     exclude = (lambda name: matches(name, patterns)) if patterns else None
-    report = import_gguf(model, path, accuracy_level=ctx.config.accuracy_level, exclude=exclude)
+    # decoder MatMuls read [batch, sequence, K]: block sums reshape by a constant
+    report = import_gguf(model, path, accuracy_level=ctx.config.accuracy_level, exclude=exclude, rank_hint=3)
     report["gguf"] = str(path)
     report["packing"] = pack_shared_inputs(model.graph) if ctx.config.pack else {}
     ir.passes.common.RemoveUnusedNodesPass()(model)

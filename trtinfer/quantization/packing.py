@@ -74,6 +74,12 @@ def pack_shared_inputs(graph: ir.Graph) -> dict[str, int]:
             graph.remove(m, safe=True)
         splits.append(split)
         packed += len(members)
+    corrected = 0
+    for i, split in enumerate(splits):
+        merged = _merge_corrections(graph, split)
+        if merged is not None:
+            splits[i] = merged
+            corrected += 1
     qkv = 0
     for split in splits:
         outs = list(split.outputs)
@@ -89,4 +95,50 @@ def pack_shared_inputs(graph: ir.Graph) -> dict[str, int]:
         graph.remove(split, safe=True)
         qkv += 1
     log.debug("packed %d MatMulNBits into %d; %d attentions take packed QKV", packed, len(splits), qkv)
-    return {"matmuls_packed": packed, "packed_nodes": len(splits), "packed_qkv_attention": qkv}
+    return {"matmuls_packed": packed, "packed_nodes": len(splits), "packed_qkv_attention": qkv,
+            "corrections_packed": corrected}
+
+
+def _merge_corrections(graph: ir.Graph, split: ir.Node) -> ir.Node | None:
+    """``Split(y) -> Add(y_i, MatMul(xs, C_i))`` for every part, one ``xs`` -> ``Split(y + MatMul(xs, [C_1|..|C_n]))``.
+
+    The block-sum corrections of imported GGUF blocks with mins (see :mod:`trtinfer.quantization.gguf`) follow
+    their MatMulNBits; packed, the corrections of one input become one MatMul and one Add. Returns the new Split.
+    """
+    adds, cs, xs = [], [], None
+    for out in split.outputs:
+        uses = list(out.uses())
+        if len(uses) != 1 or uses[0].node.op_type != "Add":
+            return None
+        add = uses[0].node
+        other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
+        mm = other.producer() if other is not None else None
+        if mm is None or mm.op_type != "MatMul" or len(other.uses()) != 1:  # type: ignore[union-attr]
+            return None
+        c = mm.inputs[1]
+        if c is None or c.const_value is None or (xs is not None and mm.inputs[0] is not xs):
+            return None
+        xs = mm.inputs[0]
+        adds.append(add)
+        cs.append(np.asarray(c.const_value.numpy()))
+    assert xs is not None
+    packed = split.inputs[0]
+    assert packed is not None
+    base = (split.name or "packed").replace("/", "_")
+    corr = ir.node("MatMul", [xs, _register(graph, f"{base}_corrections", np.concatenate(cs, axis=1))],
+                   name=f"{split.name}_corrections")
+    add = ir.node("Add", [packed, corr.outputs[0]], name=f"{split.name}_corrected")
+    new = ir.node("Split", [add.outputs[0], split.inputs[1]], attributes={"axis": -1}, num_outputs=len(adds),
+                  name=f"{split.name}_after_corrections")
+    graph.insert_after(split, [corr, add, new])
+    for old, out in zip(adds, new.outputs):
+        o = old.outputs[0]
+        out.name, out.shape, out.type = o.name, o.shape, o.type
+        o.replace_all_uses_with(out, replace_graph_outputs=True)
+    olds = [a.inputs[1] if a.inputs[0] in split.outputs else a.inputs[0] for a in adds]
+    for a in adds:
+        graph.remove(a, safe=True)
+    for v in olds:
+        graph.remove(v.producer(), safe=True)  # type: ignore[union-attr,arg-type]
+    graph.remove(split, safe=True)
+    return new

@@ -25,7 +25,7 @@ from trtinfer.stages import ONNX_NAME, StageDir, carry_forward, graph_io, packag
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_FORMAT = 1  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
+QUANTIZE_FORMAT = 2  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
 CALIBRATION_FILES = ("calibration.json", "calibration.cache")
 
 
