@@ -9,6 +9,9 @@ position only); :meth:`DecoderSession.run_chunk` asks for every position of a ch
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import io as _io
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -143,6 +146,103 @@ def open_session(engine_dir: Path, manifest: Manifest, config: RuntimeConfig) ->
     return _BACKENDS[manifest.backend](engine_dir, manifest, config)
 
 
+def _preload_cuda_libraries(ort: Any) -> None:
+    """Load CUDA/cuDNN from the nvidia-* pip packages (``onnxruntime-gpu[cuda,cudnn]``) before the CUDA provider.
+
+    Where the libraries are on the loader's path anyway this changes nothing; ONNX Runtime prints what it could not
+    load, which goes to the debug log instead of stdout (a missing library surfaces as the provider failing to start).
+    """
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
+    if preload is None:
+        return
+    out = _io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            preload()
+        except (RuntimeError, OSError) as e:  # a broken nvidia-* install: the provider check says it more clearly
+            log.debug("onnxruntime.preload_dlls failed: %s", e)
+    if out.getvalue().strip():
+        log.debug("onnxruntime.preload_dlls: %s", out.getvalue().strip())
+
+
+def _pinned_memory_info(ort: Any, device_id: int) -> Any:
+    """The OrtMemoryInfo of ONNX Runtime's page-locked host memory for CUDA device ``device_id``, or None.
+
+    ONNX Runtime (>= 1.23) hands out its CUDA provider's allocators through the provider's EP devices; the classic
+    onnxruntime-gpu wheel lists none until its provider library is registered as a plugin, which is done once here.
+    """
+    if not all(hasattr(ort, n) for n in ("get_ep_devices", "OrtDeviceMemoryType", "register_execution_provider_library")):
+        return None
+    cuda = [d for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider"]
+    if not cuda:
+        lib = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
+        try:
+            ort.register_execution_provider_library("CUDAExecutionProvider", str(lib))
+        except RuntimeError as e:  # ONNX Runtime's errors (Fail, InvalidArgument, ...) are RuntimeErrors
+            log.debug("could not register %s for its pinned allocator: %s", lib, e)
+            return None
+        cuda = [d for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider"]
+    if not cuda:
+        return None
+    dev = cuda[device_id] if device_id < len(cuda) else cuda[0]
+    info = dev.memory_info(ort.OrtDeviceMemoryType.HOST_ACCESSIBLE)
+    # the values it allocates report device "cuda" (device_name() has no memory type): the info says they are host memory
+    host = info is not None and info.device_mem_type == ort.OrtDeviceMemoryType.HOST_ACCESSIBLE
+    return info if host else None
+
+
+class PinnedInputs:
+    """Host inputs of CUDA runs staged in page-locked OrtValues from ONNX Runtime's own CUDA pinned allocator.
+
+    One buffer per input, kept while the input's shape and dtype stay the same: decode steps of a shared-buffer
+    engine reuse theirs (ids, positions and lengths keep their shape); an input whose shape changes (the growing
+    attention mask of a concat engine, prefill then decode) gets a new buffer and the old one goes back to ONNX
+    Runtime's allocator. Each step writes the values through a numpy view of the buffer and binds the buffer as host
+    memory: ONNX Runtime copies it to the GPU where a kernel reads it there (a DMA, the pages being locked) and hands
+    it as is to kernels that read an input on the CPU (GroupQueryAttention's ``total_sequence_length``). Binding the
+    OrtValue itself does not do: its device reads "cuda", and those kernels then read garbage.
+    ``run_with_iobinding`` returns only after the copies, so the next step may overwrite the buffer. Where this
+    onnxruntime has no pinned allocator, inputs are bound from pageable numpy memory (``pinned`` is then False):
+    slower copies, same results.
+    """
+
+    def __init__(self, ort: Any, device_id: int) -> None:
+        self._ort = ort
+        try:
+            self._memory_info = _pinned_memory_info(ort, device_id)
+        except (RuntimeError, AttributeError, TypeError) as e:  # an onnxruntime whose EP-device API differs
+            log.debug("no pinned allocator: %s", e)
+            self._memory_info = None
+        self.buffers: dict[str, tuple[tuple[tuple[int, ...], str], Any, np.ndarray]] = {}  # name -> (key, value, view)
+        self.allocations = 0  # buffers made so far (a decode step of a shared-buffer engine makes none)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether inputs go through page-locked buffers (False: bound from pageable numpy arrays)."""
+        return self._memory_info is not None
+
+    def bind(self, io: Any, name: str, arr: np.ndarray) -> None:
+        """Bind host array ``arr`` as input ``name`` of ``io``, through its pinned buffer when there is one."""
+        arr = np.ascontiguousarray(arr)
+        if self._memory_info is None:
+            io.bind_cpu_input(name, arr)
+            return
+        key = (tuple(arr.shape), arr.dtype.str)
+        if name not in self.buffers or self.buffers[name][0] != key:
+            self.buffers[name] = (key, *self._allocate(arr.shape, arr.dtype))
+            self.allocations += 1
+        _, val, view = self.buffers[name]
+        view[...] = arr
+        io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), val.data_ptr())
+
+    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, np.ndarray]:
+        """A pinned OrtValue of ``shape``/``dtype`` and a numpy view of its memory (host memory: writable in place)."""
+        val = self._ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type, memory_info=self._memory_info)
+        count = int(np.prod(shape, dtype=np.int64))
+        raw = (ctypes.c_char * max(count * dtype.itemsize, 1)).from_address(val.data_ptr())
+        return val, np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+
+
 @register_backend("onnxruntime")
 class OrtDecoderSession(DecoderSession):
     """ONNX Runtime with IOBinding: KV stays in OrtValues (on the device for CUDA) from step to step."""
@@ -158,6 +258,7 @@ class OrtDecoderSession(DecoderSession):
         so.intra_op_num_threads = config.intra_op_threads
         so.log_severity_level = 3
         if config.provider == "cuda":
+            _preload_cuda_libraries(ort)
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BackendUnavailableError(
                     "provider 'cuda' needs onnxruntime-gpu with CUDAExecutionProvider; this onnxruntime offers "
@@ -173,6 +274,12 @@ class OrtDecoderSession(DecoderSession):
             self.sess = ort.InferenceSession(str(model), so, providers=providers)
         except Exception as e:
             raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
+        if self.device == "cuda" and self.sess.get_providers()[0] != "CUDAExecutionProvider":
+            # ONNX Runtime falls back to the CPU when the CUDA provider cannot start (a CUDA/cuDNN library missing)
+            raise BackendUnavailableError(
+                f"ONNX Runtime could not start its CUDA provider for {model} (session providers: "
+                f"{self.sess.get_providers()}); install the CUDA libraries it needs ('onnxruntime-gpu[cuda,cudnn]' "
+                "or a CUDA toolkit of the version it was built for) or use provider 'cpu'")
         got = [i.name for i in self.sess.get_inputs()]
         if got != self.input_names:
             raise EngineLoadError(f"{model} inputs {got[:4]}... differ from the manifest's; rebuild the engine")
@@ -184,26 +291,19 @@ class OrtDecoderSession(DecoderSession):
         self._kv_shape = (geo["num_kv_heads"], geo["head_dim"])
         self._kv_dtype = kv_dtype(manifest.raw["io"])  # float16/bfloat16 in fp16/bf16 engines
         self._needs_positions = "position_ids" in self.input_names
-        self._pinned: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self.staging = PinnedInputs(ort, config.device_id) if self.device == "cuda" else None
+
+    def close(self) -> None:
+        """Give the pinned input buffers back to ONNX Runtime's allocator (the sessions go with the object)."""
+        if self.staging is not None:
+            self.staging.buffers.clear()
 
     # --- host buffers -------------------------------------------------------------------------------------
     def _bind_host_input(self, io: Any, name: str, arr: np.ndarray) -> None:
-        if self.device == "cpu":
+        if self.staging is None:
             io.bind_cpu_input(name, arr)
-            return
-        # CUDA: copy through a page-locked staging buffer so the H2D copy is a true DMA (unexecuted here)
-        buf = self._pinned_buffer(name, arr.shape, arr.dtype)
-        buf[...] = arr
-        io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), buf.ctypes.data)
-
-    def _pinned_buffer(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        key = (name, tuple(shape))
-        if key not in self._pinned:
-            import torch  # GPU path only: torch's allocator gives page-locked host memory
-
-            t = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
-            self._pinned[key] = (t, t.numpy())
-        return self._pinned[key][1]  # type: ignore[no-any-return]
+        else:
+            self.staging.bind(io, name, arr)
 
     # --- interface ------------------------------------------------------------------------------------------
     def _kv_value(self, shape: tuple[int, ...]) -> Any:
@@ -211,11 +311,13 @@ class OrtDecoderSession(DecoderSession):
         ov = self._ort.OrtValue
         if self._kv_dtype != "bfloat16":
             return ov.ortvalue_from_numpy(np.zeros(shape, self._kv_dtype), self.device, self.config.device_id)
-        zeros = np.zeros(shape, np.uint16)  # bf16 zero is the all-zero bit pattern; numpy has no bfloat16
+        # bf16 zero is the all-zero bit pattern; numpy has no bfloat16, so the host zeros are uint16 seen as bf16
+        host = ov.ortvalue_from_numpy_with_onnx_type(np.zeros(shape, np.uint16), 16)
         if self.device == "cpu":
-            return ov.ortvalue_from_numpy_with_onnx_type(zeros, 16)
+            return host
         val = ov.ortvalue_from_shape_and_type(list(shape), 16, self.device, self.config.device_id)
-        val.update_inplace(zeros)  # unexecuted here: no GPU in this project's CI
+        if all(shape):  # device memory starts uninitialized; an empty (concat) past has nothing to copy
+            val.update_inplace(host)  # an OrtValue source: copied as bf16, no numpy dtype check
         return val
 
     def _run(self, feeds: dict[str, np.ndarray], kv_in: list[Any], kv_out: list[Any] | None,
@@ -323,7 +425,7 @@ class OrtDecoderSession(DecoderSession):
         if self.select_sess is None:
             raise EngineLoadError(f"{self.engine_dir} has no kv_select graph: it runs one sequence at a time")
         io = self.select_sess.io_binding()
-        io.bind_cpu_input("rows", np.asarray(rows, dtype=np.int64))
+        self._bind_host_input(io, "rows", np.asarray(rows, dtype=np.int64))
         for i, val in enumerate(kv.values):
             io.bind_ortvalue_input(f"kv.{i}", val)
             io.bind_output(f"out.{i}", self.device, self.config.device_id)
