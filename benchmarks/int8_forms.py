@@ -94,12 +94,12 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         dyn = Path(tmp) / "model.onnx"
-        quantize_dynamic(str(opt.onnx_path), str(dyn), weight_type=QuantType.QInt8, per_channel=True,
+        quantize_dynamic(str(opt.onnx_path), str(dyn), weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
                          op_types_to_quantize=["MatMul"], use_external_data_format=True)
         (Path(tmp) / STAGE_FILE).write_text((opt.path / STAGE_FILE).read_text())
         for name, path, stage in (("fp32", opt.onnx_path, opt.path), ("MatMulNBits 8-bit level 4 (trtinfer int8)",
                                                                        ours.onnx_path, opt.path),
-                                  ("DynamicQuantizeMatMul (quantize_dynamic)", dyn, opt.path)):
+                                  ("DynamicQuantizeMatMul (quantize_dynamic, reduce_range)", dyn, opt.path)):
             t = timings(path)
             ppl = perplexity(stage, path)
             rows[name] = {**t, "perplexity": round(ppl, 4), "size_mib": round(sum(
