@@ -60,9 +60,9 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from trtinfer.errors import ConfigError
-from trtinfer.quantization.config import LM_HEAD, QuantConfig
+from trtinfer.quantization.config import QuantConfig
 from trtinfer.quantization.registry import QuantContext, register_precision
-from trtinfer.quantization.weights import WeightSite, matches, weight_sites
+from trtinfer.quantization.weights import WeightSite, select_sites, weight_sites
 
 log = logging.getLogger(__name__)
 
@@ -79,26 +79,6 @@ AXES_INPUT_AT_18 = frozenset({"ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLog
 #: default-domain ops whose meaning (not only their type list) changed between opset 13 and 21 and that
 #: :func:`upgrade_opset` does not convert
 CHANGED_BY_21 = frozenset({"GroupNormalization", "GridSample", "DFT"})
-
-
-# --- selection ----------------------------------------------------------------------------------------------------
-
-def select_sites(sites: Sequence[WeightSite], config: QuantConfig, block: int | None = None,
-                 ) -> tuple[list[WeightSite], dict[str, str]]:
-    """The sites to quantize under include / keep-fp32 / exclude (``lm_head`` names the LM head), and why the
-    others stay fp32; with ``block``, a weight whose ``K`` it does not divide stays fp32 too."""
-    chosen, kept = [], {}
-    for s in sites:
-        names = [s.name, s.weight.name or ""] + ([LM_HEAD] if s.lm_head else [])
-        if any(matches(n, config.skip_patterns) for n in names):
-            kept[s.name] = "kept in fp32 (--keep-fp32/--exclude)"
-        elif config.include and not any(matches(n, config.include) for n in names):
-            kept[s.name] = "not in --include"
-        elif block is not None and s.k % block:
-            kept[s.name] = f"K={s.k} is not a multiple of block {block}"
-        else:
-            chosen.append(s)
-    return chosen, kept
 
 
 # --- weight and activation quantization ---------------------------------------------------------------------------

@@ -16,15 +16,14 @@ import numpy as np
 import onnx_ir as ir
 
 from trtinfer.quantization.blocks import BlockWeight, quantize_rtn
-from trtinfer.quantization.config import LM_HEAD
 from trtinfer.quantization.packing import pack_shared_inputs
 from trtinfer.quantization.registry import QuantContext, register_precision
 from trtinfer.quantization.weights import (
     WeightSite,
     embedding_gather,
-    matches,
     replace_gather,
     replace_matmul,
+    select_sites,
     tied_embedding,
     weight_sites,
 )
@@ -32,23 +31,6 @@ from trtinfer.quantization.weights import (
 log = logging.getLogger(__name__)
 
 ORT = ("onnxruntime-cpu", "onnxruntime-cuda")
-
-
-def selected(sites: list[WeightSite], ctx: QuantContext) -> tuple[list[WeightSite], dict[str, str]]:
-    """The sites to quantize under the config's include / keep-fp32 / exclude patterns, and why others are kept."""
-    cfg = ctx.config
-    chosen, kept = [], {}
-    for s in sites:
-        names = [s.name, s.weight.name or ""] + ([LM_HEAD] if s.lm_head else [])
-        if any(matches(n, cfg.skip_patterns) for n in names):
-            kept[s.name] = "kept in fp32 (--keep-fp32/--exclude)"
-        elif cfg.include and not any(matches(n, cfg.include) for n in names):
-            kept[s.name] = "not in --include"
-        elif s.k % cfg.block_size and not s.lm_head:
-            kept[s.name] = f"K={s.k} is not a multiple of block {cfg.block_size}"
-        else:
-            chosen.append(s)
-    return chosen, kept
 
 
 def layout_for(site: WeightSite, ctx: QuantContext, bits: int) -> tuple[int, int, bool]:
@@ -67,7 +49,7 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
     graph = model.graph
     vocab = int(ctx.geometry["vocab_size"])
     sites = weight_sites(graph, vocab)
-    chosen, kept = selected(sites, ctx)
+    chosen, kept = select_sites(sites, ctx.config)  # layout_for halves a block that does not divide K
     head = next((s for s in sites if s.lm_head), None)
     gather = embedding_gather(graph, vocab)
     tied = tied_embedding(graph, gather, head)

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
 from trtinfer.quantization.blocks import BlockWeight
+from trtinfer.quantization.config import LM_HEAD, QuantConfig
 
 log = logging.getLogger(__name__)
 
@@ -170,3 +171,21 @@ def tied_embedding(graph: ir.Graph, gather: ir.Node | None, head: WeightSite | N
     e = np.asarray(table.const_value.numpy())
     w = head.array()
     return bool(e.shape == (w.shape[1], w.shape[0]) and np.array_equal(e, w.T))
+
+
+def select_sites(sites: Sequence[WeightSite], config: QuantConfig, block: int | None = None,
+                 ) -> tuple[list[WeightSite], dict[str, str]]:
+    """The sites to quantize under include / keep-fp32 / exclude (``lm_head`` names the LM head), and why the
+    others stay fp32; with ``block``, a weight whose ``K`` it does not divide stays fp32 too."""
+    chosen, kept = [], {}
+    for s in sites:
+        names = [s.name, s.weight.name or ""] + ([LM_HEAD] if s.lm_head else [])
+        if any(matches(n, config.skip_patterns) for n in names):
+            kept[s.name] = "kept in fp32 (--keep-fp32/--exclude)"
+        elif config.include and not any(matches(n, config.include) for n in names):
+            kept[s.name] = "not in --include"
+        elif block is not None and s.k % block:
+            kept[s.name] = f"K={s.k} is not a multiple of block {block}"
+        else:
+            chosen.append(s)
+    return chosen, kept

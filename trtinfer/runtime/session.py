@@ -240,7 +240,7 @@ class PinnedInputs:
         val = self._ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type, memory_info=self._memory_info)
         count = int(np.prod(shape, dtype=np.int64))
         raw = (ctypes.c_char * max(count * dtype.itemsize, 1)).from_address(val.data_ptr())
-        return val, np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+        return val, np.frombuffer(memoryview(raw), dtype=dtype, count=count).reshape(shape)
 
 
 @register_backend("onnxruntime")
