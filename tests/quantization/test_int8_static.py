@@ -238,14 +238,15 @@ def test_trt_int4_numerics_on_ort():
     assert rel(got, ref) < 0.3 and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
 
 
-@pytest.mark.parametrize("block", [16, 256, 1024])
+@pytest.mark.parametrize("block", [16, 32, 256, 1024])
 def test_trt_int4_block_sizes_other_than_64_128_are_refused(block):
     with pytest.raises(ConfigError, match="64 or 128"):
         trt_int4_block(QuantConfig(precision="int4", block_size=block))
 
 
 def test_trt_int4_block_default_and_allowed():
-    assert trt_int4_block(QuantConfig(precision="int4")) == 128  # the ORT default 32 is not a TensorRT block
+    assert trt_int4_block(QuantConfig(precision="int4")) == 128  # not given: 128 (an explicit 32 is refused)
+    assert QuantConfig(precision="int4").ort_block == 32  # while ONNX Runtime's MatMulNBits take 32
     for b in TRT_INT4_BLOCKS:
         assert trt_int4_block(QuantConfig(precision="int4", block_size=b)) == b
 

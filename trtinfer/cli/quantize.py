@@ -22,7 +22,8 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     """The quantization flags (``quantize`` and ``build`` share them)."""
     g = p.add_argument_group("quantization (int4, int8, int8-static, gguf)")
     g.add_argument("--method", default="gptq", help="int4: gptq (default, calibrated) or rtn (round to nearest)")
-    g.add_argument("--block-size", type=int, default=32, help="int4/int8 weight block along K (default 32)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="int4/int8 weight block along K (default 32; int4 for --target tensorrt: 128, or 64)")
     g.add_argument("--asymmetric", action="store_true",
                    help="int4: asymmetric blocks (slower; wrong on AVX2-only CPUs at batch 1, ORT #29853)")
     g.add_argument("--lm-head-bits", type=int, default=4, help="int4: LM head (and tied embedding) bits, 4 or 8")

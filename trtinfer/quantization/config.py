@@ -19,7 +19,7 @@ class QuantConfig:
     compute), ``int8-static`` (explicit QDQ: per-channel int8 weights, per-tensor int8 activations from calibration;
     the form TensorRT compiles), ``gguf`` (the GGUF source's own blocks, imported exactly).
     ``method`` (int4): ``rtn`` rounds each block to nearest; ``gptq`` corrects rounding errors with second-order
-    statistics of calibration activations. ``block_size`` (int4/int8, power of 2 >= 16), ``symmetric`` (zero point
+    statistics of calibration activations. ``block_size`` (int4/int8, power of 2 >= 16; None: 32 on ONNX Runtime, 128 for TensorRT's int4), ``symmetric`` (zero point
     in the middle of the grid: the fast and, on AVX2, the correct int8 kernel path). ``lm_head_bits`` (4 or 8): the
     LM head and, with tied embeddings, the embedding table sharing it (4 by default: with GPTQ it measured 1.066x
     vs 1.051x perplexity for 8 bits on SmolLM2, 1.105x vs 1.089x on Gemma-3, and reads half the bytes per token:
@@ -35,7 +35,7 @@ class QuantConfig:
 
     precision: str = "int4"
     method: str = "gptq"
-    block_size: int = 32
+    block_size: int | None = None
     symmetric: bool = True
     lm_head_bits: int = 4
     accuracy_level: int = 4
@@ -52,7 +52,8 @@ class QuantConfig:
             raise ConfigError(f"quantized precision must be one of {', '.join(PRECISIONS)}, got '{self.precision}'")
         if self.method not in METHODS:
             raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got '{self.method}'")
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                                            or self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise ConfigError(f"--block-size must be a power of 2 >= 16, got {self.block_size}")
         if self.lm_head_bits not in (4, 8):
             raise ConfigError(f"--lm-head-bits must be 4 or 8, got {self.lm_head_bits} (use --keep-fp32 lm_head "
@@ -67,6 +68,11 @@ class QuantConfig:
             from trtinfer.calibration import CalibrationConfig
 
             object.__setattr__(self, "calibration", CalibrationConfig())
+
+    @property
+    def ort_block(self) -> int:
+        """The weight block on ONNX Runtime's MatMulNBits: ``block_size``, 32 when not given."""
+        return self.block_size or 32
 
     @property
     def needs_calibration(self) -> bool:

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import Any
 
 import ml_dtypes
@@ -247,13 +246,12 @@ def int8_static(model: ir.Model, ctx: QuantContext) -> dict[str, Any]:
 # --- int4 for TensorRT --------------------------------------------------------------------------------------------
 
 def trt_int4_block(config: QuantConfig) -> int:
-    """The block of TensorRT's INT4 weights: ``config.block_size`` when 64 or 128; the config's default (32, the
-    ONNX Runtime one) becomes 128; any other size is refused."""
-    default = next(f.default for f in fields(QuantConfig) if f.name == "block_size")
+    """The block of TensorRT's INT4 weights: ``config.block_size`` when 64 or 128, 128 when not given; any other
+    size (an explicit 32 included) is refused."""
+    if config.block_size is None:
+        return 128
     if config.block_size in TRT_INT4_BLOCKS:
         return config.block_size
-    if config.block_size == default:
-        return 128
     raise ConfigError(f"TensorRT 10 compiles INT4 weight blocks of 64 or 128 only, got --block-size "
                       f"{config.block_size}; give --block-size 64 or 128", field="block_size")
 

@@ -37,7 +37,7 @@ def layout_for(site: WeightSite, ctx: QuantContext, bits: int) -> tuple[int, int
     """(bits, block, symmetric) of one site: the LM head takes ``lm_head_bits`` and is always symmetric (it may
     serve the embedding's GatherBlockQuantized, which takes no zero points here)."""
     cfg = ctx.config
-    block = cfg.block_size
+    block = cfg.ort_block
     while site.k % block and block > 16:
         block //= 2
     if site.lm_head:
