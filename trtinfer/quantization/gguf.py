@@ -42,13 +42,13 @@ import numpy as np
 import onnx_ir as ir
 
 from trtinfer.quantization.blocks import BlockWeight
+from trtinfer.quantization.weights import MS_DOMAIN, add_initializer
 
 if TYPE_CHECKING:
     from trtinfer.stages import StageDir
 
 log = logging.getLogger(__name__)
 
-MS_DOMAIN = "com.microsoft"
 SUM_BLOCK = 32  # offsets are per 32 values in every type that has them
 #: weights equal a GGUF tensor when every value is within this much of it, relative to the tensor's largest value
 MATCH_RTOL = 2e-6
@@ -368,14 +368,7 @@ class _Rewriter:
     rank_hint: int | None = None  # rank of every MatMul input when the graph carries no shapes
 
     def _init(self, name: str, array: np.ndarray) -> ir.Value:
-        base, i = name, 1
-        while name in self.graph.initializers:
-            name, i = f"{base}.{i}", i + 1
-        array = np.ascontiguousarray(array)
-        t = ir.tensor(array, name=name)
-        v = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(t.dtype), const_value=t)
-        self.graph.register_initializer(v)
-        return v
+        return add_initializer(self.graph, name, array)
 
     def stored(self, blocks: GGUFBlocks, perm: np.ndarray) -> tuple[ir.Value, ir.Value, ir.Value | None]:
         """B ``[N, K/block, blob]``, scales ``[N, K/block]`` and offsets ``C [K/32, N]`` (or None), stored once."""

@@ -61,7 +61,7 @@ import onnx_ir.passes.common
 from trtinfer.errors import ConfigError
 from trtinfer.quantization.config import QuantConfig
 from trtinfer.quantization.registry import QuantContext, register_precision
-from trtinfer.quantization.weights import WeightSite, select_sites, weight_sites
+from trtinfer.quantization.weights import WeightSite, add_initializer, select_sites, weight_sites
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +109,6 @@ def activation_scale(amax: float) -> np.float32:
     return np.float32(max(float(amax) / 127.0, MIN_SCALE))
 
 
-def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:
-    value = ir.Value(name=name, shape=ir.Shape(list(tensor.shape.numpy())), type=ir.TensorType(tensor.dtype),
-                     const_value=tensor)
-    graph.register_initializer(value)
-    return value
-
-
-def _unique(graph: ir.Graph, base: str, taken: set[str]) -> str:
-    name, i = base, 1
-    while name in taken or name in graph.initializers:
-        name, i = f"{base}_{i}", i + 1
-    taken.add(name)
-    return name
-
 
 def _weight_dq(graph: ir.Graph, site: WeightSite, inputs: list[ir.Value], attributes: dict[str, int],
                suffix: str) -> ir.Node:
@@ -137,15 +123,14 @@ def _weight_dq(graph: ir.Graph, site: WeightSite, inputs: list[ir.Value], attrib
     return dq
 
 
-def insert_activation_qdq(graph: ir.Graph, x: ir.Value, scale: np.float32, consumers: Sequence[tuple[ir.Node, int]],
-                          taken: set[str]) -> tuple[ir.Node, ir.Node]:
+def insert_activation_qdq(graph: ir.Graph, x: ir.Value, scale: np.float32, consumers: Sequence[tuple[ir.Node, int]]) -> tuple[ir.Node, ir.Node]:
     """``x -> QuantizeLinear -> DequantizeLinear`` (per tensor, int8 zero point 0) read by ``consumers`` only.
 
     The pair goes before the first consumer in graph order; other readers of ``x`` keep the float tensor.
     """
     base = (x.name or "x").rstrip("_")
-    s = _initializer(graph, _unique(graph, f"{base}_scale", taken), ir.tensor(np.array(scale, np.float32)))
-    zp = _initializer(graph, _unique(graph, f"{base}_zero_point", taken), ir.tensor(np.array(0, np.int8)))
+    s = add_initializer(graph, f"{base}_scale", ir.tensor(np.array(scale, np.float32)))
+    zp = add_initializer(graph, f"{base}_zero_point", ir.tensor(np.array(0, np.int8)))
     q = ir.node("QuantizeLinear", [x, s, zp], name=f"{base}_QuantizeLinear")
     dq = ir.node("DequantizeLinear", [q.outputs[0], s, zp], name=f"{base}_DequantizeLinear")
     q.outputs[0].name, q.outputs[0].shape = f"{base}_quantized", x.shape
@@ -209,20 +194,19 @@ def quantize_int8_static(model: ir.Model, config: QuantConfig, vocab_size: int,
     if missing:
         raise ConfigError(f"no activation range for {len(missing)} MatMul input(s): {', '.join(missing[:3])}; "
                           "calibrate this graph")
-    taken: set[str] = set()
     fp32_bytes = sum(s.array().nbytes for s in sites)
     stored = sum(s.array().nbytes for s in sites if s not in chosen)
     scales: dict[str, float] = {}
     for name, consumers in readers.items():
         scale = activation_scale(amax[name])
-        insert_activation_qdq(graph, values[name], scale, consumers, taken)
+        insert_activation_qdq(graph, values[name], scale, consumers)
         scales[name] = float(scale)
     for s in chosen:
         codes, w_scale = per_channel_int8(s.array())
         base = (s.weight.name or s.name).replace("/", "_").strip("_")
-        q = _initializer(graph, _unique(graph, f"{base}_int8", taken), ir.tensor(codes))
-        sc = _initializer(graph, _unique(graph, f"{base}_scale", taken), ir.tensor(w_scale))
-        zp = _initializer(graph, _unique(graph, f"{base}_zero_point", taken),
+        q = add_initializer(graph, f"{base}_int8", ir.tensor(codes))
+        sc = add_initializer(graph, f"{base}_scale", ir.tensor(w_scale))
+        zp = add_initializer(graph, f"{base}_zero_point",
                           ir.tensor(np.zeros(w_scale.shape, np.int8)))
         _weight_dq(graph, s, [q, sc, zp], {"axis": 1}, "DequantizeLinear")
         stored += codes.nbytes + w_scale.nbytes + w_scale.size
@@ -277,10 +261,7 @@ def upgrade_opset(model: ir.Model, target: int = INT4_OPSET) -> dict[str, int]:
             axes = np.asarray(n.attributes["axes"].as_ints(), np.int64)
             graph = n.graph
             assert graph is not None
-            name = f"{n.name or n.op_type}_axes"
-            while name in graph.initializers:
-                name += "_"
-            value = _initializer(graph, name, ir.tensor(axes))
+            value = add_initializer(graph, f"{n.name or n.op_type}_axes", ir.tensor(axes))
             del n.attributes["axes"]
             inputs = list(n.inputs)
             n.resize_inputs(2)
@@ -300,14 +281,13 @@ def int4_tensorrt(model: ir.Model, ctx: QuantContext) -> dict[str, Any]:
     graph = model.graph
     sites = weight_sites(graph, int(ctx.geometry["vocab_size"]))
     chosen, kept = select_sites(sites, ctx.config, block)
-    taken: set[str] = set()
     fp32_bytes = sum(s.array().nbytes for s in sites)
     stored = sum(s.array().nbytes for s in sites if s not in chosen)
     for s in chosen:
         codes, scale = blocked_int4(s.array(), block)
         base = (s.weight.name or s.name).replace("/", "_").strip("_")
-        q = _initializer(graph, _unique(graph, f"{base}_int4", taken), ir.tensor(codes, dtype=ir.DataType.INT4))
-        sc = _initializer(graph, _unique(graph, f"{base}_scale", taken), ir.tensor(scale))
+        q = add_initializer(graph, f"{base}_int4", ir.tensor(codes, dtype=ir.DataType.INT4))
+        sc = add_initializer(graph, f"{base}_scale", ir.tensor(scale))
         _weight_dq(graph, s, [q, sc], {"axis": 0, "block_size": block}, "DequantizeLinear")
         stored += codes.size // 2 + scale.nbytes
     ir.passes.common.RemoveUnusedNodesPass()(model)

@@ -18,7 +18,7 @@ from collections import defaultdict
 import numpy as np
 import onnx_ir as ir
 
-from trtinfer.quantization.weights import MS_DOMAIN
+from trtinfer.quantization.weights import MS_DOMAIN, add_initializer
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,6 @@ def _packable(node: ir.Node) -> bool:
     b, scales = node.inputs[1], node.inputs[2]
     return (b is not None and scales is not None and b.const_value is not None and scales.const_value is not None
             and len(b.uses()) == 1 and len(scales.uses()) == 1 and node.inputs[0] is not None)
-
-
-def _register(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, const_value=ir.Tensor(np.ascontiguousarray(array), name=name))
-    graph.register_initializer(value)
-    return value
 
 
 def pack_shared_inputs(graph: ir.Graph) -> dict[str, int]:
@@ -59,10 +53,10 @@ def pack_shared_inputs(graph: ir.Graph) -> dict[str, int]:
                             for m, n in zip(members, ns)], axis=0).reshape(-1)
         base = (first.name or "matmul").replace("/", "_").strip("_")
         attrs = {a: first.attributes.get_int(a, 0) for a in ATTRS}
-        new = ir.node("MatMulNBits", [first.inputs[0], _register(graph, f"{base}_packed_B", b),
-                                      _register(graph, f"{base}_packed_scales", s)],
+        new = ir.node("MatMulNBits", [first.inputs[0], add_initializer(graph, f"{base}_packed_B", b),
+                                      add_initializer(graph, f"{base}_packed_scales", s)],
                       domain=MS_DOMAIN, name=f"{first.name}_packed", attributes={**attrs, "N": int(sum(ns))})
-        sizes = _register(graph, f"{base}_packed_split", np.array(ns, dtype=np.int64))
+        sizes = add_initializer(graph, f"{base}_packed_split", np.array(ns, dtype=np.int64))
         split = ir.node("Split", [new.outputs[0], sizes], attributes={"axis": -1}, num_outputs=len(members),
                         name=f"{first.name}_packed_split")
         graph.insert_before(first, [new, split])
@@ -125,7 +119,7 @@ def _merge_corrections(graph: ir.Graph, split: ir.Node) -> ir.Node | None:
     packed = split.inputs[0]
     assert packed is not None
     base = (split.name or "packed").replace("/", "_")
-    corr = ir.node("MatMul", [xs, _register(graph, f"{base}_corrections", np.concatenate(cs, axis=1))],
+    corr = ir.node("MatMul", [xs, add_initializer(graph, f"{base}_corrections", np.concatenate(cs, axis=1))],
                    name=f"{split.name}_corrections")
     add = ir.node("Add", [packed, corr.outputs[0]], name=f"{split.name}_corrected")
     new = ir.node("Split", [add.outputs[0], split.inputs[1]], attributes={"axis": -1}, num_outputs=len(adds),

@@ -92,8 +92,15 @@ def matches(name: str, patterns: Iterable[str]) -> bool:
     return False
 
 
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, const_value=ir.Tensor(np.ascontiguousarray(array), name=name))
+def add_initializer(graph: ir.Graph, name: str, data: np.ndarray | ir.TensorProtocol) -> ir.Value:
+    """Register ``data`` (a numpy array or an onnx-ir tensor) as an initializer of ``graph`` named ``name``, or
+    ``name_1``, ``name_2``, ... when that name is taken; returns its value (shape and type set)."""
+    base, i = name, 1
+    while name in graph.initializers:
+        name, i = f"{base}_{i}", i + 1
+    tensor = ir.Tensor(np.ascontiguousarray(data), name=name) if isinstance(data, np.ndarray) else data
+    value = ir.Value(name=name, shape=ir.Shape(list(tensor.shape.numpy())), type=ir.TensorType(tensor.dtype),
+                     const_value=tensor)
     graph.register_initializer(value)
     return value
 
@@ -107,11 +114,11 @@ def replace_matmul(graph: ir.Graph, site: WeightSite, q: BlockWeight, accuracy_l
     node = site.node
     base = (site.weight.name or node.name or "w").replace("/", "_").strip("_")
     if packed is None:
-        packed = _initializer(graph, f"{base}_q{q.bits}", q.packed())
-    inputs = [node.inputs[0], packed, _initializer(graph, f"{base}_scales", q.scales.reshape(-1))]
+        packed = add_initializer(graph, f"{base}_q{q.bits}", q.packed())
+    inputs = [node.inputs[0], packed, add_initializer(graph, f"{base}_scales", q.scales.reshape(-1))]
     zp = q.packed_zero_points()
     if zp is not None:
-        inputs.append(_initializer(graph, f"{base}_zp", zp))
+        inputs.append(add_initializer(graph, f"{base}_zp", zp))
     new = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"{node.name}_Q{q.bits}",
                   attributes={"K": q.k, "N": q.n, "bits": q.bits, "block_size": q.block,
                               "accuracy_level": accuracy_level})
@@ -145,11 +152,11 @@ def replace_gather(graph: ir.Graph, node: ir.Node, q: BlockWeight, packed: ir.Va
     base = (table.name or "embedding").replace("/", "_")
     stored = 0
     if packed is None:
-        packed = _initializer(graph, f"{base}_q{q.bits}", q.packed())
+        packed = add_initializer(graph, f"{base}_q{q.bits}", q.packed())
         stored += q.packed().nbytes
-    scales = _initializer(graph, f"{base}_gather_scales", q.scales[:, :, None])
+    scales = add_initializer(graph, f"{base}_gather_scales", q.scales[:, :, None])
     stored += q.scales.nbytes
-    shape = _initializer(graph, f"{base}_gather_shape", np.array([0, 0, q.k], dtype=np.int64))
+    shape = add_initializer(graph, f"{base}_gather_shape", np.array([0, 0, q.k], dtype=np.int64))
     gbq = ir.node("GatherBlockQuantized", [packed, node.inputs[1], scales], domain=MS_DOMAIN,
                   name=f"{node.name}_Q{q.bits}",
                   attributes={"gather_axis": 0, "quantize_axis": 2, "block_size": q.block, "bits": q.bits})
