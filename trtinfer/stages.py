@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtinfer._cache import check_files, key_of, record_files
+from trtinfer._cache import atomic_dir, cached_dir, check_files, key_of, record_files
 from trtinfer.errors import ModelSourceError
 
 STAGE_FILE = "stage.json"
@@ -188,3 +189,23 @@ def package_versions(*names: str) -> dict[str, str]:
     from trtinfer import __version__
 
     return {"trtinfer": __version__, **{n: version(n) for n in names}}
+
+
+def make_stage(output_dir: str | Path, make: Callable[[Path], StageDir], *, overwrite: bool = False) -> StageDir:
+    """A stage written by ``make(tmp)`` into a temp folder beside ``output_dir``, renamed there at the end (nothing is
+    left at ``output_dir`` if ``make`` fails)."""
+    out = Path(output_dir)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        done = make(tmp)
+    return StageDir(out, done.info)
+
+
+def cached_stage(kind: str, key: str, make: Callable[[Path], StageDir],
+                 stats: dict[str, Any] | None = None) -> StageDir:
+    """The stage of cache ``kind``/``key``, written by ``make(tmp)`` unless a checked entry is there already;
+    ``stats["cached"]`` tells whether the entry was reused."""
+    made = []
+    path = cached_dir(kind, key, lambda tmp: made.append(make(tmp)))
+    if stats is not None:
+        stats["cached"] = not made
+    return read_stage(path, verify=False)  # cached_dir has just checked the files

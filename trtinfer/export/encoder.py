@@ -13,10 +13,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from trtinfer._cache import cached_dir, key_of
+from trtinfer._cache import key_of
 from trtinfer.errors import ExportError, ModelSourceError, ValidationError
 from trtinfer.export.sources import ResolvedModel
-from trtinfer.stages import DATA_NAME, ONNX_NAME, StageDir, read_stage, write_stage
+from trtinfer.stages import DATA_NAME, ONNX_NAME, StageDir, cached_stage, write_stage
 
 log = logging.getLogger(__name__)
 
@@ -135,5 +135,4 @@ def export_encoder_cached(resolved: ResolvedModel, atol: float = 1e-4) -> StageD
     from trtinfer.export.onnx_export import stack_versions
 
     key = key_of(["encoder", ENCODER_FORMAT, resolved.sha256, atol, stack_versions()])
-    path = cached_dir("onnx", key, lambda tmp: write_stage(tmp, _export(resolved, tmp, atol)))
-    return read_stage(path, verify=False)  # cached_dir has just checked the files
+    return cached_stage("onnx", key, lambda tmp: write_stage(tmp, _export(resolved, tmp, atol)))

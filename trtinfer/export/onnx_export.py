@@ -9,14 +9,23 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from trtinfer._cache import atomic_dir, cached_dir, key_of
+from trtinfer._cache import key_of
 from trtinfer.errors import ExportError, ModelSourceError, ValidationError
 from trtinfer.export.architectures import spec_for
 from trtinfer.export.config import ExportConfig
 from trtinfer.export.reference import write_reference
 from trtinfer.export.sources import ResolvedModel, resolve_model
 from trtinfer.export.tokenizer import save_tokenizer
-from trtinfer.stages import DATA_NAME, ONNX_NAME, REFERENCE_NAME, StageDir, package_versions, read_stage, write_stage
+from trtinfer.stages import (
+    DATA_NAME,
+    ONNX_NAME,
+    REFERENCE_NAME,
+    StageDir,
+    cached_stage,
+    make_stage,
+    package_versions,
+    write_stage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +167,7 @@ def export(model: str | Path | ResolvedModel, output_dir: str | Path, config: Ex
     """
     config = config or ExportConfig()
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
-    out = Path(output_dir)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        stage = _export_into(resolved, tmp, config)
-    return StageDir(out, stage.info)
+    return make_stage(output_dir, lambda tmp: _export_into(resolved, tmp, config), overwrite=overwrite)
 
 
 def stack_versions() -> dict[str, str]:
@@ -183,8 +189,4 @@ def export_cached(model: str | Path | ResolvedModel, config: ExportConfig | None
     # a GGUF's digest names the file, not the folder made from it: its conversion format is part of the key
     source = [resolved.sha256, MODELS_FORMAT if resolved.kind != "folder" else None]
     key = key_of([EXPORT_FORMAT, source, config.to_dict(), stack_versions()])
-    made = []
-    path = cached_dir("onnx", key, lambda tmp: made.append(_export_into(resolved, tmp, config)))
-    if stats is not None:
-        stats["cached"] = not made
-    return read_stage(path, verify=False)  # cached_dir has just checked the files
+    return cached_stage("onnx", key, lambda tmp: _export_into(resolved, tmp, config), stats)

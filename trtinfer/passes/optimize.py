@@ -12,7 +12,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from trtinfer._cache import atomic_dir, cached_dir, key_of
+from trtinfer._cache import key_of
 from trtinfer.errors import ConfigError, InputError
 from trtinfer.passes.config import PassConfig
 from trtinfer.passes.layout import CONCAT, LAYOUT_KEY
@@ -21,9 +21,11 @@ from trtinfer.passes.report import FusionReport, PassRecord
 from trtinfer.stages import (
     ONNX_NAME,
     StageDir,
+    cached_stage,
     carry_forward,
     graph_io,
     is_stage_dir,
+    make_stage,
     package_versions,
     read_stage,
     write_stage,
@@ -141,10 +143,7 @@ def optimize_stage(src: str | Path | StageDir, output_dir: str | Path, config: P
     """
     config = config or PassConfig()
     stage = src if isinstance(src, StageDir) else read_stage(src)
-    out = Path(output_dir)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        done = _optimize_into(stage, tmp, config)
-    return StageDir(out, done.info)
+    return make_stage(output_dir, lambda tmp: _optimize_into(stage, tmp, config), overwrite=overwrite)
 
 
 def optimize_cached(src: StageDir, config: PassConfig, *, stats: dict[str, Any] | None = None) -> StageDir:
@@ -153,8 +152,4 @@ def optimize_cached(src: StageDir, config: PassConfig, *, stats: dict[str, Any] 
     ``stats["cached"]`` tells whether the entry was reused.
     """
     key = key_of([OPTIMIZE_FORMAT, src.content_key(), config.to_dict(), pass_versions()])
-    made = []
-    path = cached_dir("optimized", key, lambda tmp: made.append(_optimize_into(src, tmp, config)))
-    if stats is not None:
-        stats["cached"] = not made
-    return read_stage(path, verify=False)  # cached_dir has just checked the files
+    return cached_stage("optimized", key, lambda tmp: _optimize_into(src, tmp, config), stats)

@@ -17,11 +17,21 @@ from typing import Any
 
 import onnx_ir as ir
 
-from trtinfer._cache import atomic_dir, cached_dir, key_of
+from trtinfer._cache import key_of
 from trtinfer.errors import ConfigError
 from trtinfer.quantization.config import QuantConfig
 from trtinfer.quantization.registry import QuantContext, get_precision
-from trtinfer.stages import ONNX_NAME, StageDir, carry_forward, graph_io, package_versions, read_stage, write_stage
+from trtinfer.stages import (
+    ONNX_NAME,
+    StageDir,
+    cached_stage,
+    carry_forward,
+    graph_io,
+    make_stage,
+    package_versions,
+    read_stage,
+    write_stage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +88,7 @@ def quantize_stage(src: str | Path | StageDir, output_dir: str | Path, config: Q
     config = config or QuantConfig()
     stage = src if isinstance(src, StageDir) else read_stage(src)
     check_input(stage)
-    out = Path(output_dir)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        done = _quantize_into(stage, tmp, config, progress)
-    return StageDir(out, done.info)
+    return make_stage(output_dir, lambda tmp: _quantize_into(stage, tmp, config, progress), overwrite=overwrite)
 
 
 def _calibration_key(config: QuantConfig) -> Any:
@@ -104,8 +111,4 @@ def quantize_cached(src: StageDir, config: QuantConfig, *, stats: dict[str, Any]
     """:func:`quantize_stage` into ``~/.cache/trtinfer/quantized/<hash of input, config, data, versions>``, reused."""
     check_input(src)
     key = key_of([QUANTIZE_FORMAT, src.content_key(), config.to_dict(), _calibration_key(config), quant_versions()])
-    made = []
-    path = cached_dir("quantized", key, lambda tmp: made.append(_quantize_into(src, tmp, config, progress)))
-    if stats is not None:
-        stats["cached"] = not made
-    return read_stage(path, verify=False)
+    return cached_stage("quantized", key, lambda tmp: _quantize_into(src, tmp, config, progress), stats)
