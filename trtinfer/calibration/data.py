@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from trtinfer._files import read_text_file
 from trtinfer.errors import CalibrationError
 from trtinfer.stages import StageDir
 
@@ -64,18 +65,8 @@ def load_texts(source: str | Path | None) -> list[str]:
     if isinstance(source, str) and source.startswith("builtin:"):
         return [builtin_text(source.split(":", 1)[1])]
     path = Path(source)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CalibrationError(f"calibration data {path} does not exist; give a text or JSONL file, "
-                               f"or none for the built-in text") from None
-    except OSError as e:
-        raise CalibrationError(f"calibration data {path} is unreadable: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CalibrationError(f"calibration data {path} is not UTF-8 text (byte {e.start}: "
-                               f"{raw[e.start:e.start + 1]!r}); convert it to UTF-8") from None
+    text = read_text_file(path, "calibration data", "give a text or JSONL file, or none for the built-in text",
+                          CalibrationError)
     texts = _parse_jsonl(path, text) if path.suffix.lower() == ".jsonl" else [text]
     texts = [t for t in texts if t.strip()]
     if not texts:

@@ -30,20 +30,10 @@ def add_parser(sub: Any) -> None:
 
 def read_text_file(path: str) -> str:
     """The file's text; InputError (one line) when it is missing, unreadable, not UTF-8 or empty."""
+    from trtinfer._files import read_text_file as read
     from trtinfer.errors import InputError
 
-    file = Path(path)
-    if not file.is_file():
-        raise InputError(f"--text-file {path} does not exist or is not a file; give a UTF-8 text file")
-    try:
-        data = file.read_bytes()
-    except OSError as e:
-        raise InputError(f"--text-file {path} could not be read ({e.strerror or e}); check its permissions") from e
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"--text-file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                         "convert it to UTF-8") from e
+    text = read(path, "--text-file", "give a UTF-8 text file")
     if not text.strip():
         raise InputError(f"--text-file {path} is empty; give a file with some text to score")
     return text
