@@ -1,6 +1,7 @@
 """Build backends, registered by name. A backend compiles an optimize stage's graph into engine files."""
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer.builder.config import BuildConfig
-from trtinfer.errors import BuildError, ConfigError
+from trtinfer.errors import BackendUnavailableError, BuildError, ConfigError
 from trtinfer.runtime.manifest import kv_dtype
 from trtinfer.stages import DATA_NAME, ONNX_DTYPES, ONNX_NAME, StageDir, graph_io
 
@@ -16,26 +17,37 @@ log = logging.getLogger(__name__)
 
 BackendFn = Callable[[StageDir, Path, BuildConfig], dict[str, str]]
 TargetFn = Callable[[BuildConfig], str]
+CheckFn = Callable[[BuildConfig], None]
+
+
+def _always(config: BuildConfig) -> None:
+    """Backends whose libraries are trtinfer's own dependencies are always available."""
 
 
 @dataclass(frozen=True)
 class BuildBackend:
     """A registered backend: ``build(stage, out_dir, config) -> {role: file}`` on the optimize stage made for
-    ``pass_target(config)`` (the pass pipeline whose output it compiles)."""
+    ``pass_target(config)`` (the pass pipeline whose output it compiles). ``available(config)`` raises
+    BackendUnavailableError when the backend's libraries or device are missing: a build calls it before any work, so
+    it stops at once and leaves nothing behind."""
 
     name: str
     build: BackendFn
     pass_target: TargetFn
+    available: CheckFn = _always
+    versions: Callable[[], dict[str, str]] = dict  # what else ties its output to this machine (cache key, manifest)
 
 
 _BACKENDS: dict[str, BuildBackend] = {}
+_LAZY = {"tensorrt": "trtinfer.builder.trt_backend"}  # registered on first use: their modules import more
 
 
-def register_build_backend(name: str, pass_target: TargetFn) -> Callable[[BackendFn], BackendFn]:
+def register_build_backend(name: str, pass_target: TargetFn, available: CheckFn = _always,
+                           versions: Callable[[], dict[str, str]] = dict) -> Callable[[BackendFn], BackendFn]:
     """Decorator: register ``fn(stage, out_dir, config) -> {role: file}`` as build backend ``name``."""
 
     def deco(fn: BackendFn) -> BackendFn:
-        _BACKENDS[name] = BuildBackend(name, fn, pass_target)
+        _BACKENDS[name] = BuildBackend(name, fn, pass_target, available, versions)
         return fn
 
     return deco
@@ -43,8 +55,10 @@ def register_build_backend(name: str, pass_target: TargetFn) -> Callable[[Backen
 
 def get_build_backend(name: str) -> BuildBackend:
     """The backend called ``name``, or an error listing the known ones."""
+    if name not in _BACKENDS and name in _LAZY:
+        importlib.import_module(_LAZY[name])  # registers it
     if name not in _BACKENDS:
-        raise ConfigError(f"unknown backend '{name}'; known: {', '.join(sorted(_BACKENDS))}")
+        raise ConfigError(f"unknown backend '{name}'; known: {', '.join(sorted({*_BACKENDS, *_LAZY}))}")
     return _BACKENDS[name]
 
 
@@ -66,16 +80,29 @@ def write_kv_select(path: Path, n_tensors: int, dtype: str = "float32") -> None:
     onnx.save(model, str(path))
 
 
-@register_build_backend("onnxruntime", pass_target=lambda config: f"onnxruntime-{config.target}")
+def _check_onnxruntime(config: BuildConfig) -> None:
+    """``--target cuda`` needs onnxruntime-gpu's CUDA provider on the build machine (its libraries preloaded first)."""
+    if config.target != "cuda":
+        return
+    import onnxruntime as ort
+
+    from trtinfer.runtime.session import _preload_cuda_libraries
+
+    _preload_cuda_libraries(ort)
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise BackendUnavailableError("target 'cuda' needs onnxruntime-gpu (CUDAExecutionProvider) on the build "
+                                      "machine; build with --target cpu or install 'trtinfer[gpu]'")
+
+
+@register_build_backend("onnxruntime", pass_target=lambda config: f"onnxruntime-{config.target}",
+                        available=_check_onnxruntime)
 def build_onnxruntime(stage: StageDir, out: Path, config: BuildConfig) -> dict[str, str]:
     """ONNX Runtime's offline optimization of the optimize stage's graph, saved as the engine graph."""
     import onnxruntime as ort
 
     providers = ["CPUExecutionProvider"]
     if config.target == "cuda":
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise BuildError("target 'cuda' needs onnxruntime-gpu (CUDAExecutionProvider) on the build machine; "
-                             "build with --target cpu or install 'trtinfer[gpu]'")
+        _check_onnxruntime(config)
         providers.insert(0, "CUDAExecutionProvider")
     so = ort.SessionOptions()
     so.log_severity_level = 3

@@ -14,6 +14,7 @@ from trtinfer.stages import default_max_seq_len
 FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
 PRECISIONS = FLOAT_PRECISIONS + QUANT_PRECISIONS
 TARGETS = ("cpu", "cuda")
+TENSORRT_PRECISIONS = ("fp32", "fp16", "bf16", "int8-static", "int4")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class BuildConfig:
     ``disable_passes`` names pipeline passes to skip (``trtinfer optimize --list`` shows them).
     ``precision`` int4/int8/int8-static/gguf runs the quantize stage on the fp32 graph (settings in
     ``quantization``, a :class:`~trtinfer.quantization.QuantConfig`; defaults when None).
+
+    TensorRT (``backend="tensorrt"``, implies ``target="cuda"``): ``opt_batch_size``/``opt_seq_len`` are the shapes
+    its optimization profiles are tuned for (defaults: max batch capped at 8, max sequence capped at 512);
+    ``workspace_mib`` caps the builder's scratch memory (default 4096); ``timing_cache`` is the timing cache file
+    reused across builds (default: one per TensorRT version and GPU under the trtinfer cache). Precisions: fp32,
+    fp16, bf16 (strongly typed from the graph), int8-static and int4 (Q/DQ graphs).
     """
 
     backend: str = "onnxruntime"
@@ -40,8 +47,28 @@ class BuildConfig:
     disable_passes: tuple[str, ...] = ()
     export: ExportConfig = field(default_factory=ExportConfig)
     quantization: QuantConfig | None = None
+    opt_batch_size: int | None = None
+    opt_seq_len: int | None = None
+    workspace_mib: int | None = None
+    timing_cache: str | None = None
 
     def __post_init__(self) -> None:
+        if self.backend == "tensorrt":
+            if self.target == "cpu":  # the default: TensorRT engines run on the GPU, whatever was left unsaid
+                object.__setattr__(self, "target", "cuda")
+            if self.precision not in TENSORRT_PRECISIONS:
+                raise ConfigError(f"--backend tensorrt builds {', '.join(TENSORRT_PRECISIONS)}, not {self.precision} "
+                                  "(an ONNX Runtime CPU form); use one of those or --backend onnxruntime")
+        for name in ("opt_batch_size", "opt_seq_len", "workspace_mib"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        if self.opt_batch_size is not None and self.opt_batch_size > self.max_batch_size:
+            raise ConfigError(f"--opt-batch-size {self.opt_batch_size} exceeds --max-batch-size {self.max_batch_size}",
+                              field="opt_batch_size")
+        if self.opt_seq_len is not None and self.max_seq_len is not None and self.opt_seq_len > self.max_seq_len:
+            raise ConfigError(f"--opt-seq-len {self.opt_seq_len} exceeds --max-seq-len {self.max_seq_len}",
+                              field="opt_seq_len")
         if self.precision in QUANT_PRECISIONS:
             if self.quantization is None:
                 object.__setattr__(self, "quantization", QuantConfig(precision=self.precision))
@@ -54,7 +81,7 @@ class BuildConfig:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision '{self.precision}' is not available in this version; supported: "
                               f"{', '.join(PRECISIONS)}")
-        if self.precision == "bf16" and self.target == "cpu" and self.backend == "onnxruntime":
+        if self.precision == "bf16" and self.target == "cpu" and self.backend != "tensorrt":
             raise ConfigError("bf16 needs a GPU target: ONNX Runtime's CPU provider has no bf16 kernels; "
                               "use --target cuda, or --precision fp16 to check reduced-precision numerics on CPU")
         check_keep_fp32(self.keep_fp32, "--keep-fp32")

@@ -41,7 +41,8 @@ def engine_versions() -> dict[str, str]:
 def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engine: Path,
               max_seq: int) -> dict[str, Any]:
     """The engine's manifest: the stage's model facts, unchanged, plus what the build made."""
-    hist = op_histogram(engine / files["decoder"])
+    graph = engine / files.get("network", files["decoder"])  # TensorRT: the plan's source graph, weights left out
+    hist = op_histogram(graph)
     history = stage.history
     report = history.get("optimize", {}).get("fusion_report", {})
     export = history.get("export", {})
@@ -53,7 +54,7 @@ def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engin
         "target": config.target,
         **{k: stage.info[k] for k in ("architecture", "model_type", "source", "geometry")},
         "limits": {"max_batch_size": config.max_batch_size, "max_seq_len": max_seq},
-        "io": graph_io(engine / files["decoder"]),
+        "io": graph_io(graph),
         "kv_layout": stage.kv_layout,
         "files": files,
         "tokenizer": stage.info.get("tokenizer", {}),
@@ -66,6 +67,7 @@ def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engin
         "versions": engine_versions(),
         "quantization": ({k: history["quantize"][k] for k in ("config", "target", "report", "accuracy")}
                          if "quantize" in history else None),
+        **({"tensorrt": json.loads((engine / files["tensorrt"]).read_text())} if "tensorrt" in files else {}),
     }
 
 
@@ -90,7 +92,9 @@ def _from_stage(stage: StageDir, config: BuildConfig) -> tuple[BuildConfig, int]
 def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_seq: int,
              rec: dict[str, Any]) -> tuple[Path, dict[str, str], EngineCheck | None]:
     """Backend compilation + engine check, cached by the optimized graph's content and the backend settings."""
-    key = key_of([ENGINE_FORMAT, stage.content_key(), config.backend, config.target, engine_versions()])
+    key = key_of([ENGINE_FORMAT, stage.content_key(), config.backend, config.target, engine_versions(),
+                  backend.versions(), config.max_batch_size, max_seq, config.opt_batch_size, config.opt_seq_len,
+                  config.workspace_mib])
     made: dict[str, Any] = {}
 
     def make(tmp: Path) -> None:
@@ -135,6 +139,7 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
     out = Path(output_dir)
     if out.exists() and not overwrite:
         raise BuildError(f"{out} already exists; choose another -o or pass --force to replace it")
+    backend.available(config)  # a missing library or device stops the build here, before any stage runs
     t_start = time.perf_counter()
     if config.precision in ("fp16", "bf16") and config.target == "cpu":
         log.warning("%s on the CPU provider is for checking numerics: ONNX Runtime's CPU fp16 kernels are ~3x slower "

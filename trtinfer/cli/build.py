@@ -13,7 +13,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", help="HF folder, .gguf file, alias (gemma-3-270m, smollm2-135m), or a directory from "
                                   "`trtinfer export` / `trtinfer optimize`")
     p.add_argument("-o", "--output", required=True, help="engine directory to create")
-    p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
+    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tensorrt"),
+                   help="engine backend (default: onnxruntime; tensorrt needs TensorRT >= 10.15 and a GPU)")
     p.add_argument("--precision", default="fp32",
                    help="fp32 (default), fp16 or bf16 (GPU targets), int4, int8, int8-static or gguf (quantized)")
     p.add_argument("--keep-fp32", default=None, metavar="GROUPS",
@@ -26,6 +27,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=None, help="default: min(model's max positions, 4096)")
     p.add_argument("--atol", type=float, default=1e-4, help="export validation tolerance")
+    trt = p.add_argument_group("TensorRT (--backend tensorrt)")
+    trt.add_argument("--opt-batch-size", type=int, default=None,
+                     help="batch size the optimization profiles are tuned for (default: max batch size capped at 8)")
+    trt.add_argument("--opt-seq-len", type=int, default=None,
+                     help="prompt length the prefill profile is tuned for (default: max seq len capped at 512)")
+    trt.add_argument("--workspace-mib", type=int, default=None, help="builder workspace limit in MiB (default 4096)")
+    trt.add_argument("--timing-cache", default=None, metavar="FILE",
+                     help="timing cache file reused across builds (default: one per TensorRT version and GPU in the "
+                          "trtinfer cache)")
     p.add_argument("--force", action="store_true", help="replace an existing engine directory")
     from trtinfer.cli.quantize import add_quant_args
 
@@ -55,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                       keep_io_types=args.keep_io_types,
                       keep_fp32=DEFAULT_KEEP_FP32 if keep is None or quant is not None else keep,
                       disable_passes=tuple(args.disable_pass), export=ExportConfig(atol=args.atol),
-                      quantization=quant)
+                      quantization=quant, opt_batch_size=args.opt_batch_size, opt_seq_len=args.opt_seq_len,
+                      workspace_mib=args.workspace_mib, timing_cache=args.timing_cache)
     out = build(args.model, args.output, cfg, overwrite=args.force, progress=not args.quiet)
     m = read_manifest(out).raw
     g = m["geometry"]
@@ -78,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
         print("quantized: " + quant_summary(q))
         print(accuracy_text(q.get("accuracy")))
+    t = m.get("tensorrt")
+    if t:
+        print(f"tensorrt: {t['tensorrt_version']} on {t['gpu']} (sm {t['compute_capability']}), strongly typed "
+              f"{t['precision']}, profiles " + ", ".join(p["name"] for p in t["profiles"]))
     c = m.get("engine_check")
     if c:
         print(f"engine check vs {c['reference']} ({c['precision']}): max|diff| {c['max_abs_diff']:.3g} <= "

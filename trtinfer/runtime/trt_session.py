@@ -1,0 +1,311 @@
+"""The TensorRT session: a serialized engine driven through execution contexts, device buffers and one CUDA stream.
+
+Behind the same :class:`~trtinfer.runtime.session.DecoderSession` interface as ONNX Runtime, so the generator does
+not change. Each TensorRT call names the documented Python API method (TensorRT 10 Python API reference)::
+
+    load      Runtime(logger).deserialize_cuda_engine(plan); engine.num_optimization_profiles;
+              create_execution_context() per profile + set_optimization_profile_async(i, stream)
+    a step    set_input_shape(name, shape) and set_tensor_address(name, ptr) for every I/O tensor;
+              execute_async_v3(stream) after host-to-device copies from pinned buffers; device-to-host copies of
+              greedy ids (and logits only when asked) into pinned buffers; one stream synchronize
+    KV        ``scatter_buffer`` layout: per generation one zeroed device buffer [B,KV,max_seq,D] per past tensor,
+              bound as both ``past_key_values.*`` and its ``present.*`` (TensorRT's KV-cache update layer writes in
+              place and requires that aliasing: ``ICudaEngine.get_aliased_input_tensor``); never copied to the host
+    graphs    optional CUDA graph of a decode step (RuntimeConfig.cuda_graphs): captured after one ordinary step of
+              the same shapes, replayed with one launch while batch and buffers stay the same
+
+Each generation's host/device I/O buffers live in its :class:`_Staging` (carried by its KVCache), so generations
+never share them. One stream per session: steps of concurrent generations on one session are serialized by a lock.
+
+Not executed in this repository (TensorRT cannot be installed on our machines; README "what is verified where"):
+type-checked against tensorrt-stubs, feed planning shared with tests on CPU.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from trtinfer.builder.trt_plan import DTYPE_BYTES, ProfilePlan, check_compatible, select_profile
+from trtinfer.errors import BackendUnavailableError, EngineLoadError, InputError
+from trtinfer.runtime import cuda
+from trtinfer.runtime.config import RuntimeConfig
+from trtinfer.runtime.kv_feeds import chunk_feeds, decode_feeds, prefill_feeds
+from trtinfer.runtime.manifest import Manifest
+from trtinfer.runtime.session import LOGITS_POSITIONS, DecoderSession, KVCache, register_backend
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+log = logging.getLogger(__name__)
+
+GREEDY = "greedy_ids"
+_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
+
+
+MIN_TENSORRT = (10, 15)  # ONNX TensorScatter -> the in-place KV-cache update layer
+
+
+def import_tensorrt(who: str = "this TensorRT engine") -> Any:
+    """``tensorrt`` (>= 10.15), or BackendUnavailableError saying what is missing and what to install.
+
+    A ``tensorrt`` folder holding only type stubs (the ``tensorrt-stubs`` package) imports as an empty namespace
+    package: that counts as missing.
+    """
+    need = (f"{who} needs TensorRT >= {MIN_TENSORRT[0]}.{MIN_TENSORRT[1]} (the 'tensorrt' Python package) and an "
+            "NVIDIA GPU")
+    try:
+        import tensorrt
+    except ImportError as e:
+        raise BackendUnavailableError(f"{need}, but tensorrt is not installed here; install 'trtinfer[tensorrt]' on a "
+                                      "GPU machine, or use --backend onnxruntime") from e
+    version = getattr(tensorrt, "__version__", None)
+    if version is None or not hasattr(tensorrt, "Builder"):
+        raise BackendUnavailableError(f"{need}, but the importable 'tensorrt' has no library (type stubs only?); "
+                                      "install 'trtinfer[tensorrt]' on a GPU machine, or use --backend onnxruntime")
+    if tuple(int(x) for x in str(version).split(".")[:2]) < MIN_TENSORRT:
+        raise BackendUnavailableError(f"{need}; this is TensorRT {version}: upgrade it")
+    return tensorrt
+
+
+class _Staging:
+    """One generation's I/O buffers: a pinned host buffer and a device buffer per input, device buffers per output,
+    pinned buffers for what comes back; grown on demand, reused by every step of the generation (fixed addresses,
+    which CUDA graph replay needs)."""
+
+    def __init__(self, stream: cuda.Stream) -> None:
+        self.stream = stream
+        self.host: dict[str, cuda.PinnedBuffer] = {}
+        self.device: dict[str, cuda.DeviceBuffer] = {}
+        self.graph: cuda.CudaGraph | None = None
+        self.graph_key: tuple[Any, ...] | None = None
+
+    def _grow(self, name: str, nbytes: int, host: bool) -> None:
+        if name not in self.device or self.device[name].nbytes < nbytes:
+            self.drop_graph()  # a moved buffer invalidates the captured addresses
+            self.device[name] = cuda.DeviceBuffer(nbytes)
+            if host:
+                self.host[name] = cuda.PinnedBuffer(nbytes)
+
+    def put(self, name: str, arr: np.ndarray) -> int:
+        """Stage ``arr`` in its pinned buffer and queue the copy to the device; returns the device pointer."""
+        self._grow(name, arr.nbytes, host=True)
+        self.host[name].view(arr.shape, arr.dtype)[...] = arr
+        cuda.copy_to_device(self.device[name].ptr, self.host[name], arr.nbytes, self.stream)
+        return self.device[name].ptr
+
+    def out(self, name: str, nbytes: int, host: bool) -> int:
+        """A device buffer of at least ``nbytes`` for output ``name`` (and a pinned one when it comes back)."""
+        self._grow(name, nbytes, host)
+        if host and name not in self.host:
+            self.host[name] = cuda.PinnedBuffer(self.device[name].nbytes)
+        return self.device[name].ptr
+
+    def fetch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """Queue the device-to-host copy of output ``name``; the returned view is valid after the stream syncs."""
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        cuda.copy_to_host(self.host[name], self.device[name].ptr, nbytes, self.stream)
+        return self.host[name].view(shape, dtype)
+
+    def drop_graph(self) -> None:
+        """Forget the captured decode graph."""
+        if self.graph is not None:
+            self.graph.close()
+        self.graph, self.graph_key = None, None
+
+    def close(self) -> None:
+        """Free every buffer of this generation."""
+        self.drop_graph()
+        for h in self.host.values():
+            h.free()
+        for d in self.device.values():
+            d.free()
+        self.host.clear()
+        self.device.clear()
+
+
+@register_backend("tensorrt")
+class TrtDecoderSession(DecoderSession):
+    """TensorRT engine: two profiles (prefill, decode), one execution context each, KV on the device."""
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> None:
+        super().__init__(engine_dir, manifest, config)
+        if self.kv_layout != "scatter_buffer":
+            raise EngineLoadError(f"{engine_dir}: TensorRT engines use the scatter_buffer KV layout, this one has "
+                                  f"{self.kv_layout}; rebuild it with --backend tensorrt")
+        import_tensorrt()
+        import tensorrt as trt  # checked by import_tensorrt; imported by name so mypy checks the calls below
+
+        info = manifest.raw.get("tensorrt") or {}
+        cuda.set_device(config.device_id)
+        check_compatible(info, {"tensorrt_version": trt.__version__, **cuda.device_info(config.device_id)},
+                         str(engine_dir))
+        self.stream = cuda.Stream()
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        path = engine_dir / manifest.files["decoder"]
+        engine: trt.ICudaEngine | None = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:  # TensorRT logged why (version, corrupt file)
+            raise EngineLoadError(f"TensorRT could not deserialize {path}; rebuild it with `trtinfer build ... "
+                                  "--backend tensorrt` on this machine")
+        self.engine = engine
+        self.plan = ProfilePlan.from_list(info["profiles"])
+        if self.engine.num_optimization_profiles != len(self.plan.profiles):
+            raise EngineLoadError(f"{path} has {self.engine.num_optimization_profiles} profiles, its tensorrt.json "
+                                  f"{len(self.plan.profiles)}; rebuild the engine")
+        self.contexts: list[trt.IExecutionContext] = []
+        for i in range(self.engine.num_optimization_profiles):
+            ctx = self.engine.create_execution_context()
+            ctx.set_optimization_profile_async(i, self.stream.handle)  # before any set_input_shape
+            self.contexts.append(ctx)
+        self.stream.synchronize()
+        self._check_aliases()
+        geo = manifest.geometry
+        io = manifest.raw["io"]
+        past = next(t for t in io["inputs"] if t["name"].startswith("past_key_values."))
+        self.capacity = int(past["shape"][2])
+        self._kv_shape = (int(geo["num_kv_heads"]), self.capacity, int(geo["head_dim"]))
+        self._kv_bytes_per_row = int(np.prod(self._kv_shape)) * DTYPE_BYTES[past["dtype"]]
+        self._logits_dtype = _NP[next(t["dtype"] for t in io["outputs"] if t["name"] == "logits")]
+        self._vocab = int(geo["vocab_size"])
+        self._lock = threading.Lock()
+        self.device = "cuda"
+        self.device_greedy = True
+
+    def _check_aliases(self) -> None:
+        """Each ``present.*`` must alias its ``past_key_values.*`` (ICudaEngine.get_aliased_input_tensor, TRT >= 10.15)."""
+        get = getattr(self.engine, "get_aliased_input_tensor", None)
+        if get is None:
+            raise EngineLoadError(f"{self.engine_dir}: this TensorRT lacks get_aliased_input_tensor (10.15+), which "
+                                  "the in-place KV cache needs; install TensorRT >= 10.15 and rebuild")
+        for past, present in zip(self.past_names, self.present_names):
+            if get(present) != past:
+                raise EngineLoadError(f"{self.engine_dir}: output {present} does not alias {past} in this engine; "
+                                      "rebuild it with the current trtinfer")
+
+    def close(self) -> None:
+        """Release the contexts and the stream (generations free their own buffers; the engine goes with the object)."""
+        self.contexts.clear()
+        self.stream.close()
+
+    # --- one step ---------------------------------------------------------------------------------------------
+    def _run(self, feeds: dict[str, np.ndarray], kv: KVCache, want_logits: bool) -> tuple[np.ndarray | None, np.ndarray]:
+        """One forward pass on the KV buffers of ``kv``; returns (logits [B,K,V] or None, greedy ids [B,K])."""
+        st: _Staging = kv.staging
+        b, k = feeds[LOGITS_POSITIONS].shape
+        shapes = {n: tuple(a.shape) for n, a in feeds.items()}
+        ctx = self.contexts[select_profile(self.plan, shapes)]
+        key = (id(ctx), b, k, want_logits, tuple(v.ptr for v in kv.values))
+        graphable = self.config.cuda_graphs and k == 1 and shapes["input_ids"][1] == 1  # decode steps only
+        replay = graphable and st.graph_key == key and st.graph is not None
+        if replay:
+            for name, arr in feeds.items():  # the graph re-copies from these pinned buffers
+                st.host[name].view(arr.shape, arr.dtype)[...] = arr
+            assert st.graph is not None
+            st.graph.launch()
+        else:
+            capture = graphable and st.graph_key == key  # the second step of these shapes: the first warmed up
+            self._bind(ctx, feeds, kv, st, b, k, want_logits)
+            if capture:
+                st.graph = cuda.CudaGraph(self.stream)
+                st.graph.begin()
+            self._enqueue(ctx, feeds, st, b, k, want_logits)
+            if capture:
+                assert st.graph is not None
+                st.graph.end()
+                st.graph.launch()
+            st.graph_key = key
+        ids = st.host[GREEDY].view((b, k, 1), np.int32)
+        logits = st.host["logits"].view((b, k, self._vocab), self._logits_dtype) if want_logits else None
+        self.stream.synchronize()
+        return (None if logits is None else logits.astype(np.float32)), ids[:, :, 0].astype(np.int64)
+
+    def _bind(self, ctx: trt.IExecutionContext, feeds: dict[str, np.ndarray], kv: KVCache, st: _Staging, b: int, k: int,
+              want_logits: bool) -> None:
+        """set_input_shape / set_tensor_address for every I/O tensor of this step."""
+        for name, arr in feeds.items():
+            st.out(name, arr.nbytes, host=True)
+            ctx.set_input_shape(name, arr.shape)
+            ctx.set_tensor_address(name, st.device[name].ptr)
+        for past, present, buf in zip(self.past_names, self.present_names, kv.values):
+            ctx.set_input_shape(past, (b, *self._kv_shape))
+            ctx.set_tensor_address(past, buf.ptr)
+            ctx.set_tensor_address(present, buf.ptr)  # aliased: the update layer writes in place
+        logits_bytes = b * k * self._vocab * np.dtype(self._logits_dtype).itemsize
+        ctx.set_tensor_address("logits", st.out("logits", logits_bytes, host=want_logits))
+        ctx.set_tensor_address(GREEDY, st.out(GREEDY, b * k * 4, host=True))
+
+    def _enqueue(self, ctx: trt.IExecutionContext, feeds: dict[str, np.ndarray], st: _Staging, b: int, k: int,
+                 want_logits: bool) -> None:
+        """Copies in, execute_async_v3, copies out: all queued on the session's stream."""
+        for name, arr in feeds.items():
+            st.put(name, arr)
+        if not ctx.execute_async_v3(self.stream.handle):
+            raise cuda.CudaError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
+        st.fetch(GREEDY, (b, k, 1), np.int32)
+        if want_logits:
+            st.fetch("logits", (b, k, self._vocab), self._logits_dtype)
+
+    # --- the session interface --------------------------------------------------------------------------------
+    def _new_cache(self, batch: int, lengths: np.ndarray) -> KVCache:
+        bufs = [cuda.DeviceBuffer(batch * self._kv_bytes_per_row) for _ in self.past_names]
+        for buf in bufs:  # zeros: masked slots are multiplied by 0 in attention, never NaN * 0
+            buf.zero(self.stream)
+        kv = KVCache(bufs, lengths, capacity=self.capacity)
+        kv.staging = _Staging(self.stream)
+        return kv
+
+    def prefill(self, prompts: Sequence[Sequence[int]], capacity: int, *,
+                logits: bool = True) -> tuple[np.ndarray, KVCache]:
+        feeds, lengths = prefill_feeds(prompts, self.pad_token_id, self.capacity)
+        with self._lock:
+            kv = self._new_cache(len(prompts), lengths)
+            out, ids = self._run(feeds, kv, logits)
+        self.greedy_ids = ids[:, -1]
+        return (out[:, -1, :] if out is not None else None), kv  # type: ignore[return-value]
+
+    def decode(self, tokens: np.ndarray, kv: KVCache, *, logits: bool = True) -> tuple[np.ndarray, KVCache]:
+        feeds = decode_feeds(tokens, kv.lengths, self.capacity)
+        with self._lock:
+            out, ids = self._run(feeds, kv, logits)
+        self.greedy_ids = ids[:, -1]
+        kv.lengths = kv.lengths + 1
+        return (out[:, -1, :] if out is not None else None), kv  # type: ignore[return-value]
+
+    def run_chunk(self, tokens: Sequence[int], kv: KVCache | None, capacity: int,
+                  positions: Sequence[int] | None = None) -> tuple[np.ndarray, KVCache]:
+        if kv is not None and kv.batch != 1:
+            raise InputError(f"run_chunk continues one sequence; the cache holds {kv.batch} rows")
+        start = 0 if kv is None else int(kv.lengths[0])
+        n = len(tokens)
+        want = np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, np.int64)
+        feeds = chunk_feeds(tokens, start, want, self.capacity)
+        with self._lock:
+            if kv is None:
+                kv = self._new_cache(1, np.zeros(1, np.int64))
+            out, _ = self._run(feeds, kv, True)
+        kv.lengths = np.array([start + n], np.int64)
+        assert out is not None
+        return out[0], kv
+
+    def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
+        with self._lock:
+            bufs = []
+            for old in kv.values:
+                new = cuda.DeviceBuffer(len(rows) * self._kv_bytes_per_row)
+                for dst, src in enumerate(rows):  # a row's [KV, max_seq, D] block is contiguous
+                    cuda.copy_on_device(new.ptr + dst * self._kv_bytes_per_row,
+                                        old.ptr + int(src) * self._kv_bytes_per_row, self._kv_bytes_per_row,
+                                        self.stream)
+                bufs.append(new)
+            self.stream.synchronize()
+            for old in kv.values:
+                old.free()
+        out = KVCache(bufs, kv.lengths[list(rows)], capacity=self.capacity)
+        out.staging = kv.staging
+        out.staging.drop_graph()
+        return out
