@@ -6,15 +6,18 @@ must then be one the fp32 engine rates within ``NEAR_TIE`` (log-probability) of 
 """
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
 
 import trtinfer
+import trtinfer.errors
 
 pytestmark = pytest.mark.gpu
 
@@ -93,27 +96,117 @@ def test_cuda_score_matches_cpu(precision, tiny_engine):
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=SCORE_ATOL[precision])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_cuda_inputs_staged_in_pinned_memory(precision, tiny_engine):
-    """Host inputs reach the GPU from ONNX Runtime's page-locked buffers; decode steps reuse them where shapes stay."""
-    with _cuda(tiny_engine, "llama", precision) as eng:
-        staging = eng.session.staging
-        assert staging is not None and staging.pinned, "this onnxruntime-gpu gave no pinned allocator"
-        eng.generate(PROMPTS, max_new_tokens=2, ignore_eos=True)  # first buffers of the prefill and decode shapes
+@pytest.mark.parametrize(("precision", "arch_kw"), [("fp32", {}), ("bf16", {}), ("fp32", {"disable_passes": ("attention",)})],
+                         ids=["fp32-shared_buffer", "bf16-shared_buffer", "fp32-concat"])
+def test_cuda_inputs_staged_in_pinned_memory(precision, arch_kw, tiny_engine):
+    """A generation's host inputs reach the GPU from its own page-locked buffers; its decode steps reuse them where
+    shapes stay; the buffers hold what the last step wrote."""
+    eng_dir = tiny_engine("llama", target="cuda", precision=precision, **arch_kw)
+    with trtinfer.load(eng_dir, provider="cuda") as eng:
+        s = eng.session
+        assert s.pinned, "this onnxruntime-gpu gave no pinned allocator"
+        logits, kv = s.prefill([eng.tokenizer.encode(p) for p in PROMPTS], 64)
+        staging = kv.staging
+        assert staging is not None and staging.pinned
         made = []
-        for steps in (4, 12):
+        for _ in range(6):
             before = staging.allocations
-            eng.generate(PROMPTS, max_new_tokens=steps, ignore_eos=True)
+            logits, kv = s.decode(logits.argmax(-1), kv)
+            assert kv.staging is staging
             made.append(staging.allocations - before)
         assert "input_ids" in staging.buffers
+        assert len(staging.buffers) <= len(s.input_names)
         for name, (_, value, view) in staging.buffers.items():
             assert value.data_ptr() == view.ctypes.data
             assert _cuda_memory_type(value.data_ptr()) == "host (page-locked)", name
             np.testing.assert_array_equal(value.numpy(), view)  # what the last step wrote is what the value holds
-        if eng.session.kv_layout == "shared_buffer":  # decode inputs keep their shapes: 8 more steps, no more buffers
-            assert made[0] == made[1], made
-        else:  # the attention mask grows by a column each step
-            assert made[1] > made[0], made
+        if s.kv_layout == "shared_buffer":  # decode inputs keep their shapes: after the first step, no more buffers
+            assert made[1:] == [0] * 5, made
+        else:  # the attention mask grows by a column each step: one new buffer, the old one freed
+            assert made[1:] == [1] * 5, made
+
+
+def test_cuda_finished_generation_releases_pinned_buffers(tiny_engine):
+    """Pinned buffers belong to a generation: none outlive it, however many generations ran."""
+    with _cuda(tiny_engine, "llama") as eng:
+        s = eng.session
+        for _ in range(5):
+            eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
+            gc.collect()
+            assert s.live_stagings() == []
+        _, kv = s.prefill([eng.tokenizer.encode(p) for p in PROMPTS], 64)
+        _, kv2 = s.prefill([eng.tokenizer.encode("Hello")], 64)
+        assert len(s.live_stagings()) == 2 and kv.staging is not kv2.staging
+        del kv2
+        gc.collect()
+        assert s.live_stagings() == [kv.staging]
+        eng.close()
+        assert kv.staging.buffers == {}, "close gives live generations' buffers back"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_concurrent_generations_match_sequential(precision, tiny_engine):
+    """Two threads generating at once on one CUDA session get the tokens each gets alone (no shared host buffer)."""
+    jobs = {0: PROMPTS, 1: ["Once upon a time", "What is the capital of"]}
+    with _cuda(tiny_engine, "llama", precision) as eng:
+        want = {k: [r.token_ids for r in eng.generate(p, max_new_tokens=12, ignore_eos=True)] for k, p in jobs.items()}
+        got: dict[int, list] = {0: [], 1: []}
+        errors: list[BaseException] = []
+        start = threading.Barrier(2)
+
+        def work(k):
+            try:
+                start.wait()
+                for _ in range(5):
+                    got[k].append([r.token_ids for r in eng.generate(jobs[k], max_new_tokens=12, ignore_eos=True)])
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, errors
+        assert got == {k: [want[k]] * 5 for k in jobs}
+        gc.collect()
+        assert eng.session.live_stagings() == []
+
+
+def _tensorrt(engine_dir, cache_dir):
+    """A session on ONNX Runtime's TensorRT provider, or a skip saying what this machine lacks."""
+    import onnxruntime as ort
+
+    if "TensorrtExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("this onnxruntime has no TensorrtExecutionProvider")
+    try:
+        return trtinfer.load(engine_dir, provider="tensorrt", trt_cache_dir=str(cache_dir))
+    except trtinfer.errors.BackendUnavailableError as e:  # TensorRT's libraries not installed or not found
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_tensorrt_provider_follows_cpu_and_caches_engines(precision, tiny_engine, tmp_path):
+    """The TensorRT provider generates what the fp32 CPU engine does (up to near ties) and leaves its engines in the
+    cache folder, which a second load reuses."""
+    eng_dir = tiny_engine("llama", target="cuda", precision=precision)
+    with _cpu(tiny_engine, "llama") as cpu_eng, _tensorrt(eng_dir, tmp_path / "trt") as eng:
+        assert eng.session.device == "cuda"
+        assert eng.session.sess.get_providers()[:2] == ["TensorrtExecutionProvider", "CUDAExecutionProvider"]
+        gpu = eng.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+        cpu = cpu_eng.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+        for c, g in zip(cpu, gpu):
+            if c.token_ids == g.token_ids:
+                continue
+            j = next(i for i, (a, b) in enumerate(zip(c.token_ids, g.token_ids)) if a != b)
+            ours, theirs = (cpu_eng.score(input_ids=[c.prompt_ids + t.token_ids[:j + 1]])[0].logprobs[-1]
+                            for t in (c, g))
+            assert ours - theirs < NEAR_TIE["fp16"], (precision, j, ours - theirs)
+    engines = sorted(p.name for p in (tmp_path / "trt").iterdir())
+    assert any(n.endswith(".engine") for n in engines), engines
+    with _tensorrt(eng_dir, tmp_path / "trt") as again:
+        assert [r.token_ids for r in again.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)] == [
+            r.token_ids for r in gpu]
 
 
 def _cuda_memory_type(ptr: int) -> str:
@@ -145,7 +238,7 @@ def test_cuda_runtime_without_torch(tiny_engine):
             sys.modules[name] = None  # any import of them now fails
         import trtinfer
         with trtinfer.load({str(eng)!r}, provider="cuda") as e:
-            assert e.session.staging.pinned
+            assert e.session.pinned
             r = e.generate({PROMPTS!r}, max_new_tokens=6, ignore_eos=True)
         assert not any(m.startswith(("torch", "transformers")) and sys.modules[m] is not None for m in sys.modules)
         print([x.token_ids for x in r])

@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
                    help="tokens between window starts (default: window // 2); each window scores only tokens no "
                         "earlier window scored, with up to window - stride tokens of context")
     p.add_argument("--json", action="store_true", help='print {"perplexity": float, "tokens": int}')
-    p.add_argument("--provider", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default="cpu")
     p.set_defaults(func=run)
 
 

@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
-    p.add_argument("--provider", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default="cpu")
     p.set_defaults(func=run)
 
 

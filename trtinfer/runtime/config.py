@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from trtinfer.errors import ConfigError
 
-PROVIDERS = ("cpu", "cuda")
+PROVIDERS = ("cpu", "cuda", "tensorrt")
+GPU_PROVIDERS = ("cuda", "tensorrt")  # ONNX Runtime providers that keep the KV cache on a CUDA device
 
 
 def _found(value: Any) -> str:
@@ -39,25 +41,50 @@ def _check_types(obj: Any, kinds: dict[str, str]) -> None:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """How an engine is run: execution provider and threads.
+    """How an engine is run: execution provider, device, threads and the TensorRT provider's settings.
 
-    ``provider="cuda"`` uses ONNX Runtime's CUDA EP with KV on the device and host I/O through pinned buffers.
+    ``provider``: ``"cpu"``; ``"cuda"`` (ONNX Runtime's CUDA EP: KV on the device, host inputs through pinned
+    buffers); ``"tensorrt"`` (ONNX Runtime's TensorRT EP, with the CUDA EP and the CPU as fallbacks for the nodes
+    TensorRT does not take; KV and host inputs as for ``"cuda"``). ``device_id`` picks the GPU of both.
     ``intra_op_threads=0`` lets ONNX Runtime choose (one per physical core).
+
+    The ``trt_*`` fields matter for ``provider="tensorrt"`` only. TensorRT compiles its engines when a session first
+    runs (minutes for a real model) and keeps them in ``trt_cache_dir`` for the next load. ``None`` picks
+    ``$TRTINFER_CACHE/ort-trt/<key>`` (default ``~/.cache/trtinfer/ort-trt/<key>``), ``<key>`` naming the engine's
+    content and the onnxruntime/TensorRT versions: a rebuilt engine or a new version gets a fresh folder, never a
+    stale TensorRT engine. The user's cache is chosen over the engine directory because engine directories may be
+    read-only or shared between machines, and a TensorRT engine is specific to one GPU model and version.
+    ``trt_timing_cache`` keeps TensorRT's kernel timings (shared by every engine: ``ort-trt/`` itself, or
+    ``trt_cache_dir`` when given), which shortens later compilations. ``trt_max_workspace_size`` (bytes) caps the
+    scratch memory a TensorRT layer may use; 0 leaves ONNX Runtime's default.
     """
 
     provider: str = "cpu"
     device_id: int = 0
     intra_op_threads: int = 0
+    trt_cache_dir: str | None = None
+    trt_timing_cache: bool = True
+    trt_max_workspace_size: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.provider, str) or self.provider not in PROVIDERS:
             raise ConfigError(f"provider must be one of {PROVIDERS}, got {_found(self.provider)}", field="provider")
-        _check_types(self, {"device_id": "int", "intra_op_threads": "int"})
+        _check_types(self, {"device_id": "int", "intra_op_threads": "int", "trt_timing_cache": "bool",
+                            "trt_max_workspace_size": "int"})
         if self.device_id < 0:
             raise ConfigError(f"device_id must be >= 0, got {self.device_id}", field="device_id")
         if self.intra_op_threads < 0:
             raise ConfigError(f"intra_op_threads must be >= 0 (0: one per core), got {self.intra_op_threads}",
                               field="intra_op_threads")
+        if self.trt_max_workspace_size < 0:
+            raise ConfigError(f"trt_max_workspace_size must be >= 0 bytes (0: ONNX Runtime's default), got "
+                              f"{self.trt_max_workspace_size}", field="trt_max_workspace_size")
+        if self.trt_cache_dir is not None:
+            folder = os.fspath(self.trt_cache_dir) if isinstance(self.trt_cache_dir, os.PathLike) else self.trt_cache_dir
+            if not (isinstance(folder, str) and folder):
+                raise ConfigError(f"trt_cache_dir must be a folder path or None, got {_found(self.trt_cache_dir)}",
+                                  field="trt_cache_dir")
+            object.__setattr__(self, "trt_cache_dir", folder)  # a Path is stored as its string (frozen: normalized here)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.metadata
 import io as _io
 import logging
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from trtinfer.errors import BackendUnavailableError, EngineLoadError, InputError
-from trtinfer.runtime.config import RuntimeConfig
+from trtinfer.errors import BackendUnavailableError, EngineLoadError, InputError, OutputError
+from trtinfer.runtime.config import GPU_PROVIDERS, RuntimeConfig
 from trtinfer.runtime.manifest import Manifest, kv_dtype
 
 log = logging.getLogger(__name__)
@@ -34,14 +37,22 @@ class KVCache:
 
     ``lengths[b]`` counts row ``b``'s real tokens (prompt + generated so far). ``mask`` is the growing 2D padding
     mask of the concat layout (None for shared buffers); ``capacity`` is the shared buffers' length (0 for concat).
+
+    A cache belongs to one generation (or one scored sequence): the one :meth:`DecoderSession.prefill` (or the first
+    :meth:`DecoderSession.run_chunk`) made, and every cache derived from it by ``decode``, ``select_rows`` or the
+    next chunk. ``staging`` is that generation's host staging, if its backend has one (:class:`PinnedInputs` on CUDA,
+    None on the CPU): created with the first cache, handed on to each derived one, and freed with the last of them,
+    so two generations never share a host buffer. Drive one generation from one thread at a time; different
+    generations may run on one session from different threads.
     """
 
     def __init__(self, values: list[Any], lengths: np.ndarray, mask: np.ndarray | None = None,
-                 capacity: int = 0) -> None:
+                 capacity: int = 0, staging: Any = None) -> None:
         self.values = values
         self.lengths = lengths
         self.mask = mask
         self.capacity = capacity
+        self.staging = staging
 
     @property
     def batch(self) -> int:
@@ -191,8 +202,24 @@ def _pinned_memory_info(ort: Any, device_id: int) -> Any:
     return info if host else None
 
 
+def _staging_memory_info(ort: Any, device_id: int) -> Any:
+    """:func:`_pinned_memory_info`, or None where this onnxruntime's EP-device API differs (inputs then go pageable)."""
+    try:
+        return _pinned_memory_info(ort, device_id)
+    except (RuntimeError, AttributeError, TypeError) as e:
+        log.debug("no pinned allocator: %s", e)
+        return None
+
+
 class PinnedInputs:
-    """Host inputs of CUDA runs staged in page-locked OrtValues from ONNX Runtime's own CUDA pinned allocator.
+    """One generation's host inputs of CUDA runs, staged in page-locked OrtValues from ONNX Runtime's CUDA pinned
+    allocator (numpy and OrtValues only: no torch).
+
+    Owned by one generation, never by the session: :meth:`OrtDecoderSession.prefill` (or a first ``run_chunk``) makes
+    one and puts it in the :attr:`KVCache.staging` of the caches it and its successors return, so generations running
+    on one session at once from different threads each write their own buffers, and the pinned memory held is a few
+    small buffers per live generation: it goes back to ONNX Runtime's allocator when the generation's last cache is
+    dropped (or at :meth:`release`). Not thread-safe itself: the steps of one generation run one after another.
 
     One buffer per input, kept while the input's shape and dtype stay the same: decode steps of a shared-buffer
     engine reuse theirs (ids, positions and lengths keep their shape); an input whose shape changes (the growing
@@ -202,17 +229,13 @@ class PinnedInputs:
     it as is to kernels that read an input on the CPU (GroupQueryAttention's ``total_sequence_length``). Binding the
     OrtValue itself does not do: its device reads "cuda", and those kernels then read garbage.
     ``run_with_iobinding`` returns only after the copies, so the next step may overwrite the buffer. Where this
-    onnxruntime has no pinned allocator, inputs are bound from pageable numpy memory (``pinned`` is then False):
-    slower copies, same results.
+    onnxruntime has no pinned allocator (``memory_info`` None), inputs are bound from pageable numpy memory
+    (``pinned`` is then False): slower copies, same results.
     """
 
-    def __init__(self, ort: Any, device_id: int) -> None:
+    def __init__(self, ort: Any, memory_info: Any) -> None:
         self._ort = ort
-        try:
-            self._memory_info = _pinned_memory_info(ort, device_id)
-        except (RuntimeError, AttributeError, TypeError) as e:  # an onnxruntime whose EP-device API differs
-            log.debug("no pinned allocator: %s", e)
-            self._memory_info = None
+        self._memory_info = memory_info
         self.buffers: dict[str, tuple[tuple[tuple[int, ...], str], Any, np.ndarray]] = {}  # name -> (key, value, view)
         self.allocations = 0  # buffers made so far (a decode step of a shared-buffer engine makes none)
 
@@ -229,11 +252,15 @@ class PinnedInputs:
             return
         key = (tuple(arr.shape), arr.dtype.str)
         if name not in self.buffers or self.buffers[name][0] != key:
-            self.buffers[name] = (key, *self._allocate(arr.shape, arr.dtype))
+            self.buffers[name] = (key, *self._allocate(arr.shape, arr.dtype))  # the old buffer (if any) is freed
             self.allocations += 1
         _, val, view = self.buffers[name]
         view[...] = arr
         io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), val.data_ptr())
+
+    def release(self) -> None:
+        """Give every buffer back to ONNX Runtime's allocator now (a later :meth:`bind` makes new ones)."""
+        self.buffers.clear()
 
     def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, np.ndarray]:
         """A pinned OrtValue of ``shape``/``dtype`` and a numpy view of its memory (host memory: writable in place)."""
@@ -243,9 +270,133 @@ class PinnedInputs:
         return val, np.frombuffer(memoryview(raw), dtype=dtype, count=count).reshape(shape)
 
 
+# --- execution providers ------------------------------------------------------------------------------------------
+#: trtinfer's provider name -> ONNX Runtime's execution provider
+ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+                 "tensorrt": "TensorrtExecutionProvider"}
+#: pip distributions whose version is that of the TensorRT libraries (any of them may be installed)
+_TENSORRT_DISTS = ("tensorrt", "tensorrt-cu12", "tensorrt-cu13", "tensorrt-cu12-libs", "tensorrt-cu13-libs")
+_INSTALL_HINT = {
+    "cuda": "install 'trtinfer[gpu]'",
+    "tensorrt": "install 'trtinfer[gpu]' (onnxruntime-gpu ships the TensorRT provider) and TensorRT 10 "
+                "('trtinfer[tensorrt]')",
+}
+
+
+def _dist_versions(names: Sequence[str]) -> dict[str, str]:
+    """Installed version of each of the pip distributions ``names`` (those absent are left out)."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def engine_precision(manifest: Manifest) -> str:
+    """The engine's precision (``fp32``, ``fp16``, ``bf16``, ``int4``, ...): the manifest's, or its KV type's."""
+    if "precision" in manifest.raw:
+        return str(manifest.raw["precision"])
+    # a stage opened for scoring has no build record: its KV dtype says the float precision
+    return {"float16": "fp16", "bfloat16": "bf16"}.get(kv_dtype(manifest.raw["io"]), "fp32")
+
+
+def trt_cache_paths(engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> tuple[Path, Path]:
+    """The folders of ONNX Runtime's TensorRT engine cache and timing cache for this engine: ``(engines, timing)``.
+
+    ``config.trt_cache_dir`` holds both when given. Otherwise engines go to ``<cache>/ort-trt/<key>`` and the timing
+    cache (kernel timings only, valid for any model on this GPU) to ``<cache>/ort-trt``, ``<cache>`` being
+    ``$TRTINFER_CACHE`` (default ``~/.cache/trtinfer``). ``<key>`` hashes the manifest, the size and modification
+    time of each engine file and the installed onnxruntime and TensorRT versions: ONNX Runtime names its cached
+    engines after the graph's structure, not its weights, and reloads them unchecked, so an engine rebuilt in place
+    or a new onnxruntime/TensorRT must land in a new folder rather than reuse a stale TensorRT engine (the
+    documentation's warning, see :func:`ort_providers`). A TensorRT installed outside pip is not seen: after
+    upgrading it, remove ``ort-trt``. Nothing is created here.
+    """
+    if config.trt_cache_dir is not None:
+        folder = Path(config.trt_cache_dir).expanduser()
+        return folder, folder
+    from trtinfer._cache import _root_path, key_of  # stdlib only: the runtime stays light
+
+    stamps = {}
+    for role, name in sorted(manifest.files.items()):
+        path = Path(engine_dir) / name
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # the session reports a missing decoder; a key does not need every file
+        stamps[role] = [name, st.st_size, st.st_mtime_ns]
+    versions = _dist_versions(("onnxruntime-gpu", "onnxruntime", *_TENSORRT_DISTS))
+    root = _root_path() / "ort-trt"
+    return root / key_of([manifest.raw, stamps, versions]), root
+
+
+def ort_providers(config: RuntimeConfig, manifest: Manifest, engine_dir: Path) -> list[Any]:
+    """``RuntimeConfig`` + manifest -> the ``providers`` list of ``onnxruntime.InferenceSession``, first choice first.
+
+    ``cpu``: CPU. ``cuda``: CUDA, then CPU. ``tensorrt``: TensorRT, then CUDA for the nodes TensorRT does not take,
+    then CPU; TensorRT's engine cache is on (:func:`trt_cache_paths`), its timing cache as ``config`` says, fp16
+    kernels allowed for fp16 engines, the workspace capped at ``config.trt_max_workspace_size`` when not 0. Plain data:
+    nothing is loaded, nothing created (:class:`OrtDecoderSession` creates the cache folders).
+    """
+    # Option names and value types (bools as True/False in Python):
+    # https://onnxruntime.ai/docs/execution-providers/TensorRT-ExecutionProvider.html#configurations
+    cpu = ORT_PROVIDERS["cpu"]
+    if config.provider == "cpu":
+        return [cpu]
+    cuda = (ORT_PROVIDERS["cuda"], {"device_id": config.device_id})
+    if config.provider == "cuda":
+        return [cuda, cpu]
+    engines, timing = trt_cache_paths(engine_dir, manifest, config)
+    trt: dict[str, Any] = {
+        "device_id": config.device_id,
+        "trt_engine_cache_enable": True,
+        "trt_engine_cache_path": str(engines),
+        "trt_timing_cache_enable": config.trt_timing_cache,
+        "trt_fp16_enable": engine_precision(manifest) == "fp16",
+    }
+    if config.trt_timing_cache:
+        trt["trt_timing_cache_path"] = str(timing)
+    if config.trt_max_workspace_size:
+        trt["trt_max_workspace_size"] = config.trt_max_workspace_size
+    return [(ORT_PROVIDERS["tensorrt"], trt), cuda, cpu]
+
+
+def _check_provider_available(ort: Any, provider: str) -> None:
+    """Raise :class:`BackendUnavailableError` (one line: what is missing, what to do) when this onnxruntime lacks the
+    execution provider of ``provider``."""
+    name = ORT_PROVIDERS[provider]
+    offered = ort.get_available_providers()
+    if name not in offered:
+        others = "'cuda' or 'cpu'" if provider == "tensorrt" else "'cpu'"
+        raise BackendUnavailableError(
+            f"provider '{provider}' needs onnxruntime-gpu with {name}; this onnxruntime offers {offered}; "
+            f"{_INSTALL_HINT[provider]} or use provider {others}")
+
+
+def _make_dirs(folders: Sequence[Path]) -> None:
+    """Create the TensorRT cache folders (ONNX Runtime creates only the last level of a path itself)."""
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            err = OutputError(f"cannot create the TensorRT cache folder {folder} ({e.strerror or e}); set "
+                              "RuntimeConfig.trt_cache_dir (or TRTINFER_CACHE) to a writable folder")
+            err.path = str(folder)
+            raise err from e
+
+
 @register_backend("onnxruntime")
 class OrtDecoderSession(DecoderSession):
-    """ONNX Runtime with IOBinding: KV stays in OrtValues (on the device for CUDA) from step to step."""
+    """ONNX Runtime with IOBinding: KV stays in OrtValues (on the device for CUDA and TensorRT) from step to step.
+
+    Thread safety: one session may run several generations at once, one per thread. Each call makes its own
+    IOBinding and ONNX Runtime's ``run_with_iobinding`` is thread-safe with separate IOBinding objects; everything a
+    generation writes between steps lives in its :class:`KVCache` (device KV values, lengths, mask and, on CUDA, its
+    own :class:`PinnedInputs`), never on the session. One generation's caches must be used from one thread at a time.
+    :meth:`close` only after every generation has finished.
+    """
 
     def __init__(self, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> None:
         super().__init__(engine_dir, manifest, config)
@@ -257,29 +408,19 @@ class OrtDecoderSession(DecoderSession):
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.intra_op_num_threads = config.intra_op_threads
         so.log_severity_level = 3
-        if config.provider == "cuda":
+        if config.provider != "cpu":
             _preload_cuda_libraries(ort)
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise BackendUnavailableError(
-                    "provider 'cuda' needs onnxruntime-gpu with CUDAExecutionProvider; this onnxruntime offers "
-                    f"{ort.get_available_providers()}; install 'trtinfer[gpu]' or use provider 'cpu'"
-                )
-            providers: list[Any] = [("CUDAExecutionProvider", {"device_id": config.device_id}), "CPUExecutionProvider"]
-            self.device = "cuda"
-        else:
-            providers = ["CPUExecutionProvider"]
-            self.device = "cpu"
+            _check_provider_available(ort, config.provider)
+        providers = ort_providers(config, manifest, engine_dir)
+        if config.provider == "tensorrt":
+            _make_dirs(trt_cache_paths(engine_dir, manifest, config))
+        self.device = "cuda" if config.provider in GPU_PROVIDERS else "cpu"  # where the KV cache lives
         model = engine_dir / manifest.files["decoder"]
         try:
             self.sess = ort.InferenceSession(str(model), so, providers=providers)
         except Exception as e:
             raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
-        if self.device == "cuda" and self.sess.get_providers()[0] != "CUDAExecutionProvider":
-            # ONNX Runtime falls back to the CPU when the CUDA provider cannot start (a CUDA/cuDNN library missing)
-            raise BackendUnavailableError(
-                f"ONNX Runtime could not start its CUDA provider for {model} (session providers: "
-                f"{self.sess.get_providers()}); install the CUDA libraries it needs ('onnxruntime-gpu[cuda,cudnn]' "
-                "or a CUDA toolkit of the version it was built for) or use provider 'cpu'")
+        self._check_provider_started(model)
         got = [i.name for i in self.sess.get_inputs()]
         if got != self.input_names:
             raise EngineLoadError(f"{model} inputs {got[:4]}... differ from the manifest's; rebuild the engine")
@@ -291,19 +432,62 @@ class OrtDecoderSession(DecoderSession):
         self._kv_shape = (geo["num_kv_heads"], geo["head_dim"])
         self._kv_dtype = kv_dtype(manifest.raw["io"])  # float16/bfloat16 in fp16/bf16 engines
         self._needs_positions = "position_ids" in self.input_names
-        self.staging = PinnedInputs(ort, config.device_id) if self.device == "cuda" else None
+        # host inputs of CUDA runs go through a per-generation PinnedInputs; the CPU binds numpy arrays directly
+        self._stage_inputs = self.device == "cuda"
+        self._staging_info = _staging_memory_info(ort, config.device_id) if self._stage_inputs else None
+        self._stagings: weakref.WeakSet[PinnedInputs] = weakref.WeakSet()  # live generations' (for close, stats)
+        self._stagings_lock = threading.Lock()
+
+    def _check_provider_started(self, model: Path) -> None:
+        """ONNX Runtime falls back to the next provider when one cannot start (a CUDA, cuDNN or TensorRT library
+        missing): say so instead of running on the fallback."""
+        if self.config.provider == "cpu":
+            return
+        name = ORT_PROVIDERS[self.config.provider]
+        started = self.sess.get_providers()
+        if started[0] == name:
+            return
+        if self.config.provider == "cuda":
+            fix = ("install the CUDA libraries it needs ('onnxruntime-gpu[cuda,cudnn]' or a CUDA toolkit of the "
+                   "version it was built for) or use provider 'cpu'")
+        else:
+            fix = ("install TensorRT 10 ('trtinfer[tensorrt]') and put its libraries on the loader path (e.g. "
+                   "LD_LIBRARY_PATH=<site-packages>/tensorrt_libs), or use provider 'cuda'")
+        raise BackendUnavailableError(f"ONNX Runtime could not start its {name} for {model} (session providers: "
+                                      f"{started}); {fix}")
+
+    @property
+    def pinned(self) -> bool:
+        """Whether host inputs reach the GPU through page-locked buffers (False on the CPU, or without an allocator)."""
+        return self._staging_info is not None
+
+    def live_stagings(self) -> list[PinnedInputs]:
+        """The host staging of each generation whose caches are still alive (empty on the CPU)."""
+        with self._stagings_lock:
+            return list(self._stagings)
 
     def close(self) -> None:
-        """Give the pinned input buffers back to ONNX Runtime's allocator (the sessions go with the object)."""
-        if self.staging is not None:
-            self.staging.buffers.clear()
+        """Give the pinned input buffers of live generations back to ONNX Runtime's allocator (the sessions go with
+        the object)."""
+        for staging in self.live_stagings():
+            staging.release()
 
     # --- host buffers -------------------------------------------------------------------------------------
-    def _bind_host_input(self, io: Any, name: str, arr: np.ndarray) -> None:
-        if self.staging is None:
+    def _new_staging(self) -> PinnedInputs | None:
+        """The host staging of a new generation: a fresh :class:`PinnedInputs` on CUDA, None on the CPU."""
+        if not self._stage_inputs:
+            return None
+        staging = PinnedInputs(self._ort, self._staging_info)
+        with self._stagings_lock:
+            self._stagings.add(staging)
+        return staging
+
+    @staticmethod
+    def _bind_host_input(io: Any, name: str, arr: np.ndarray, staging: PinnedInputs | None) -> None:
+        if staging is None:
             io.bind_cpu_input(name, arr)
         else:
-            self.staging.bind(io, name, arr)
+            staging.bind(io, name, arr)
 
     # --- interface ------------------------------------------------------------------------------------------
     def _kv_value(self, shape: tuple[int, ...]) -> Any:
@@ -321,16 +505,17 @@ class OrtDecoderSession(DecoderSession):
         return val
 
     def _run(self, feeds: dict[str, np.ndarray], kv_in: list[Any], kv_out: list[Any] | None,
-             positions: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+             positions: np.ndarray, staging: PinnedInputs | None) -> tuple[np.ndarray, list[Any]]:
         """One forward pass; logits ``[B,K,V]`` at ``positions [B,K]`` of each row.
 
-        ``kv_out`` None: presents are new values (concat); else bound in place (shared).
+        ``kv_out`` None: presents are new values (concat); else bound in place (shared). Host inputs go through the
+        generation's ``staging`` (None: bound from numpy). The IOBinding is this call's own (thread safety).
         """
         if self.has_logits_positions:
             feeds = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
         io = self.sess.io_binding()
         for name, arr in feeds.items():
-            self._bind_host_input(io, name, arr)
+            self._bind_host_input(io, name, arr, staging)
         for name, val in zip(self.past_names, kv_in):
             io.bind_ortvalue_input(name, val)
         io.bind_output("logits", "cpu")
@@ -348,6 +533,7 @@ class OrtDecoderSession(DecoderSession):
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         ids = np.full((n, width), self.pad_token_id, dtype=np.int64)
         kvh, hd = self._kv_shape
+        staging = self._new_staging()  # this generation's own host buffers, handed on through its caches
         if self.kv_layout == "shared_buffer":
             for r, p in enumerate(prompts):  # right padding: row r's tokens sit at 0..len-1, as in its buffer
                 ids[r, :len(p)] = p
@@ -357,8 +543,8 @@ class OrtDecoderSession(DecoderSession):
                      "total_sequence_length": np.array(width, dtype=np.int32)}
             if self._needs_positions:
                 feeds["position_ids"] = np.broadcast_to(np.arange(width, dtype=np.int64), (n, width)).copy()
-            logits, vals = self._run(feeds, bufs, bufs, (lengths - 1)[:, None])  # each row's last real token
-            return logits[:, -1, :], KVCache(vals, lengths, capacity=cap)
+            logits, vals = self._run(feeds, bufs, bufs, (lengths - 1)[:, None], staging)  # each row's last real token
+            return logits[:, -1, :], KVCache(vals, lengths, capacity=cap, staging=staging)
         mask = np.zeros((n, width), dtype=np.int64)
         for r, p in enumerate(prompts):  # left padding: every row's last token is at the same column
             ids[r, width - len(p):] = p
@@ -366,14 +552,16 @@ class OrtDecoderSession(DecoderSession):
         pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         empty = [self._kv_value((n, kvh, 0, hd)) for _ in self.past_names]
         last = np.full((n, 1), width - 1, dtype=np.int64)
-        logits, vals = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, empty, None, last)
-        return logits[:, -1, :], KVCache(vals, lengths, mask=mask)
+        logits, vals = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, empty, None, last,
+                                 staging)
+        return logits[:, -1, :], KVCache(vals, lengths, mask=mask, staging=staging)
 
     def decode(self, tokens: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
         if tokens.shape[0] != kv.batch:
             raise InputError(f"decode got {tokens.shape[0]} tokens for a cache of {kv.batch} rows")
         pos = kv.lengths[:, None].astype(np.int64)
+        staging = kv.staging
         if self.kv_layout == "shared_buffer":
             if int(kv.lengths.max()) + 1 > kv.capacity:
                 raise InputError(f"KV buffers hold {kv.capacity} positions; a row would need "
@@ -382,13 +570,13 @@ class OrtDecoderSession(DecoderSession):
                      "total_sequence_length": np.array(int(kv.lengths.max()) + 1, dtype=np.int32)}
             if self._needs_positions:
                 feeds["position_ids"] = pos
-            logits, vals = self._run(feeds, kv.values, kv.values, np.zeros_like(tokens))
-            return logits[:, -1, :], KVCache(vals, kv.lengths + 1, capacity=kv.capacity)
+            logits, vals = self._run(feeds, kv.values, kv.values, np.zeros_like(tokens), staging)
+            return logits[:, -1, :], KVCache(vals, kv.lengths + 1, capacity=kv.capacity, staging=staging)
         assert kv.mask is not None
         mask = np.concatenate([kv.mask, np.ones((kv.batch, 1), np.int64)], axis=1)
         logits, vals = self._run({"input_ids": tokens, "attention_mask": mask, "position_ids": pos}, kv.values, None,
-                                 np.zeros_like(tokens))
-        return logits[:, -1, :], KVCache(vals, kv.lengths + 1, mask=mask)
+                                 np.zeros_like(tokens), staging)
+        return logits[:, -1, :], KVCache(vals, kv.lengths + 1, mask=mask, staging=staging)
 
     def run_chunk(self, tokens: Sequence[int], kv: KVCache | None, capacity: int,
                   positions: Sequence[int] | None = None) -> tuple[np.ndarray, KVCache]:
@@ -405,6 +593,7 @@ class OrtDecoderSession(DecoderSession):
         pos = np.arange(start, start + n, dtype=np.int64)[None, :]
         lengths = np.array([start + n], dtype=np.int64)
         kvh, hd = self._kv_shape
+        staging = self._new_staging() if kv is None else kv.staging  # one sequence = one generation
         if self.kv_layout == "shared_buffer":
             cap = capacity if kv is None else kv.capacity
             if start + n > cap:
@@ -414,22 +603,23 @@ class OrtDecoderSession(DecoderSession):
                                             "total_sequence_length": np.array(start + n, dtype=np.int32)}
             if self._needs_positions:
                 feeds["position_ids"] = pos
-            logits, vals = self._run(feeds, bufs, bufs, want)
-            return logits[0], KVCache(vals, lengths, capacity=cap)
+            logits, vals = self._run(feeds, bufs, bufs, want, staging)
+            return logits[0], KVCache(vals, lengths, capacity=cap, staging=staging)
         past = [self._kv_value((1, kvh, 0, hd)) for _ in self.past_names] if kv is None else kv.values
         mask = np.ones((1, start + n), dtype=np.int64)
-        logits, vals = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, past, None, want)
-        return logits[0], KVCache(vals, lengths, mask=mask)
+        logits, vals = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, past, None, want,
+                                 staging)
+        return logits[0], KVCache(vals, lengths, mask=mask, staging=staging)
 
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
         if self.select_sess is None:
             raise EngineLoadError(f"{self.engine_dir} has no kv_select graph: it runs one sequence at a time")
         io = self.select_sess.io_binding()
-        self._bind_host_input(io, "rows", np.asarray(rows, dtype=np.int64))
+        self._bind_host_input(io, "rows", np.asarray(rows, dtype=np.int64), kv.staging)
         for i, val in enumerate(kv.values):
             io.bind_ortvalue_input(f"kv.{i}", val)
             io.bind_output(f"out.{i}", self.device, self.config.device_id)
         self.select_sess.run_with_iobinding(io)
         idx = list(rows)
         return KVCache(list(io.get_outputs()), kv.lengths[idx], None if kv.mask is None else kv.mask[idx],
-                       kv.capacity)
+                       kv.capacity, staging=kv.staging)
