@@ -65,12 +65,13 @@ class RuntimeConfig:
     trt_cache_dir: str | None = None
     trt_timing_cache: bool = True
     trt_max_workspace_size: int = 0
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.provider, str) or self.provider not in PROVIDERS:
             raise ConfigError(f"provider must be one of {PROVIDERS}, got {_found(self.provider)}", field="provider")
         _check_types(self, {"device_id": "int", "intra_op_threads": "int", "trt_timing_cache": "bool",
-                            "trt_max_workspace_size": "int"})
+                            "trt_max_workspace_size": "int", "cuda_graphs": "bool"})
         if self.device_id < 0:
             raise ConfigError(f"device_id must be >= 0, got {self.device_id}", field="device_id")
         if self.intra_op_threads < 0:

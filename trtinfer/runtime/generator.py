@@ -112,11 +112,17 @@ class Generation:
         t0 = time.perf_counter()
         # the KV buffers need room for the longest prompt plus every token this generation may add
         capacity = min(self.max_seq_len, width + cfg.max_new_tokens + 1)
-        logits, kv = self.session.prefill(self.prompts, capacity)
+        # plain greedy needs no logits on the host: the session may pick the tokens where the logits are (TensorRT)
+        greedy = not cfg.do_sample and cfg.repetition_penalty == 1.0 and cfg.min_new_tokens == 0
+        if greedy:
+            tokens, kv = self.session.prefill_greedy(self.prompts, capacity)
+        else:
+            logits, kv = self.session.prefill(self.prompts, capacity)
         step = 0
         while True:
-            tokens = select_next(logits, cfg, [seen[i] for i in active], step, self.eos, [rngs[i] for i in active]
-                                 if rngs else [])
+            if not greedy:
+                tokens = select_next(logits, cfg, [seen[i] for i in active], step, self.eos,
+                                     [rngs[i] for i in active] if rngs else [])
             elapsed = (time.perf_counter() - t0) * 1000.0
             for i in active:
                 if step == 0:
@@ -146,7 +152,10 @@ class Generation:
                 tokens = tokens[keep]
                 active = [active[r] for r in keep]
             t0 = time.perf_counter()
-            logits, kv = self.session.decode(tokens, kv)
+            if greedy:
+                tokens, kv = self.session.decode_greedy(tokens, kv)
+            else:
+                logits, kv = self.session.decode(tokens, kv)
 
         self.results = [
             GenerationResult(generated[i], decoders[i].text, finish[i] or "length", self.prompts[i], timings[i])

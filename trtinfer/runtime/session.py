@@ -10,6 +10,7 @@ position only); :meth:`DecoderSession.run_chunk` asks for every position of a ch
 from __future__ import annotations
 
 import contextlib
+import importlib
 import ctypes
 import importlib.metadata
 import io as _io
@@ -107,6 +108,19 @@ class DecoderSession(ABC):
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
         """Keep only ``rows`` of the cache (finished rows leave the batch), without a trip through numpy."""
 
+    def prefill_greedy(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:
+        """:meth:`prefill`, returning each row's argmax token ``[B]`` instead of logits (plain greedy decoding).
+
+        Backends that compute the argmax on the device (TensorRT) override this so only token ids cross the bus.
+        """
+        logits, kv = self.prefill(prompts, capacity)
+        return logits.argmax(axis=-1).astype(np.int64), kv
+
+    def decode_greedy(self, tokens: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
+        """:meth:`decode`, returning each row's argmax token ``[B]`` instead of logits."""
+        logits, kv = self.decode(tokens, kv)
+        return logits.argmax(axis=-1).astype(np.int64), kv
+
     def run_chunk(self, tokens: Sequence[int], kv: KVCache | None, capacity: int,
                   positions: Sequence[int] | None = None) -> tuple[np.ndarray, KVCache]:
         """Feed the next ``tokens`` of one sequence after ``kv`` (None: its start); returns logits ``[K, V]``.
@@ -138,6 +152,7 @@ class DecoderSession(ABC):
 
 
 _BACKENDS: dict[str, Callable[[Path, Manifest, RuntimeConfig], DecoderSession]] = {}
+_LAZY_BACKENDS = {"tensorrt": "trtinfer.runtime.trt_session"}  # imported when an engine needs them
 
 
 def register_backend(name: str) -> Callable[[Any], Any]:
@@ -152,8 +167,11 @@ def register_backend(name: str) -> Callable[[Any], Any]:
 
 def open_session(engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> DecoderSession:
     """Open the session for the engine's backend, or raise listing the known ones."""
+    if manifest.backend not in _BACKENDS and manifest.backend in _LAZY_BACKENDS:
+        importlib.import_module(_LAZY_BACKENDS[manifest.backend])  # registers it
     if manifest.backend not in _BACKENDS:
-        raise EngineLoadError(f"engine backend '{manifest.backend}' is unknown; known: {sorted(_BACKENDS)}")
+        raise EngineLoadError(f"engine backend '{manifest.backend}' is unknown; known: "
+                              f"{sorted({*_BACKENDS, *_LAZY_BACKENDS})}")
     return _BACKENDS[manifest.backend](engine_dir, manifest, config)
 
 

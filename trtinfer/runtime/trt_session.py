@@ -174,7 +174,6 @@ class TrtDecoderSession(DecoderSession):
         self._vocab = int(geo["vocab_size"])
         self._lock = threading.Lock()
         self.device = "cuda"
-        self.device_greedy = True
 
     def _check_aliases(self) -> None:
         """Each ``present.*`` must alias its ``past_key_values.*`` (ICudaEngine.get_aliased_input_tensor, TRT >= 10.15)."""
@@ -255,26 +254,41 @@ class TrtDecoderSession(DecoderSession):
         bufs = [cuda.DeviceBuffer(batch * self._kv_bytes_per_row) for _ in self.past_names]
         for buf in bufs:  # zeros: masked slots are multiplied by 0 in attention, never NaN * 0
             buf.zero(self.stream)
-        kv = KVCache(bufs, lengths, capacity=self.capacity)
-        kv.staging = _Staging(self.stream)
-        return kv
+        return KVCache(bufs, lengths, capacity=self.capacity, staging=_Staging(self.stream))
 
-    def prefill(self, prompts: Sequence[Sequence[int]], capacity: int, *,
-                logits: bool = True) -> tuple[np.ndarray, KVCache]:
+    def _prefill(self, prompts: Sequence[Sequence[int]], logits: bool) -> tuple[np.ndarray | None, np.ndarray, KVCache]:
         feeds, lengths = prefill_feeds(prompts, self.pad_token_id, self.capacity)
         with self._lock:
             kv = self._new_cache(len(prompts), lengths)
             out, ids = self._run(feeds, kv, logits)
-        self.greedy_ids = ids[:, -1]
-        return (out[:, -1, :] if out is not None else None), kv  # type: ignore[return-value]
+        return (None if out is None else out[:, -1, :]), ids[:, -1], kv
 
-    def decode(self, tokens: np.ndarray, kv: KVCache, *, logits: bool = True) -> tuple[np.ndarray, KVCache]:
+    def _decode(self, tokens: np.ndarray, kv: KVCache, logits: bool) -> tuple[np.ndarray | None, np.ndarray, KVCache]:
         feeds = decode_feeds(tokens, kv.lengths, self.capacity)
         with self._lock:
             out, ids = self._run(feeds, kv, logits)
-        self.greedy_ids = ids[:, -1]
-        kv.lengths = kv.lengths + 1
-        return (out[:, -1, :] if out is not None else None), kv  # type: ignore[return-value]
+        new = KVCache(kv.values, kv.lengths + 1, capacity=self.capacity, staging=kv.staging)
+        return (None if out is None else out[:, -1, :]), ids[:, -1], new
+
+    def prefill(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:
+        out, _, kv = self._prefill(prompts, logits=True)
+        assert out is not None
+        return out, kv
+
+    def decode(self, tokens: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
+        out, _, new = self._decode(tokens, kv, logits=True)
+        assert out is not None
+        return out, new
+
+    def prefill_greedy(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:
+        """Greedy ids picked on the device (the engine's ``greedy_ids`` output); the logits stay there."""
+        _, ids, kv = self._prefill(prompts, logits=False)
+        return ids, kv
+
+    def decode_greedy(self, tokens: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
+        """Greedy ids picked on the device; only ``B`` token ids are copied back."""
+        _, ids, new = self._decode(tokens, kv, logits=False)
+        return ids, new
 
     def run_chunk(self, tokens: Sequence[int], kv: KVCache | None, capacity: int,
                   positions: Sequence[int] | None = None) -> tuple[np.ndarray, KVCache]:
@@ -288,9 +302,9 @@ class TrtDecoderSession(DecoderSession):
             if kv is None:
                 kv = self._new_cache(1, np.zeros(1, np.int64))
             out, _ = self._run(feeds, kv, True)
-        kv.lengths = np.array([start + n], np.int64)
         assert out is not None
-        return out[0], kv
+        return out[0], KVCache(kv.values, np.array([start + n], np.int64), capacity=self.capacity,
+                               staging=kv.staging)
 
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
         with self._lock:
@@ -305,7 +319,5 @@ class TrtDecoderSession(DecoderSession):
             self.stream.synchronize()
             for old in kv.values:
                 old.free()
-        out = KVCache(bufs, kv.lengths[list(rows)], capacity=self.capacity)
-        out.staging = kv.staging
-        out.staging.drop_graph()
-        return out
+        kv.staging.drop_graph()  # the batch changed: the captured decode graph no longer fits
+        return KVCache(bufs, kv.lengths[list(rows)], capacity=self.capacity, staging=kv.staging)
