@@ -10,8 +10,8 @@ position only); :meth:`DecoderSession.run_chunk` asks for every position of a ch
 from __future__ import annotations
 
 import contextlib
-import importlib
 import ctypes
+import importlib
 import importlib.metadata
 import io as _io
 import logging
