@@ -3,9 +3,14 @@
 Each system runs in its own subprocess, so its peak memory (max RSS, load included) is its own.
 Decode tokens/s counts every sequence of the batch (tokens after the first / decode time), best of 3 runs; TTFT is
 the wall time of a one-token ``generate`` call, best of 5 (this 2-core machine is shared: best-of is what repeats).
+
+On a GPU (an engine loaded with ``provider="cuda"``/``"tensorrt"`` or built with ``--backend tensorrt``; eager with
+``device="cuda"``) each result also carries ``gpu``: the GPU memory the process held and how that was measured
+(:class:`GpuMemory`), and for eager ``torch.cuda.max_memory_allocated``. Eager timings synchronize the device.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -14,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,10 @@ log = logging.getLogger(__name__)
 
 PROMPT_TEXT = ("The history of the city of Paris begins in antiquity, when a Celtic tribe settled on an island in "
                "the Seine. ") * 40
+
+#: eager dtype name (the engines' precision names) -> torch dtype attribute
+EAGER_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+ENGINE_PROVIDERS = ("cpu", "cuda", "tensorrt")  # RuntimeConfig's providers (not imported: keeps this module light)
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,14 @@ class BenchResult:
     decode_tok_s: float
     peak_rss_mib: float
     first_tokens: list[int]
+    gpu: dict[str, Any] | None = None  # GPU runs only: device, memory figures and how each was measured
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON; CPU results leave ``gpu`` out, as they always have."""
+        d = asdict(self)
+        if d["gpu"] is None:
+            del d["gpu"]
+        return d
 
 
 def _prompt_ids(engine_dir: Path, prompt_len: int) -> list[int]:
@@ -63,12 +81,97 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repeats: int = 5) -> BenchResult:
-    """Measure an engine in this process."""
+def nvidia_smi(*args: str) -> list[str] | None:
+    """nvidia-smi's non-empty output lines, or None when it is missing or fails."""
+    try:
+        out = subprocess.run(["nvidia-smi", *args], check=True, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def smi_device(device_id: int) -> str:
+    """nvidia-smi's ``-i`` for CUDA device ``device_id``: nvidia-smi ignores CUDA_VISIBLE_DEVICES, so map through it
+    (its entries are indices or UUIDs, both of which ``-i`` takes)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[device_id] if device_id < len(visible) else str(device_id)
+
+
+def _to_mib(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:  # "[N/A]" where the driver does not account per process
+        return None
+
+
+class GpuMemory:
+    """GPU memory held by this process, the cheapest way the machine allows; ``method`` of the result says which.
+
+    1. ``nvidia-smi --query-compute-apps``: this process's own ``used_memory`` (CUDA context included), read after
+       the runs. Allocators keep what they grew to (ONNX Runtime's arena, torch's caching allocator), so this is close
+       to the peak, but it is the current figure, not a recorded peak.
+    2. Where the driver lists no process of ours (a container's own PID namespace): ``nvidia-smi --query-gpu
+       memory.used`` of the whole device, after the runs minus before the load (other processes' use counts).
+    3. Without nvidia-smi: ``cudaMemGetInfo`` (cuda-python) of the whole device, after minus before; the first call
+       creates the CUDA context, so the context is not in the figure.
+    Create the probe before the model is loaded; :meth:`result` after the runs.
+    """
+
+    def __init__(self, device_id: int = 0) -> None:
+        self.device = smi_device(device_id)
+        self.device_id = device_id
+        self.smi_before: float | None = None
+        self.cudart_before: float | None = None
+        lines = nvidia_smi("--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", self.device)
+        if lines:
+            self.smi_before = _to_mib(lines[0])
+        else:
+            self.cudart_before = self._cudart_used()
+
+    def _cudart_used(self) -> float | None:
+        try:
+            from cuda.bindings import runtime as rt
+        except ImportError:
+            return None
+        rt.cudaSetDevice(self.device_id)
+        err, free, total = rt.cudaMemGetInfo()
+        return (total - free) / 2**20 if err == rt.cudaError_t.cudaSuccess else None
+
+    def result(self) -> dict[str, Any]:
+        """``{"used_mib": float | None, "method": str | None}``."""
+        own = nvidia_smi("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+        for line in own or []:
+            pid, _, used = line.partition(",")
+            mib = _to_mib(used.strip())
+            if pid.strip() == str(os.getpid()) and mib is not None:
+                return {"used_mib": mib, "method": "nvidia-smi --query-compute-apps used_memory of this process, "
+                                                  "after the runs"}
+        if self.smi_before is not None:
+            lines = nvidia_smi("--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", self.device)
+            after = _to_mib(lines[0]) if lines else None
+            if after is not None:
+                return {"used_mib": after - self.smi_before,
+                        "method": "nvidia-smi --query-gpu memory.used of the device, after the runs minus before the "
+                                  "load (other processes count)"}
+        if self.cudart_before is not None:
+            after = self._cudart_used()
+            if after is not None:
+                return {"used_mib": after - self.cudart_before,
+                        "method": "cudaMemGetInfo of the device, after the runs minus before the load (CUDA context "
+                                  "excluded; other processes count)"}
+        return {"used_mib": None, "method": None}
+
+
+def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repeats: int = 5,
+               provider: str | None = None) -> BenchResult:
+    """Measure an engine in this process; ``provider`` None loads with the engine's defaults (``RuntimeConfig``)."""
     import trtinfer
+    from trtinfer.runtime.manifest import read_manifest
 
     ids = [_prompt_ids(engine_dir, prompt_len)] * bs
-    with trtinfer.load(engine_dir) as eng:
+    on_gpu = provider in ("cuda", "tensorrt") or read_manifest(engine_dir).backend == "tensorrt"
+    probe = GpuMemory() if on_gpu else None
+    with (trtinfer.load(engine_dir, provider=provider) if provider else trtinfer.load(engine_dir)) as eng:
         eng.generate(input_ids=ids, max_new_tokens=4, ignore_eos=True)  # warm-up
         def first_token_ms() -> float:  # the whole call, as for eager: prefill, sampling, bookkeeping
             t0 = time.perf_counter()
@@ -82,12 +185,16 @@ def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repe
             t = r[0].timings
             rates.append(bs * len(t.decode_ms) / (sum(t.decode_ms) / 1000.0))
             first = r[0].token_ids[:8]
-    return BenchResult("trtinfer " + engine_dir.name, bs, prompt_len, new_tokens, ttft, max(rates), _peak_mib(),
-                       first)
+        gpu = None if probe is None else {"provider": provider, **probe.result()}
+    system = "trtinfer " + engine_dir.name + (f" ({provider})" if provider else "")
+    return BenchResult(system, bs, prompt_len, new_tokens, ttft, max(rates), _peak_mib(), first, gpu)
 
 
-def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repeats: int = 5) -> BenchResult:
-    """Measure transformers' ``generate`` on the engine's source model in this process."""
+def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repeats: int = 5, device: str = "cpu",
+              dtype: str = "fp32") -> BenchResult:
+    """Measure transformers' ``generate`` on the engine's source model in this process, on ``device`` in ``dtype``
+    (a key of :data:`EAGER_DTYPES`)."""
+    probe = GpuMemory(torch_device_index(device)) if device.startswith("cuda") else None  # before torch's context
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -96,15 +203,20 @@ def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repea
     src = Path(read_manifest(engine_dir).raw["source"]["path"])
     if not (src / "config.json").is_file():
         raise InputError(f"the eager baseline needs the engine's source model at {src}; rebuild the engine here")
-    ids = torch.tensor([_prompt_ids(engine_dir, prompt_len)] * bs)
+    dev = torch.device(device)
+    ids = torch.tensor([_prompt_ids(engine_dir, prompt_len)] * bs, device=dev)
     mask = torch.ones_like(ids)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, EAGER_DTYPES[dtype]))
+    model = model.to(dev).eval()  # Any: transformers types .to() as a wrapped method mypy cannot match a device to
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def gen(n: int) -> tuple[float, Any]:
         with torch.inference_mode():
+            sync()  # nothing queued before the clock starts, everything done before it stops
             t0 = time.perf_counter()
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                  do_sample=False, pad_token_id=0)
+            sync()
             return time.perf_counter() - t0, out
 
     gen(4)
@@ -117,12 +229,32 @@ def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repea
     # decode time = whole generate minus its prefill; the median prefill, so the min above does not tilt it
     dec = bs * (new_tokens - 1) / (min(totals) - statistics.median(firsts))
     assert out is not None
-    return BenchResult("pytorch eager", bs, prompt_len, new_tokens, ttft * 1000, dec, _peak_mib(),
-                       out[0, prompt_len:prompt_len + 8].tolist())
+    gpu = None
+    if probe is not None:
+        gpu = {"device": str(dev), "dtype": dtype, **probe.result(),
+               "torch_max_memory_allocated_mib": torch.cuda.max_memory_allocated(dev) / 2**20}
+    system = "pytorch eager" if (device, dtype) == ("cpu", "fp32") else f"pytorch eager {dtype} ({device})"
+    return BenchResult(system, bs, prompt_len, new_tokens, ttft * 1000, dec, _peak_mib(),
+                       out[0, prompt_len:prompt_len + 8].tolist(), gpu)
 
 
-def _in_subprocess(kind: str, engine_dir: Path, bs: int, prompt_len: int, new_tokens: int) -> BenchResult:
-    cmd = [sys.executable, "-m", "trtinfer.bench", kind, str(engine_dir), str(bs), str(prompt_len), str(new_tokens)]
+def torch_device_index(device: str) -> int:
+    """``"cuda:1"`` -> 1, ``"cuda"`` -> 0 (torch's current device is 0 in a fresh process)."""
+    _, _, index = device.partition(":")
+    return int(index) if index.isdigit() else 0
+
+
+def _check_eager(device: str, dtype: str) -> None:
+    if dtype not in EAGER_DTYPES:
+        raise InputError(f"eager dtype must be one of {sorted(EAGER_DTYPES)}, got {dtype!r}")
+    if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise InputError(f"eager device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def _in_subprocess(kind: str, engine_dir: Path, bs: int, prompt_len: int, new_tokens: int,
+                   flags: Sequence[str] = ()) -> BenchResult:
+    cmd = [sys.executable, "-m", "trtinfer.bench", kind, str(engine_dir), str(bs), str(prompt_len), str(new_tokens),
+           *flags]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -131,22 +263,55 @@ def _in_subprocess(kind: str, engine_dir: Path, bs: int, prompt_len: int, new_to
     return BenchResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def compare(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
-            eager: bool = True) -> dict[str, Any]:
-    """Run the engine (and eager) side by side; returns figures and ratios vs eager."""
-    engine_dir = Path(engine_dir)
+def _check_sizes(batch_size: int, prompt_len: int, new_tokens: int) -> None:
     if batch_size < 1 or prompt_len < 1 or new_tokens < 2:
         raise InputError("batch_size and prompt_len must be >= 1 and new_tokens >= 2")
-    rows = [_in_subprocess("engine", engine_dir, batch_size, prompt_len, new_tokens)]
+
+
+def measure_engine(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
+                   provider: str | None = None) -> BenchResult:
+    """:func:`run_engine` in its own process (its memory figures are its own)."""
+    _check_sizes(batch_size, prompt_len, new_tokens)
+    if provider is not None and provider not in ENGINE_PROVIDERS:
+        raise InputError(f"provider must be one of {ENGINE_PROVIDERS} or None, got {provider!r}")
+    flags = ["--provider", provider] if provider else []
+    return _in_subprocess("engine", Path(engine_dir), batch_size, prompt_len, new_tokens, flags)
+
+
+def measure_eager(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
+                  device: str = "cpu", dtype: str = "fp32") -> BenchResult:
+    """:func:`run_eager` in its own process."""
+    _check_sizes(batch_size, prompt_len, new_tokens)
+    _check_eager(device, dtype)
+    flags = [] if (device, dtype) == ("cpu", "fp32") else ["--device", device, "--dtype", dtype]
+    return _in_subprocess("eager", Path(engine_dir), batch_size, prompt_len, new_tokens, flags)
+
+
+def ratios(engine: dict[str, Any], eager: dict[str, Any]) -> dict[str, Any]:
+    """Engine figures over eager's (two result dicts): decode (higher is better), TTFT and peak RSS (lower is)."""
+    return {"decode": round(engine["decode_tok_s"] / eager["decode_tok_s"], 3),
+            "ttft": round(engine["ttft_ms"] / eager["ttft_ms"], 3),
+            "peak_rss": round(engine["peak_rss_mib"] / eager["peak_rss_mib"], 3),
+            "same_first_tokens": engine["first_tokens"] == eager["first_tokens"]}
+
+
+def compare(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
+            eager: bool = True, *, provider: str | None = None, eager_device: str = "cpu",
+            eager_dtype: str = "fp32") -> dict[str, Any]:
+    """Run the engine (and eager) side by side; returns figures and ratios vs eager.
+
+    ``provider`` loads the engine on that execution provider (None: the engine's default, the CPU);
+    ``eager_device``/``eager_dtype`` place PyTorch eager (``"cuda"``, ``"fp16"``: the same GPU, half precision).
+    """
+    _check_sizes(batch_size, prompt_len, new_tokens)
     if eager:
-        rows.append(_in_subprocess("eager", engine_dir, batch_size, prompt_len, new_tokens))
-    out: dict[str, Any] = {"engine": str(engine_dir), "results": [asdict(r) for r in rows]}
+        _check_eager(eager_device, eager_dtype)  # before the engine's run, not after it
+    rows = [measure_engine(engine_dir, batch_size, prompt_len, new_tokens, provider)]
     if eager:
-        e, b = rows[1], rows[0]
-        out["ratios_vs_eager"] = {"decode": round(b.decode_tok_s / e.decode_tok_s, 3),
-                                  "ttft": round(b.ttft_ms / e.ttft_ms, 3),
-                                  "peak_rss": round(b.peak_rss_mib / e.peak_rss_mib, 3),
-                                  "same_first_tokens": b.first_tokens == e.first_tokens}
+        rows.append(measure_eager(engine_dir, batch_size, prompt_len, new_tokens, eager_device, eager_dtype))
+    out: dict[str, Any] = {"engine": str(Path(engine_dir)), "results": [r.to_dict() for r in rows]}
+    if eager:
+        out["ratios_vs_eager"] = ratios(out["results"][0], out["results"][1])
     return out
 
 
@@ -163,8 +328,23 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # worker: python -m trtinfer.bench engine|eager DIR BS PROMPT_LEN NEW_TOKENS
-    kind, d, bs_, pl_, nt_ = sys.argv[1:6]
-    fn = run_engine if kind == "engine" else run_eager
-    res = fn(Path(d), int(bs_), int(pl_), int(nt_))
-    print(json.dumps(asdict(res)))
+def _worker(argv: Sequence[str]) -> BenchResult:
+    """``engine|eager DIR BS PROMPT_LEN NEW_TOKENS [--provider P] [--device D --dtype T]``: one measurement."""
+    ap = argparse.ArgumentParser(prog="python -m trtinfer.bench")
+    ap.add_argument("kind", choices=("engine", "eager"))
+    ap.add_argument("engine_dir", type=Path)
+    ap.add_argument("batch_size", type=int)
+    ap.add_argument("prompt_len", type=int)
+    ap.add_argument("new_tokens", type=int)
+    ap.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None, help="engine: execution provider")
+    ap.add_argument("--device", default="cpu", help="eager: cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", choices=sorted(EAGER_DTYPES), default="fp32", help="eager: weights and compute dtype")
+    a = ap.parse_args(argv)
+    if a.kind == "engine":
+        return run_engine(a.engine_dir, a.batch_size, a.prompt_len, a.new_tokens, provider=a.provider)
+    _check_eager(a.device, a.dtype)
+    return run_eager(a.engine_dir, a.batch_size, a.prompt_len, a.new_tokens, device=a.device, dtype=a.dtype)
+
+
+if __name__ == "__main__":  # worker: python -m trtinfer.bench engine|eager DIR BS PROMPT_LEN NEW_TOKENS [flags]
+    print(json.dumps(_worker(sys.argv[1:]).to_dict()))
