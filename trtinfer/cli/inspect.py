@@ -1,17 +1,81 @@
-"""``trtinfer inspect DIR``: manifest, I/O and op histogram of an engine."""
+"""``trtinfer inspect DIR``: manifest, I/O and op histogram of an engine; with ``--target tensorrt``, the nodes of a
+stage's or an engine's graph TensorRT's ONNX parser would reject."""
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
+
+CHECK_TARGETS = ("tensorrt",)
 
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
-    p = sub.add_parser("inspect", help="show an engine's manifest, I/O and op histogram")
-    p.add_argument("engine", help="engine directory")
-    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p = sub.add_parser(
+        "inspect", help="show an engine's manifest, I/O and op histogram, or check a graph for TensorRT",
+        description="Show an engine's manifest, I/O and op histogram. With --target tensorrt, check the graph of an "
+                    "export/optimize/quantize stage directory, an engine directory or an .onnx file against TensorRT's "
+                    "ONNX parser (weights are not read) and print one line per rejected node: name, op, reason.",
+        epilog="exit status with --target: 0 when TensorRT's parser takes every node, 1 when it would reject some, "
+               "2 when DIR is not a stage, engine or .onnx file")
+    p.add_argument("engine", metavar="DIR", help="engine directory (with --target also a stage directory or .onnx file)")
+    p.add_argument("--target", choices=CHECK_TARGETS,
+                   help="list the nodes this target's parser would reject instead (exit 1 when there are any)")
+    p.add_argument("--json", action="store_true", help="print the manifest (with --target: the rejected nodes) as JSON")
     p.set_defaults(func=run)
+
+
+def _graph_path(path: Path) -> Path:
+    """The ONNX graph of a stage directory, an engine directory, or ``path`` itself when it is an .onnx file."""
+    from trtinfer.errors import ModelSourceError
+    from trtinfer.runtime.manifest import MANIFEST_NAME, read_manifest
+    from trtinfer.stages import is_stage_dir, read_stage
+
+    if path.is_file() and path.suffix == ".onnx":
+        return path
+    if is_stage_dir(path):  # stage.json only: hashing the files would read the weights
+        return read_stage(path, verify=False).onnx_path
+    if (path / MANIFEST_NAME).is_file():  # a TensorRT engine keeps the graph it was built from, without weights
+        files = read_manifest(path).files
+        graphs = [files[r] for r in ("network", "decoder", "encoder") if files.get(r, "").endswith(".onnx")]
+        if graphs:
+            return path / graphs[0]
+        raise ModelSourceError(f"engine directory {path} holds no ONNX graph ({', '.join(files.values())}); check the "
+                               "stage directory it was built from instead")
+    found = "is not" if path.exists() else "does not exist; expected"
+    raise ModelSourceError(f"{path} {found} a stage directory (stage.json), an engine directory ({MANIFEST_NAME}) "
+                           "or an .onnx file; give one from `trtinfer optimize`, `trtinfer quantize` or `trtinfer build`")
+
+
+def check_target(args: argparse.Namespace) -> int:
+    """``--target tensorrt``: print the nodes TensorRT's parser would reject; 1 when there are any, else 0."""
+    from dataclasses import asdict
+
+    import onnx_ir as ir
+    from google.protobuf.message import DecodeError
+
+    from trtinfer.errors import ModelSourceError
+    from trtinfer.passes.trt_support import TENSORRT_VERSION, iter_nodes, tensorrt_problems
+
+    path = _graph_path(Path(args.engine))
+    try:
+        model = ir.load(str(path))  # the graph only: external weights stay on disk, mapped if a check reads one
+    except (OSError, DecodeError) as e:
+        raise ModelSourceError(f"{path} could not be read as ONNX ({e}); produce {path.parent} again") from e
+    problems = tensorrt_problems(model)
+    if args.json:
+        print(json.dumps([asdict(p) for p in problems], indent=2))
+        return 1 if problems else 0
+    total = sum(1 for _ in iter_nodes(model))
+    if not problems:
+        print(f"TensorRT {TENSORRT_VERSION} parser: all {total} nodes supported")
+        return 0
+    wn, wo = max(len(p.node) for p in problems), max(len(p.op) for p in problems)
+    for p in problems:
+        print(f"{p.node:<{wn}}  {p.op:<{wo}}  {p.reason}")
+    print(f"TensorRT {TENSORRT_VERSION} parser: {len({p.node for p in problems})} of {total} nodes rejected")
+    return 1
 
 
 def _shape(t: dict[str, Any]) -> str:
@@ -20,9 +84,10 @@ def _shape(t: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
-    from pathlib import Path
-
     from trtinfer.runtime.manifest import read_manifest
+
+    if args.target:
+        return check_target(args)
 
     m = read_manifest(Path(args.engine)).raw
     if args.json:
