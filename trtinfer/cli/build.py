@@ -13,8 +13,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", help="HF folder, .gguf file, alias (gemma-3-270m, smollm2-135m), or a directory from "
                                   "`trtinfer export` / `trtinfer optimize`")
     p.add_argument("-o", "--output", required=True, help="engine directory to create")
-    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tensorrt"),
-                   help="engine backend (default: onnxruntime; tensorrt needs TensorRT >= 10.15 and a GPU)")
+    p.add_argument("--backend", default="onnxruntime",
+                   help="engine backend: onnxruntime (default) or tensorrt (needs TensorRT >= 10.15 and a GPU)")
     p.add_argument("--precision", default="fp32",
                    help="fp32 (default), fp16 or bf16 (GPU targets), int4, int8, int8-static or gguf (quantized)")
     p.add_argument("--keep-fp32", default=None, metavar="GROUPS",
