@@ -110,6 +110,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"geometry     {g['num_layers']} layers, {g['num_attention_heads']} heads, {g['num_kv_heads']} KV heads, "
           f"head dim {g['head_dim']}, vocab {g['vocab_size']}, sliding window {g['sliding_window']}")
     print(f"limits       max batch {lim['max_batch_size']}, max seq {lim['max_seq_len']}")
+    t = m.get("tensorrt")
+    if t:
+        print(f"tensorrt     {t['tensorrt_version']} on {t['gpu']} (compute capability {t['compute_capability']}), "
+              f"strongly typed {t['precision']}, workspace {t['workspace_mib']} MiB, timing cache {t['timing_cache']}")
+        for prof in t["profiles"]:
+            print(f"  profile {prof['name']:<8} " + ", ".join(f"{k} {lo}..{opt}..{hi}"
+                                                           for k, (lo, opt, hi) in prof["dims"].items()))
     v = m["export"]["validation"]
     if v:
         print(f"validation   logits max|diff| prefill {v['prefill_logits_max_abs_diff']:.2e} decode "
