@@ -59,6 +59,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from trtinfer.errors import ConfigError
+from trtinfer.passes.opset import upgrade_opset
 from trtinfer.quantization.config import QuantConfig
 from trtinfer.quantization.registry import QuantContext, register_precision
 from trtinfer.quantization.weights import WeightSite, add_initializer, select_sites, weight_sites
@@ -72,12 +73,6 @@ TRT_INT4_BLOCKS = (64, 128)
 INT4_OPSET = 21
 #: the smallest scale written (as the TensorRT table does): a zero scale divides by zero in QuantizeLinear
 MIN_SCALE = 1.1754944e-38
-#: Reduce ops whose ``axes`` became an input at opset 18 (ReduceSum moved at 13)
-AXES_INPUT_AT_18 = frozenset({"ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean",
-                              "ReduceMin", "ReduceProd", "ReduceSumSquare"})
-#: default-domain ops whose meaning (not only their type list) changed between opset 13 and 21 and that
-#: :func:`upgrade_opset` does not convert
-CHANGED_BY_21 = frozenset({"GroupNormalization", "GridSample", "DFT"})
 
 
 # --- weight and activation quantization ---------------------------------------------------------------------------
@@ -238,38 +233,6 @@ def trt_int4_block(config: QuantConfig) -> int:
         return config.block_size
     raise ConfigError(f"TensorRT 10 compiles INT4 weight blocks of 64 or 128 only, got --block-size "
                       f"{config.block_size}; give --block-size 64 or 128", field="block_size")
-
-
-def upgrade_opset(model: ir.Model, target: int = INT4_OPSET) -> dict[str, int]:
-    """Raise the default-domain opset to ``target`` (>= 18): Reduce ops' ``axes`` attribute becomes an input
-    (opset 18); ops whose meaning changed (:data:`CHANGED_BY_21`) or a graph below opset 13 are refused. Returns
-    ``{op: nodes converted}``."""
-    old = model.opset_imports.get("", 0)
-    if old >= target:
-        return {}
-    if old < 13:
-        raise ConfigError(f"the graph is at opset {old}; upgrading below 13 to {target} is not supported here: "
-                          "export at opset >= 13")
-    nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
-    bad = sorted({n.op_type for n in nodes if n.domain in ("", "ai.onnx") and n.op_type in CHANGED_BY_21})
-    if bad:
-        raise ConfigError(f"cannot raise the graph from opset {old} to {target}: {', '.join(bad)} changed meaning; "
-                          "quantize a graph without them")
-    done: dict[str, int] = {}
-    for n in nodes:
-        if n.domain in ("", "ai.onnx") and n.op_type in AXES_INPUT_AT_18 and old < 18 and "axes" in n.attributes:
-            axes = np.asarray(n.attributes["axes"].as_ints(), np.int64)
-            graph = n.graph
-            assert graph is not None
-            value = add_initializer(graph, f"{n.name or n.op_type}_axes", ir.tensor(axes))
-            del n.attributes["axes"]
-            inputs = list(n.inputs)
-            n.resize_inputs(2)
-            n.replace_input_with(1, value)
-            assert n.inputs[0] is inputs[0]
-            done[n.op_type] = done.get(n.op_type, 0) + 1
-    model.opset_imports[""] = target
-    return done
 
 
 @register_precision("int4", targets=("tensorrt",))
