@@ -66,7 +66,10 @@ class StageDir:
 
     @property
     def kv_layout(self) -> str:
-        """``concat`` (past and present are separate, growing tensors) or ``shared_buffer``."""
+        """``concat`` (past and present are separate, growing tensors; left padding + ``attention_mask``),
+        ``shared_buffer`` (ORT GroupQueryAttention: past and present share one preallocated buffer; right padding +
+        ``seqlens_k``) or ``scatter_buffer`` (``tensorrt``: TensorScatter writes each step into a preallocated
+        buffer at ``position_ids[:, 0]``; right padding, masks from ``position_ids``)."""
         return str(self.info.get("kv_layout", "concat"))
 
     @property

@@ -146,10 +146,13 @@ def _prefill(path, feeds_dtype, seq: int = 7):
     sess = ort.InferenceSession(str(path))
     rng = np.random.default_rng(0)
     feeds = {"input_ids": rng.integers(3, 300, (2, seq)).astype(np.int64),
-             "attention_mask": np.ones((2, seq), np.int64), "position_ids": np.tile(np.arange(seq), (2, 1))}
+             "position_ids": np.tile(np.arange(seq), (2, 1))}
     for i in sess.get_inputs():
-        if i.name.startswith("past"):
-            feeds[i.name] = np.zeros((2, i.shape[1], 0, i.shape[3]), feeds_dtype)
+        if i.name == "attention_mask":  # the concat KV layout (not the tensorrt pipeline's scatter_buffer)
+            feeds[i.name] = np.ones((2, seq), np.int64)
+        elif i.name.startswith("past"):  # empty, or a zeroed buffer of the graph's fixed slots (scatter_buffer)
+            slots = i.shape[2] if isinstance(i.shape[2], int) else 0
+            feeds[i.name] = np.zeros((2, i.shape[1], slots, i.shape[3]), feeds_dtype)
         elif i.name == "logits_positions":  # optimized graphs: the last position, which the export keeps
             feeds[i.name] = np.full((2, 1), seq - 1, np.int64)
     return sess.run(None, feeds)

@@ -103,7 +103,7 @@ def optimize(in_path: str | Path, out_path: str | Path, config: PassConfig | Non
     return report
 
 
-OPTIMIZE_FORMAT = 3  # bump when what the optimize stage writes changes (invalidates cached optimized graphs)
+OPTIMIZE_FORMAT = 4  # bump when what the optimize stage writes changes (invalidates cached optimized graphs)
 
 
 def _optimize_into(src: StageDir, folder: Path, config: PassConfig) -> StageDir:

@@ -5,7 +5,8 @@ import importlib
 
 from trtinfer.passes.registry import PIPELINES
 
-PASS_MODULES = ("cleanup", "attention", "layout", "norms", "activations", "trt_support", "trt_attention", "precision")
+PASS_MODULES = ("cleanup", "attention", "layout", "kv_scatter", "norms", "activations", "trt_support", "trt_attention",
+                "precision")
 for _m in PASS_MODULES:
     importlib.import_module(f"trtinfer.passes.{_m}")
 
@@ -14,5 +15,6 @@ _ORT = ["cleanup", "attention", "rotary", "logits_positions", "kv_share_buffer",
         "skip_norm", "gelu", "matmul_bias", "precision", "dead_code"]
 PIPELINES["onnxruntime-cpu"] = list(_ORT)
 PIPELINES["onnxruntime-cuda"] = list(_ORT)
-PIPELINES["tensorrt"] = ["cleanup", "tensorrt_attention", "logits_positions", "rms_norm", "layer_norm", "gelu",
-                         "precision", "dead_code", "tensorrt_check"]
+# kv_scatter raises the opset to 24 before the norms and GELU: TensorRT then gets RMSNormalization and Gelu too
+PIPELINES["tensorrt"] = ["cleanup", "tensorrt_attention", "logits_positions", "kv_scatter", "rms_norm", "layer_norm",
+                         "gelu", "precision", "dead_code", "tensorrt_check"]

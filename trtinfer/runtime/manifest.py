@@ -89,7 +89,7 @@ KINDS = ("decoder", "encoder")  # the engine kinds a manifest may declare ("kind
 _GEOMETRY_INTS = {"decoder": ("num_layers", "num_kv_heads", "head_dim", "vocab_size"),
                   "encoder": ("num_layers", "vocab_size")}
 _FILE_ROLES = {"decoder": ("decoder", "kv_select"), "encoder": ("encoder",)}
-_KV_LAYOUTS = ("concat", "shared_buffer")
+_KV_LAYOUTS = ("concat", "shared_buffer", "scatter_buffer")
 
 
 def _is_int(value: Any) -> bool:
