@@ -139,7 +139,6 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
     out = Path(output_dir)
     if out.exists() and not overwrite:
         raise BuildError(f"{out} already exists; choose another -o or pass --force to replace it")
-    backend.available(config)  # a missing library or device stops the build here, before any stage runs
     t_start = time.perf_counter()
     if config.precision in ("fp16", "bf16") and config.target == "cpu":
         log.warning("%s on the CPU provider is for checking numerics: ONNX Runtime's CPU fp16 kernels are ~3x slower "
@@ -162,6 +161,13 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
                 build_encoder(resolved, tmp, config, t_start)
             log.debug("built encoder %s in %.1f s", out, time.perf_counter() - t_start)
             return out
+    if stage is not None and stage.stage != "export":
+        want = backend.pass_target(config)
+        got = stage.history["optimize"]["config"]["target"]
+        if got != want:
+            raise ConfigError(f"{stage.path} was optimized for {got}, but --backend {config.backend} "
+                              f"--target {config.target} needs {want}; optimize the export with --target {want}")
+    backend.available(config)  # a missing library or device stops the build here, before any stage runs
     names = (["export"] if stage is None else []) + (["optimize"] if stage is None or stage.stage == "export" else [])
     if config.quantization is not None and (stage is None or stage.stage != "quantize"):
         names.append("quantize")
@@ -182,11 +188,6 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
             with bar.stage("optimize") as rec:
                 stage = optimize_cached(stage, pcfg, stats=rec)
         else:
-            want = backend.pass_target(config)
-            got = stage.history["optimize"]["config"]["target"]
-            if got != want:
-                raise ConfigError(f"{stage.path} was optimized for {got}, but --backend {config.backend} "
-                                  f"--target {config.target} needs {want}; optimize the export with --target {want}")
             config, max_seq = _from_stage(stage, config)
         if config.quantization is not None and stage.stage != "quantize":
             from trtinfer.quantization.stage import quantize_cached

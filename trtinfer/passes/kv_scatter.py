@@ -11,7 +11,7 @@ becomes (``C`` = the buffers' capacity, ``PassConfig.max_seq_len``: the engine's
 
     position_ids [B,S] --Gather(0, axis 1)--> write_indices [B]
     past_key_values.i.key [B,KV,C,D] --+
-                 k (new) [B,KV,S,D] --TensorScatter(axis 2, linear)--> present.i.key [B,KV,C,D] --> attention
+                 k (new) [B,KV,S,D] --TensorScatter(axis -2, linear)--> present.i.key [B,KV,C,D] --> attention
             write_indices [B] ------+
     slots = Range(0, C) [C]
     position_ids [B,S] -Unsqueeze(-1)-LessOrEqual(slots, .)-> [B,S,C] -(sliding: And(pos - slot < window))-
@@ -308,7 +308,7 @@ def rewrite_scatter(model: ir.Model, plan: _Plan, capacity: int, window: int | N
     for concat in plan.concats:
         past, new = concat.inputs
         assert past is not None and new is not None
-        scatter = ir.node("TensorScatter", [past, new, write_indices], attributes={"axis": 2, "mode": "linear"},
+        scatter = ir.node("TensorScatter", [past, new, write_indices], attributes={"axis": -2, "mode": "linear"},
                           name=f"{concat.name or past.name}/TensorScatter")
         out = concat.outputs[0]
         scatter.outputs[0].type, scatter.outputs[0].shape = out.type, out.shape

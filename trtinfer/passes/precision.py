@@ -44,7 +44,7 @@ SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
 LOW_ANCHORS = frozenset({"MatMul", "Gemm", "FusedMatMul", "GroupQueryAttention", "MultiHeadAttention", "Attention",
                          "Conv"})
 MOVE_OPS = frozenset({"Reshape", "Transpose", "Concat", "Slice", "Split", "Squeeze", "Unsqueeze", "Expand",
-                      "Identity", "Gather", "GatherND", "GatherElements", "Tile", "Flatten", "Pad"})
+                      "Identity", "Gather", "GatherND", "GatherElements", "Tile", "Flatten", "Pad", "TensorScatter"})
 # inputs whose element type does not matter to the op: never cast them
 TYPE_AGNOSTIC = frozenset({"Shape", "Size", "Cast", "CastLike"})
 # outputs with their own float-only type parameter (mean / inverse std dev): they stay fp32 whatever the node is

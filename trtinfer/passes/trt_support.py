@@ -254,6 +254,17 @@ def _quantized(n: ir.Node) -> str | None:
 
 _POOL = (_attr_len("kernel_shape", (2, 3), "2D or 3D pooling only"), _all_ones("dilations"))
 #: per-op restrictions of docs/operators.md (TensorRT 10.15) that read off the graph; each check returns a reason or None
+def _kv_cache_io(n: ir.Node) -> str | None:
+    """TensorScatter becomes the KV-cache update layer, whose cache must be a network input and whose output a network
+    output sharing its memory (TensorRT's KVCacheUpdate operator reference)."""
+    cache, out = _in(n, 0), n.outputs[0]
+    if cache is not None and not cache.is_graph_input():
+        return f"past_cache '{cache.name}' must be a graph input (TensorRT updates the KV cache in place)"
+    if not out.is_graph_output():
+        return f"output '{out.name}' must be a graph output aliasing past_cache (TensorRT's KV-cache update layer)"
+    return None
+
+
 OP_CHECKS: dict[str, tuple[Check, ...]] = {
     "Attention": (_ranks(4, (0, "Q"), (1, "K"), (2, "V"), (3, "attn_mask")),
                   _no_inputs(4, "past_key", "past_value", "nonpad_kv_seqlen"),
@@ -291,7 +302,8 @@ OP_CHECKS: dict[str, tuple[Check, ...]] = {
     "ScatterND": (_attr_in("reduction", ("none",), "none"),),
     "STFT": (_constant(1, "frame_step"), _constant(2, "window"), _real_signal),
     "Squeeze": (_constant(1, "axes", strict=False),),
-    "TensorScatter": (_ranks(4, (0, "past_cache"), (1, "update")), _attr_in("axis", (-2, 2), -2)),
+    "TensorScatter": (_ranks(4, (0, "past_cache"), (1, "update")), _attr_in("axis", (-2,), -2),
+                      _attr_in("mode", ("linear",), "linear"), _kv_cache_io),
     "TopK": (_attr_in("sorted", (1,), 1), _topk_k),
     "Unsqueeze": (_constant(1, "axes", strict=False),),
 }

@@ -26,11 +26,12 @@ import numpy as np
 
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, InputError, OutputError
 from trtinfer.runtime.config import GPU_PROVIDERS, RuntimeConfig
+
+# LOGITS_POSITIONS: graph input [B,K] int64, the positions whose logits the graph computes
+from trtinfer.runtime.kv_feeds import LOGITS_POSITIONS, chunk_feeds, decode_feeds, prefill_feeds
 from trtinfer.runtime.manifest import Manifest, kv_dtype
 
 log = logging.getLogger(__name__)
-
-LOGITS_POSITIONS = "logits_positions"  # graph input [B,K] int64: positions whose logits the graph computes
 
 
 class KVCache:
@@ -450,6 +451,9 @@ class OrtDecoderSession(DecoderSession):
         self._kv_shape = (geo["num_kv_heads"], geo["head_dim"])
         self._kv_dtype = kv_dtype(manifest.raw["io"])  # float16/bfloat16 in fp16/bf16 engines
         self._needs_positions = "position_ids" in self.input_names
+        past = [t for t in manifest.raw["io"]["inputs"] if t["name"] in self.past_names[:1]]
+        # scatter_buffer graphs fix their KV slot count (TensorRT needs it static): every buffer has exactly that many
+        self._scatter_capacity = int(past[0]["shape"][2]) if past and isinstance(past[0]["shape"][2], int) else 0
         # host inputs of CUDA runs go through a per-generation PinnedInputs; the CPU binds numpy arrays directly
         self._stage_inputs = self.device == "cuda"
         self._staging_info = _staging_memory_info(ort, config.device_id) if self._stage_inputs else None
@@ -552,12 +556,18 @@ class OrtDecoderSession(DecoderSession):
         ids = np.full((n, width), self.pad_token_id, dtype=np.int64)
         kvh, hd = self._kv_shape
         staging = self._new_staging()  # this generation's own host buffers, handed on through its caches
+        if self.kv_layout == "scatter_buffer":  # the tensorrt target's graph, run by ONNX Runtime
+            feeds, lengths = prefill_feeds(prompts, self.pad_token_id, self._scatter_capacity)
+            bufs = [self._kv_value((n, kvh, self._scatter_capacity, hd)) for _ in self.past_names]
+            want = feeds.pop(LOGITS_POSITIONS)
+            logits, vals = self._run(feeds, bufs, bufs, want, staging)  # present bound to past: written in place
+            return logits[:, -1, :], KVCache(vals, lengths, capacity=self._scatter_capacity, staging=staging)
         if self.kv_layout == "shared_buffer":
             for r, p in enumerate(prompts):  # right padding: row r's tokens sit at 0..len-1, as in its buffer
                 ids[r, :len(p)] = p
             cap = max(capacity, width)
             bufs = [self._kv_value((n, kvh, cap, hd)) for _ in self.past_names]
-            feeds: dict[str, np.ndarray] = {"input_ids": ids, "seqlens_k": (lengths - 1).astype(np.int32),
+            feeds = {"input_ids": ids, "seqlens_k": (lengths - 1).astype(np.int32),
                      "total_sequence_length": np.array(width, dtype=np.int32)}
             if self._needs_positions:
                 feeds["position_ids"] = np.broadcast_to(np.arange(width, dtype=np.int64), (n, width)).copy()
@@ -580,11 +590,16 @@ class OrtDecoderSession(DecoderSession):
             raise InputError(f"decode got {tokens.shape[0]} tokens for a cache of {kv.batch} rows")
         pos = kv.lengths[:, None].astype(np.int64)
         staging = kv.staging
+        if self.kv_layout == "scatter_buffer":
+            feeds = decode_feeds(tokens, kv.lengths, kv.capacity)
+            want = feeds.pop(LOGITS_POSITIONS)
+            logits, vals = self._run(feeds, kv.values, kv.values, want, staging)
+            return logits[:, -1, :], KVCache(vals, kv.lengths + 1, capacity=kv.capacity, staging=staging)
         if self.kv_layout == "shared_buffer":
             if int(kv.lengths.max()) + 1 > kv.capacity:
                 raise InputError(f"KV buffers hold {kv.capacity} positions; a row would need "
                                  f"{int(kv.lengths.max()) + 1}: raise max_new_tokens' bound or the engine's max_seq_len")
-            feeds: dict[str, np.ndarray] = {"input_ids": tokens, "seqlens_k": kv.lengths.astype(np.int32),
+            feeds = {"input_ids": tokens, "seqlens_k": kv.lengths.astype(np.int32),
                      "total_sequence_length": np.array(int(kv.lengths.max()) + 1, dtype=np.int32)}
             if self._needs_positions:
                 feeds["position_ids"] = pos
@@ -612,13 +627,19 @@ class OrtDecoderSession(DecoderSession):
         lengths = np.array([start + n], dtype=np.int64)
         kvh, hd = self._kv_shape
         staging = self._new_staging() if kv is None else kv.staging  # one sequence = one generation
+        if self.kv_layout == "scatter_buffer":
+            cap = self._scatter_capacity
+            feeds = chunk_feeds(tokens, start, want[0], cap)
+            bufs = [self._kv_value((1, kvh, cap, hd)) for _ in self.past_names] if kv is None else kv.values
+            logits, vals = self._run(feeds, bufs, bufs, feeds.pop(LOGITS_POSITIONS), staging)
+            return logits[0], KVCache(vals, lengths, capacity=cap, staging=staging)
         if self.kv_layout == "shared_buffer":
             cap = capacity if kv is None else kv.capacity
             if start + n > cap:
                 raise InputError(f"KV buffers hold {cap} positions; the sequence would need {start + n}")
             bufs = [self._kv_value((1, kvh, cap, hd)) for _ in self.past_names] if kv is None else kv.values
-            feeds: dict[str, np.ndarray] = {"input_ids": ids, "seqlens_k": (lengths - 1).astype(np.int32),
-                                            "total_sequence_length": np.array(start + n, dtype=np.int32)}
+            feeds = {"input_ids": ids, "seqlens_k": (lengths - 1).astype(np.int32),
+                     "total_sequence_length": np.array(start + n, dtype=np.int32)}
             if self._needs_positions:
                 feeds["position_ids"] = pos
             logits, vals = self._run(feeds, bufs, bufs, want, staging)

@@ -1,0 +1,67 @@
+"""The ``tensorrt`` target's graph (scatter_buffer KV layout) driven by the runtime's own feeds, on ONNX Runtime CPU.
+
+TensorRT cannot run here, but the graph it would compile and the feeds its session would send can: the session for
+``scatter_buffer`` graphs on ONNX Runtime uses the same :mod:`trtinfer.runtime.kv_feeds` planning as the TensorRT
+session, binds ``present.*`` to the ``past_key_values.*`` buffer (in place, as TensorRT's KV-cache update layer
+requires) and must give the CPU engine's greedy tokens and scores.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import trtinfer
+from trtinfer.export import ExportConfig
+from trtinfer.export.onnx_export import export_cached
+from trtinfer.passes import PassConfig
+from trtinfer.passes.optimize import optimize_cached
+from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.generator import Generation
+from trtinfer.runtime.scoring import open_stage_session, score_ids
+from trtinfer.runtime.tokenizer import EngineTokenizer
+
+MAX_SEQ = 48
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11, 60], [8, 9, 10], [200, 201]]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def pair(request, tiny_model_dir, tiny_engine):
+    arch = request.param
+    stage = optimize_cached(export_cached(tiny_model_dir(arch), ExportConfig()),
+                            PassConfig(target="tensorrt", max_seq_len=MAX_SEQ))
+    assert stage.kv_layout == "scatter_buffer"
+    return stage, tiny_engine(arch)
+
+
+def test_generation_matches_the_cpu_engine(pair):
+    stage, engine = pair
+    cfg = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    with open_stage_session(stage) as session, trtinfer.load(engine) as ref:
+        tok = EngineTokenizer(stage.path, stage.info.get("tokenizer", {}))
+        gen = Generation(session, tok, PROMPTS, cfg, max_batch_size=len(PROMPTS), max_seq_len=MAX_SEQ)
+        list(gen.events())
+        want = ref.generate(input_ids=PROMPTS, max_new_tokens=8, ignore_eos=True)
+        assert [r.token_ids for r in gen.results] == [r.token_ids for r in want]
+        # the KV buffers were written in place: every cache of the generation is the one prefill allocated
+        logits, kv = session.prefill(PROMPTS, MAX_SEQ)
+        before = [v.data_ptr() for v in kv.values]
+        _, kv2 = session.decode(logits.argmax(-1), kv)
+        assert [v.data_ptr() for v in kv2.values] == before
+        assert kv2.values[0].shape()[2] == MAX_SEQ  # static slot count, as TensorRT needs
+
+
+def test_scores_match_the_cpu_engine(pair):
+    stage, engine = pair
+    ids = list(range(3, 40))
+    with open_stage_session(stage) as session, trtinfer.load(engine) as ref:
+        got = score_ids(session, ids, chunk=16).logprobs
+        want = ref.score(input_ids=[ids])[0].logprobs
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_a_sequence_longer_than_the_buffers_is_an_input_error(pair):
+    stage, _ = pair
+    from trtinfer.errors import InputError
+
+    with open_stage_session(stage) as session, pytest.raises(InputError, match="KV buffers"):
+        session.prefill([list(range(3, 3 + MAX_SEQ + 1))], MAX_SEQ)
