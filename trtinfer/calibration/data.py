@@ -10,8 +10,9 @@ decode-time activations (one query row against a long cache), not only the prefi
                                  │ present.*  ─> past.* ─> present.* ─> ...
 
 Feeds are built from the stage's recorded graph inputs (``StageDir.io``), so both KV contracts work:
-``shared_buffer`` (``seqlens_k``, ``total_sequence_length``, one zeroed buffer of capacity ``S + decode_steps``)
-and ``concat`` (``attention_mask``, growing ``past_key_values.*``). An optional ``position_ids`` or
+``shared_buffer`` (``seqlens_k``, ``total_sequence_length``, one zeroed buffer of capacity ``S + decode_steps``),
+``scatter_buffer`` (the tensorrt target: positions only, zeroed buffers of the graph's static slot count) and
+``concat`` (``attention_mask``, growing ``past_key_values.*``). An optional ``position_ids`` or
 ``logits_positions`` input is fed when the graph has it.
 """
 from __future__ import annotations
@@ -245,9 +246,13 @@ def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
     geo = stage.geometry
     out_names = [o.name for o in session.get_outputs()]
     shared = stage.kv_layout == "shared_buffer"
+    fixed = int(specs[past[0]]["shape"][2]) if stage.kv_layout == "scatter_buffer" and past else 0  # static slots
+    if fixed and cset.seq_len + cset.decode_steps > fixed:
+        raise CalibrationError(f"calibration windows of {cset.seq_len + cset.decode_steps} tokens do not fit the "
+                               f"graph's {fixed} KV slots; use a shorter sequence length or fewer decode steps")
     for window in cset.windows:
         ids = np.asarray(window, dtype=np.int64)[None, :]
-        capacity = ids.shape[1] if shared else 0
+        capacity = fixed or (ids.shape[1] if shared else 0)
         kv = {p: np.zeros((1, geo["num_kv_heads"], capacity, geo["head_dim"]), _dtype(specs[p])) for p in past}
         done = 0
         steps = [(0, cset.seq_len)] + [(cset.seq_len + k, cset.seq_len + k + 1) for k in range(cset.decode_steps)]

@@ -264,5 +264,5 @@ def int4_tensorrt(model: ir.Model, ctx: QuantContext) -> dict[str, Any]:
                  ctx.config.method)
     return {"method": method, "quantized": len(chosen), "matmuls": len(sites), "kept": kept, "block_size": block,
             "form": f"DequantizeLinear(INT4 [K,N], scale [K/{block},N], axis=0, block_size={block}), symmetric",
-            "opset": INT4_OPSET, "opset_upgrade": upgraded, "trt_unsupported_ops": unsupported,
+            "opset": model.opset_imports[""], "opset_upgrade": upgraded, "trt_unsupported_ops": unsupported,
             "weight_bytes_fp32": fp32_bytes, "weight_bytes": stored}
