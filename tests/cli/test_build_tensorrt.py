@@ -50,3 +50,23 @@ def test_python_api_raises_the_same(tiny_model_dir, tmp_path: Path):
     with pytest.raises(BackendUnavailableError, match="TensorRT >= 10.15"):
         build(tiny_model_dir("llama"), tmp_path / "e", BuildConfig(backend="tensorrt"), progress=False)
     assert not (tmp_path / "e").exists()
+
+
+def test_loading_a_tensorrt_engine_without_tensorrt_is_one_line(tiny_engine, tmp_path: Path):
+    """An engine directory whose manifest names the tensorrt backend, on a machine without TensorRT."""
+    if _tensorrt_runs():
+        pytest.skip("TensorRT and a GPU are present")
+    import json
+    import shutil
+
+    eng = tmp_path / "eng"
+    shutil.copytree(tiny_engine("llama"), eng)
+    manifest = json.loads((eng / "manifest.json").read_text())
+    manifest["backend"] = "tensorrt"
+    (eng / "manifest.json").write_text(json.dumps(manifest))
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    p = subprocess.run([sys.executable, "-m", "trtinfer", "generate", str(eng), "-p", "Hello", "-n", "2"],
+                       capture_output=True, text=True, env=env, check=False)
+    assert p.returncode == 3 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        "trtinfer generate: error: this TensorRT engine needs TensorRT >= 10.15")

@@ -134,10 +134,10 @@ class TrtDecoderSession(DecoderSession):
 
     def __init__(self, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> None:
         super().__init__(engine_dir, manifest, config)
+        import_tensorrt()
         if self.kv_layout != "scatter_buffer":
             raise EngineLoadError(f"{engine_dir}: TensorRT engines use the scatter_buffer KV layout, this one has "
                                   f"{self.kv_layout}; rebuild it with --backend tensorrt")
-        import_tensorrt()
         import tensorrt as trt  # checked by import_tensorrt; imported by name so mypy checks the calls below
 
         info = manifest.raw.get("tensorrt") or {}
