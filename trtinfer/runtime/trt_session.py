@@ -88,6 +88,7 @@ class _Staging:
         if name not in self.device or self.device[name].nbytes < nbytes:
             self.drop_graph()  # a moved buffer invalidates the captured addresses
             self.device[name] = cuda.DeviceBuffer(nbytes)
+            self.host.pop(name, None)  # a pinned twin must be as large: made anew below or when first fetched
             if host:
                 self.host[name] = cuda.PinnedBuffer(nbytes)
 
@@ -195,6 +196,7 @@ class TrtDecoderSession(DecoderSession):
     def _run(self, feeds: dict[str, np.ndarray], kv: KVCache, want_logits: bool) -> tuple[np.ndarray | None, np.ndarray]:
         """One forward pass on the KV buffers of ``kv``; returns (logits [B,K,V] or None, greedy ids [B,K])."""
         st: _Staging = kv.staging
+        cuda.set_device(self.config.device_id)  # the CUDA runtime's current device is per thread
         b, k = feeds[LOGITS_POSITIONS].shape
         shapes = {n: tuple(a.shape) for n, a in feeds.items()}
         ctx = self.contexts[select_profile(self.plan, shapes)]
@@ -251,6 +253,7 @@ class TrtDecoderSession(DecoderSession):
 
     # --- the session interface --------------------------------------------------------------------------------
     def _new_cache(self, batch: int, lengths: np.ndarray) -> KVCache:
+        cuda.set_device(self.config.device_id)
         bufs = [cuda.DeviceBuffer(batch * self._kv_bytes_per_row) for _ in self.past_names]
         for buf in bufs:  # zeros: masked slots are multiplied by 0 in attention, never NaN * 0
             buf.zero(self.stream)
@@ -308,6 +311,7 @@ class TrtDecoderSession(DecoderSession):
 
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
         with self._lock:
+            cuda.set_device(self.config.device_id)
             bufs = []
             for old in kv.values:
                 new = cuda.DeviceBuffer(len(rows) * self._kv_bytes_per_row)
