@@ -301,3 +301,17 @@ def test_missing_tokenizer_in_encoder(small_engine, tmp_path):
     (enc / "tokenizer.json").unlink()
     with pytest.raises(EngineLoadError, match="has no tokenizer.json; rebuild the engine"):
         trtinfer.load(enc)
+
+
+def test_a_closed_engine_refuses_work_and_frees_its_session(tiny_engine):
+    from trtinfer.errors import EngineLoadError
+
+    eng = trtinfer.load(tiny_engine("llama"))
+    assert eng.generate(input_ids=[[5, 6, 7]], max_new_tokens=2)[0].token_ids
+    eng.close()
+    assert eng.session.sess is None and eng.session.select_sess is None  # the ONNX Runtime sessions are dropped
+    for call in (lambda: eng.generate(input_ids=[[5, 6, 7]], max_new_tokens=2),
+                 lambda: eng.score(input_ids=[[5, 6, 7]]), lambda: eng.perplexity(input_ids=[5, 6, 7])):
+        with pytest.raises(EngineLoadError, match="is closed; load it again"):
+            call()
+    eng.close()  # twice is fine

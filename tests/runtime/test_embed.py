@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import trtinfer
 from trtinfer.cli import main
 
 SENTENCES = [
@@ -72,3 +73,19 @@ def test_embed_bad_input(minilm_engine: Path, tiny_engine, capsys: pytest.Captur
     assert main(["embed", str(decoder), "--text", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "decoder engine" in err[0]
+
+
+@pytest.mark.slow
+def test_encoder_provider_and_close(minilm_engine: Path) -> None:
+    import onnxruntime as ort
+
+    from trtinfer.errors import BackendUnavailableError, EngineLoadError
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():  # the provider is honoured, not ignored
+        with pytest.raises(BackendUnavailableError, match="provider 'cuda' needs onnxruntime-gpu"):
+            trtinfer.load(minilm_engine, provider="cuda")
+    eng = trtinfer.load(minilm_engine)
+    assert eng.embed(["hello"]).shape[0] == 1
+    eng.close()
+    with pytest.raises(EngineLoadError, match="is closed"):
+        eng.embed(["hello"])

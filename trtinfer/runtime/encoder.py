@@ -19,8 +19,6 @@ class EncoderEngine:
     """A loaded encoder engine; :meth:`embed` turns texts into sentence embeddings ``[N, hidden]``."""
 
     def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
-        import onnxruntime as ort
-
         self.path = Path(engine_dir)
         self.manifest: Manifest = read_manifest(self.path)
         if self.manifest.raw.get("kind") != "encoder":
@@ -32,14 +30,11 @@ class EncoderEngine:
         tok.enable_truncation(self.max_seq_len)
         tok.enable_padding(pad_id=int(self.manifest.raw.get("tokenizer", {}).get("pad_token_id") or 0))
         self._tok = tok
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = self.config.intra_op_threads
-        so.log_severity_level = 3
-        model = self.path / self.manifest.files["encoder"]
-        try:
-            self.sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
-        except Exception as e:
-            raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
+        from trtinfer.runtime.session import open_ort_session
+
+        # the provider the config names (CPU, CUDA, TensorRT), with the same checks as decoder engines
+        self.sess: Any = open_ort_session(self.path / self.manifest.files["encoder"], self.path, self.manifest,
+                                          self.config)
         self._inputs = {i.name for i in self.sess.get_inputs()}
 
     def __enter__(self) -> EncoderEngine:  # noqa: PYI034
@@ -49,10 +44,13 @@ class EncoderEngine:
         self.close()
 
     def close(self) -> None:
-        """Nothing to release beyond the session (kept for symmetry with decoder engines)."""
+        """Release the ONNX Runtime session; :meth:`embed` is refused afterwards."""
+        self.sess = None
 
     def embed(self, texts: Sequence[str], batch_size: int = 32, normalize: bool | None = None) -> np.ndarray:
         """Embeddings of ``texts`` (float32 ``[N, hidden]``); ``normalize`` None follows the model's config."""
+        if self.sess is None:
+            raise EngineLoadError(f"the engine {self.path} is closed; load it again with trtinfer.load()")
         if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
             raise InputError("embed() takes a non-empty list of strings")
         bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from trtinfer.errors import InputError
+from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent
 from trtinfer.runtime.manifest import Manifest, read_manifest
@@ -28,6 +28,7 @@ class Engine:
         self.config = config or RuntimeConfig()
         self.tokenizer = EngineTokenizer(self.path, self.manifest.raw.get("tokenizer", {}))
         self.session: DecoderSession = open_session(self.path, self.manifest, self.config)
+        self.closed = False
 
     def __enter__(self) -> Engine:  # noqa: PYI034
         return self
@@ -36,8 +37,14 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        """Release the backend session."""
-        self.session.close()
+        """Release the backend session (its weights, buffers and device memory); the engine refuses work after."""
+        if not self.closed:
+            self.session.close()
+            self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineLoadError(f"the engine {self.path} is closed; load it again with trtinfer.load()")
 
     # ---------------------------------------------------------------------------------------------------------
     def _prompt_ids(self, prompts: Sequence[str] | str | None, input_ids: Sequence[Sequence[int]] | None,
@@ -61,6 +68,7 @@ class Engine:
 
     def _generation(self, prompts: Any, input_ids: Any, chat: bool, config: GenerationConfig | None,
                     kwargs: dict[str, Any]) -> Generation:
+        self._check_open()
         unknown = set(kwargs) - _GEN_FIELDS
         if unknown:
             raise InputError(f"unknown generation option(s) {sorted(unknown)}; known: {sorted(_GEN_FIELDS)}")
@@ -114,6 +122,7 @@ class Engine:
         length is an InputError (see :meth:`perplexity` for long texts), as are 1-token sequences (nothing to
         score) and ids outside the vocabulary. Sequences run one at a time, in chunks, whatever the batch limit.
         """
+        self._check_open()
         rows = self._prompt_ids(prompts, input_ids, chat)
         if not rows:
             raise InputError("nothing to score: pass at least one text or input_ids row")
@@ -132,6 +141,7 @@ class Engine:
         tokens (default ``window // 2``); each scores only tokens no earlier window scored, with up to
         ``window - stride`` tokens of context (see :func:`~trtinfer.runtime.scoring.windowed_perplexity`).
         """
+        self._check_open()
         if (text is None) == (input_ids is None):
             raise InputError("give exactly one of text (a string) or input_ids (a list of token ids)")
         if text is not None:

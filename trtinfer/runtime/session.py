@@ -406,6 +406,45 @@ def _make_dirs(folders: Sequence[Path]) -> None:
             raise err from e
 
 
+def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> Any:
+    """An ``onnxruntime.InferenceSession`` on ``model`` for ``config.provider``, or one line saying what is missing.
+
+    GPU providers: the CUDA libraries of the nvidia-* wheels are preloaded, the provider must be offered, TensorRT's
+    cache folders are made, and a session that fell back to another provider (ONNX Runtime does that silently when a
+    CUDA, cuDNN or TensorRT library cannot load) is refused instead of running on the fallback. The graph was
+    optimized offline at build time, so ONNX Runtime does not redo it on every load.
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = config.intra_op_threads
+    so.log_severity_level = 3
+    if config.provider != "cpu":
+        _preload_cuda_libraries(ort)
+        _check_provider_available(ort, config.provider)
+    if config.provider == "tensorrt":
+        _make_dirs(trt_cache_paths(engine_dir, manifest, config))
+    try:
+        sess = ort.InferenceSession(str(model), so, providers=ort_providers(config, manifest, engine_dir))
+    except Exception as e:
+        raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
+    if config.provider == "cpu":
+        return sess
+    name = ORT_PROVIDERS[config.provider]
+    started = sess.get_providers()
+    if started[0] != name:
+        if config.provider == "cuda":
+            fix = ("install the CUDA libraries it needs ('onnxruntime-gpu[cuda,cudnn]' or a CUDA toolkit of the "
+                   "version it was built for) or use provider 'cpu'")
+        else:
+            fix = ("install TensorRT 10 ('trtinfer[tensorrt]') and put its libraries on the loader path (e.g. "
+                   "LD_LIBRARY_PATH=<site-packages>/tensorrt_libs), or use provider 'cuda'")
+        raise BackendUnavailableError(f"ONNX Runtime could not start its {name} for {model} (session providers: "
+                                      f"{started}); {fix}")
+    return sess
+
+
 @register_backend("onnxruntime")
 class OrtDecoderSession(DecoderSession):
     """ONNX Runtime with IOBinding: KV stays in OrtValues (on the device for CUDA and TensorRT) from step to step.
@@ -422,24 +461,10 @@ class OrtDecoderSession(DecoderSession):
         import onnxruntime as ort
 
         self._ort = ort
-        so = ort.SessionOptions()
-        # the graph was optimized offline at build time for this target: do not redo it on every load
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.intra_op_num_threads = config.intra_op_threads
-        so.log_severity_level = 3
-        if config.provider != "cpu":
-            _preload_cuda_libraries(ort)
-            _check_provider_available(ort, config.provider)
-        providers = ort_providers(config, manifest, engine_dir)
-        if config.provider == "tensorrt":
-            _make_dirs(trt_cache_paths(engine_dir, manifest, config))
         self.device = "cuda" if config.provider in GPU_PROVIDERS else "cpu"  # where the KV cache lives
         model = engine_dir / manifest.files["decoder"]
-        try:
-            self.sess = ort.InferenceSession(str(model), so, providers=providers)
-        except Exception as e:
-            raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
-        self._check_provider_started(model)
+        self.sess = open_ort_session(model, engine_dir, manifest, config)
+        so, providers = self.sess.get_session_options(), ort_providers(config, manifest, engine_dir)
         got = [i.name for i in self.sess.get_inputs()]
         if got != self.input_names:
             raise EngineLoadError(f"{model} inputs {got[:4]}... differ from the manifest's; rebuild the engine")
@@ -489,10 +514,12 @@ class OrtDecoderSession(DecoderSession):
             return list(self._stagings)
 
     def close(self) -> None:
-        """Give the pinned input buffers of live generations back to ONNX Runtime's allocator (the sessions go with
-        the object)."""
+        """Give the pinned input buffers of live generations back to ONNX Runtime's allocator and drop the ONNX
+        Runtime sessions (their weights and arenas are freed once nothing else holds them)."""
         for staging in self.live_stagings():
             staging.release()
+        self.sess = None
+        self.select_sess = None
 
     # --- host buffers -------------------------------------------------------------------------------------
     def _new_staging(self) -> PinnedInputs | None:
