@@ -207,3 +207,22 @@ def test_real_model_score_equals_eager(tmp_path_factory, in_user_cache):
     assert_matches_eager(src, result)
     assert 1 < result.perplexity < 50  # a real model reads English
     assert windowed.scored == 599 and windowed.perplexity == pytest.approx(result.perplexity, rel=0.2)
+
+
+def test_logits_all_export_with_shared_buffers(tiny_model_dir, tiny_engine, tmp_path):
+    """An export with ``--logits all`` built onto shared KV buffers (right padding): each row's next token comes from
+    its own last real position, never a pad column; tokens and scores equal the default engine's."""
+    from trtinfer.builder import BuildConfig, build
+    from trtinfer.export import ExportConfig
+
+    eng_all = build(tiny_model_dir("llama"), tmp_path / "all", BuildConfig(export=ExportConfig(logits="all")),
+                    progress=False)
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 11, 60], [8, 9, 10], [200, 201]]  # ragged: short rows are right-padded
+    ids = list(range(3, 40))
+    with trtinfer.load(eng_all) as a, trtinfer.load(tiny_engine("llama")) as b:
+        assert a.manifest.raw["kv_layout"] == "shared_buffer" and not a.session.has_logits_positions
+        got = a.generate(input_ids=prompts, max_new_tokens=6, ignore_eos=True)
+        want = b.generate(input_ids=prompts, max_new_tokens=6, ignore_eos=True)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        np.testing.assert_allclose(a.score(input_ids=[ids])[0].logprobs, b.score(input_ids=[ids])[0].logprobs,
+                                   atol=1e-5)
