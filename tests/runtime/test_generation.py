@@ -1,12 +1,14 @@
 """Batched ragged generation on tiny engines equals transformers' generate per prompt; sampling features."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import ARCHS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trtinfer
+from trtinfer.runtime.session import KVCache
 
 PROMPTS = ["The history of the city", "Hello", "A quick brown fox jumps over the lazy dog while the cat"]
 
@@ -128,3 +130,60 @@ def test_timings_are_reported(tiny_engine):
     t = r.timings.to_dict()
     assert t["prefill_ms"] > 0 and t["decode_steps"] == 5 and t["decode_tokens_per_s"] > 0
     assert t["batch_size"] == 3 and t["prompt_tokens"] == len(r.prompt_ids)
+
+
+# --- a row's length budget is its own -----------------------------------------------------------------------------
+SHORT_MAX_SEQ = 24
+LONG_ROW, SHORT_ROW = list(range(5, 25)), [7, 8, 9]  # 20 and 3 tokens: the long row has room for 4 new tokens
+
+
+def _numpy_select_rows(kv, rows):
+    """``select_rows`` through numpy, for a stage's session (it has no row-selection graph)."""
+    import onnxruntime as ort
+
+    idx = list(rows)
+    values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[idx])) for v in kv.values]
+    return KVCache(values, kv.lengths[idx], None if kv.mask is None else kv.mask[idx], kv.capacity, kv.staging)
+
+
+def _generate_ids(layout, tiny_model_dir, tiny_engine, monkeypatch, rows, **kw):
+    """Greedy results of ``rows`` on a tiny Llama of max_seq_len 24 whose session has KV layout ``layout``."""
+    if layout != "scatter_buffer":
+        extra = {"disable_passes": ("attention",)} if layout == "concat" else {}
+        with trtinfer.load(tiny_engine("llama", max_batch_size=2, max_seq_len=SHORT_MAX_SEQ, **extra)) as eng:
+            assert eng.session.kv_layout == layout
+            return eng.generate(input_ids=rows, **kw)
+    # the tensorrt target's graph on ONNX Runtime CPU (as in test_scatter_layout), driven by Generation directly
+    from trtinfer.export import ExportConfig
+    from trtinfer.export.onnx_export import export_cached
+    from trtinfer.passes import PassConfig
+    from trtinfer.passes.optimize import optimize_cached
+    from trtinfer.runtime.config import GenerationConfig
+    from trtinfer.runtime.generator import Generation
+    from trtinfer.runtime.scoring import open_stage_session
+    from trtinfer.runtime.tokenizer import EngineTokenizer
+
+    stage = optimize_cached(export_cached(tiny_model_dir("llama"), ExportConfig()),
+                            PassConfig(target="tensorrt", max_seq_len=SHORT_MAX_SEQ))
+    with open_stage_session(stage) as session:
+        assert session.kv_layout == layout
+        monkeypatch.setattr(session, "select_rows", _numpy_select_rows)
+        tok = EngineTokenizer(stage.path, stage.info.get("tokenizer", {}))
+        gen = Generation(session, tok, rows, GenerationConfig(**kw), max_batch_size=2, max_seq_len=SHORT_MAX_SEQ)
+        list(gen.events())
+        return gen.results
+
+
+@pytest.mark.parametrize("layout", ["shared_buffer", "concat", "scatter_buffer"])
+def test_each_row_is_bounded_by_its_own_length(layout, tiny_model_dir, tiny_engine, monkeypatch):
+    """max_seq_len 24: next to a 20-token prompt, a 3-token prompt still runs until its own length reaches 24."""
+    def run(rows):
+        return _generate_ids(layout, tiny_model_dir, tiny_engine, monkeypatch, rows, max_new_tokens=40, ignore_eos=True)
+
+    long, short = run([LONG_ROW, SHORT_ROW])
+    assert len(long.token_ids) == SHORT_MAX_SEQ - len(LONG_ROW) and long.finish_reason == "length"
+    assert len(short.token_ids) == SHORT_MAX_SEQ - len(SHORT_ROW) and short.finish_reason == "length"
+    alone = run([SHORT_ROW])[0]
+    assert short.token_ids == alone.token_ids
+    assert short.token_ids == hf_greedy(tiny_model_dir("llama"), SHORT_ROW, len(short.token_ids), eos_token_id=None,
+                                        min_new_tokens=len(short.token_ids))

@@ -1,6 +1,8 @@
 """Batched generation over a :class:`DecoderSession`: one ragged prefill, then batched decode.
 
-Rows that finish leave the batch (their KV rows are dropped on the backend), so they stop costing compute.
+Rows that finish leave the batch (their KV rows are dropped on the backend), so they stop costing compute. Each row
+ends on its own: EOS, a stop string, ``max_new_tokens``, or its own prompt + generated tokens reaching the engine's
+``max_seq_len``, whatever the other rows' lengths.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class GenerationResult:
 
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or stop string) | "length" (max_new_tokens or the engine's max_seq_len)
+    finish_reason: str  # "stop" (EOS or stop string) | "length" (max_new_tokens, or prompt + new tokens = max_seq_len)
     prompt_ids: list[int]
     timings: Timings
 
@@ -70,7 +72,16 @@ class StreamEvent:
 
 
 class Generation:
-    """One batched generation. Iterate :meth:`events` for streaming; read :attr:`results` after."""
+    """One batched generation. Iterate :meth:`events` for streaming; read :attr:`results` after.
+
+    Every row's length is its own: a row finishes with ``"length"`` when its prompt + generated tokens reach the
+    engine's ``max_seq_len``, so a short prompt next to a long one may generate more than ``max_seq_len - longest``
+    tokens. Every KV layout holds that: ``shared_buffer`` and ``scatter_buffer`` rows are right-padded, each in its own
+    buffer slots (``prefill`` allocates ``min(max_seq_len, longest + max_new_tokens + 1)`` of them, more than any row
+    writes); the ``concat`` cache is left-padded and grows one column per step for all rows, to at most
+    ``longest + max_new_tokens`` columns (which may exceed ``max_seq_len``), while each row's positions stay its own
+    (below ``max_seq_len``, which is what the graph's position tables hold).
+    """
 
     def __init__(self, session: DecoderSession, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
                  cfg: GenerationConfig, max_batch_size: int, max_seq_len: int) -> None:
@@ -110,7 +121,8 @@ class Generation:
 
         active = list(range(n))  # batch row -> prompt index
         t0 = time.perf_counter()
-        # the KV buffers need room for the longest prompt plus every token this generation may add
+        # KV room for the longest prompt plus every token this generation may add: no row writes more (a row stops
+        # at max_new_tokens or at its own max_seq_len, and its last token is never fed back)
         capacity = min(self.max_seq_len, width + cfg.max_new_tokens + 1)
         # plain greedy needs no logits on the host: the session may pick the tokens where the logits are (TensorRT)
         greedy = not cfg.do_sample and cfg.repetition_penalty == 1.0 and cfg.min_new_tokens == 0
@@ -138,7 +150,8 @@ class Generation:
                 delta = decoders[i].add(tok)
                 if decoders[i].stopped or tok in self.eos:
                     finish[i] = "stop"
-                elif len(generated[i]) >= cfg.max_new_tokens or width + step >= self.max_seq_len:
+                elif (len(generated[i]) >= cfg.max_new_tokens
+                      or len(self.prompts[i]) + len(generated[i]) >= self.max_seq_len):
                     finish[i] = "length"
                 if finish[i] is not None:
                     delta += decoders[i].flush()
