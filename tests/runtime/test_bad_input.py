@@ -45,6 +45,18 @@ def test_limits(small_engine):
         assert r.finish_reason == "length" and len(r.token_ids) == 4
 
 
+@pytest.mark.parametrize("options", [{}, {"min_new_tokens": 2}, {"do_sample": True, "seed": 0}])
+def test_eos_token_ids_outside_the_vocabulary(small_engine, options):
+    """One ConfigError naming eos_token_ids and the vocabulary size, before anything runs (no IndexError in sampling)."""
+    with trtinfer.load(small_engine) as eng:
+        with pytest.raises(ConfigError, match=r"^eos_token_ids \[1000000000\] .*vocabulary of 320 tokens") as err:
+            eng.generate(["a"], eos_token_ids=[0, 10**9], max_new_tokens=3, **options)
+        assert err.value.field == "eos_token_ids"
+        with pytest.raises(ConfigError, match="eos_token_ids"):
+            list(eng.stream("a", eos_token_ids=[320], max_new_tokens=3, **options))
+        assert len(eng.generate(["a"], eos_token_ids=[319], max_new_tokens=3, **options)[0].token_ids) >= 1
+
+
 def test_bad_engine_dirs(small_engine, tmp_path):
     with pytest.raises(EngineLoadError, match="does not exist"):
         trtinfer.load(tmp_path / "missing")

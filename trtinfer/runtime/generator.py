@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trtinfer.errors import InputError
+from trtinfer.errors import ConfigError, EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.sampling import select_next
 from trtinfer.runtime.session import DecoderSession
@@ -90,7 +90,7 @@ class Generation:
         if len(prompts) > max_batch_size:
             raise InputError(f"batch of {len(prompts)} prompts exceeds the engine's max batch size {max_batch_size}; "
                              "split it, or rebuild with a larger --max-batch-size")
-        vocab = session.manifest.geometry["vocab_size"]
+        vocab = int(session.manifest.geometry["vocab_size"])
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise InputError(f"prompt {i} is empty (0 tokens); give at least one token")
@@ -103,9 +103,22 @@ class Generation:
         self.session, self.tok, self.cfg = session, tokenizer, cfg
         self.prompts = [list(map(int, p)) for p in prompts]
         self.max_seq_len = max_seq_len
-        self.eos = () if cfg.ignore_eos else tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None
-                                                   else tokenizer.eos_token_ids)
+        self.eos = () if cfg.ignore_eos else self._eos_ids(cfg, tokenizer, vocab)
         self.results: list[GenerationResult] = []
+
+    @staticmethod
+    def _eos_ids(cfg: GenerationConfig, tokenizer: EngineTokenizer, vocab: int) -> tuple[int, ...]:
+        """The EOS ids of this generation, each checked to be a row of the logits (sampling indexes them)."""
+        eos = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else tokenizer.eos_token_ids)
+        bad = [t for t in eos if not 0 <= t < vocab]
+        if bad and cfg.eos_token_ids is not None:
+            raise ConfigError(f"eos_token_ids {bad[:5]} are outside the model's vocabulary of {vocab} tokens (ids 0.."
+                              f"{vocab - 1}); pass ids of this model's tokenizer", field="eos_token_ids")
+        if bad:
+            raise EngineLoadError(f"the engine's eos_token_ids {bad[:5]} (manifest tokenizer.eos_token_ids) are outside "
+                                  f"the model's vocabulary of {vocab} tokens; rebuild the engine, or pass "
+                                  "eos_token_ids (or ignore_eos=True)")
+        return eos
 
     def events(self) -> Iterator[StreamEvent]:
         """Run the generation, yielding text deltas as tokens arrive; fills :attr:`results`."""
