@@ -6,6 +6,20 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from trtinfer.runtime import Engine, GenerationConfig, GenerationResult, RuntimeConfig, load
+from trtinfer.runtime import (
+    Argmax,
+    Distribution,
+    Engine,
+    Entropy,
+    GenerationConfig,
+    GenerationResult,
+    Logits,
+    Logprob,
+    Logprobs,
+    RuntimeConfig,
+    Sampler,
+    load,
+)
 
-__all__ = ["Engine", "GenerationConfig", "GenerationResult", "RuntimeConfig", "__version__", "load"]
+__all__ = ["Argmax", "Distribution", "Engine", "Entropy", "GenerationConfig", "GenerationResult", "Logits", "Logprob",
+           "Logprobs", "RuntimeConfig", "Sampler", "__version__", "load"]

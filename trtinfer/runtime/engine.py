@@ -9,6 +9,7 @@ from typing import Any
 
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
+from trtinfer.runtime.forward import Context, Forward, Output
 from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent
 from trtinfer.runtime.manifest import Manifest, read_manifest
 from trtinfer.runtime.scoring import PerplexityResult, ScoreResult, check_ids, score_ids, windowed_perplexity
@@ -157,6 +158,17 @@ class Engine:
                 raise InputError(f"max_tokens must be at least 2 (the first token has no context), got {max_tokens}")
             ids = ids[:max_tokens]
         return windowed_perplexity(self.session, ids, window, stride)
+
+    def context(self, capacity: int | None = None) -> Context:
+        """An empty sequence to feed pass by pass (:mod:`trtinfer.runtime.forward`); ``capacity`` bounds its length
+        (default: the engine's max sequence length; buffer layouts allocate that many KV slots)."""
+        self._check_open()
+        return Context(self.session, capacity or self.manifest.max_seq_len)
+
+    def execute(self, passes: Sequence[Forward]) -> list[Output]:
+        """Run several contexts' passes; one after another today (each context has its own KV buffers)."""
+        self._check_open()
+        return [f.execute() for f in passes]
 
     def describe(self) -> dict[str, Any]:
         """The manifest as a dict."""

@@ -133,6 +133,14 @@ class DecoderSession(ABC):
         """
         raise EngineLoadError(f"the {type(self).__name__} backend cannot run chunks of a sequence (scoring)")
 
+    def copy_cache(self, kv: KVCache) -> KVCache:
+        """An independent copy of a one-row cache (a forked context), made on the backend's device."""
+        raise EngineLoadError(f"the {type(self).__name__} backend cannot copy a KV cache")
+
+    def truncate_cache(self, kv: KVCache, n: int) -> KVCache:
+        """The cache of a one-row sequence rolled back to its first ``n`` tokens."""
+        raise EngineLoadError(f"the {type(self).__name__} backend cannot truncate a KV cache")
+
     def check_can_score(self) -> None:
         """Raise :class:`InputError` when the engine returns last-position logits only (built before scoring)."""
         if not self.logits_every_position:
@@ -676,6 +684,35 @@ class OrtDecoderSession(DecoderSession):
         logits, vals = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, past, None, want,
                                  staging)
         return logits[0], KVCache(vals, lengths, mask=mask, staging=staging)
+
+    def copy_cache(self, kv: KVCache) -> KVCache:
+        """A copy through the row-selection graph (a Gather on the device), or, for a stage's graph on the CPU
+        (no such graph), a numpy copy; the copy gets its own host staging."""
+        if self.select_sess is not None:
+            copied = self.select_rows(kv, list(range(kv.batch)))
+        elif self.device == "cpu":
+            ov = self._ort.OrtValue
+            copied = KVCache([ov.ortvalue_from_numpy(v.numpy().copy()) for v in kv.values], kv.lengths, kv.mask,
+                             kv.capacity)
+        else:
+            raise EngineLoadError(f"{self.engine_dir} has no kv_select graph to copy a cache on the device; "
+                                  "use an engine directory (trtinfer build)")
+        return KVCache(copied.values, kv.lengths.copy(), None if kv.mask is None else kv.mask.copy(), kv.capacity,
+                       staging=self._new_staging())
+
+    def truncate_cache(self, kv: KVCache, n: int) -> KVCache:
+        """Buffer layouts: only the length changes (slots past ``n`` are masked, then overwritten). Concat: the past
+        tensors are cut to ``n`` positions (through host memory)."""
+        if kv.batch != 1 or not 0 < n <= int(kv.lengths[0]):
+            raise InputError(f"truncate_cache: a one-row cache of {int(kv.lengths[0])} tokens cannot keep {n}")
+        lengths = np.array([n], dtype=np.int64)
+        if self.kv_layout in ("shared_buffer", "scatter_buffer"):
+            return KVCache(kv.values, lengths, capacity=kv.capacity, staging=kv.staging)
+        assert kv.mask is not None
+        ov = self._ort.OrtValue
+        cut = [ov.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :n]), self.device, self.config.device_id)
+               for v in kv.values]
+        return KVCache(cut, lengths, mask=kv.mask[:, :n].copy(), staging=kv.staging)
 
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
         if self.select_sess is None:

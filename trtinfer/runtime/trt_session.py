@@ -309,6 +309,24 @@ class TrtDecoderSession(DecoderSession):
         return out[0], KVCache(kv.values, np.array([start + n], np.int64), capacity=self.capacity,
                                staging=kv.staging)
 
+    def copy_cache(self, kv: KVCache) -> KVCache:
+        """Device-to-device copies of the KV buffers; the copy gets its own staging."""
+        with self._lock:
+            cuda.set_device(self.config.device_id)
+            bufs = []
+            for old in kv.values:
+                new = cuda.DeviceBuffer(old.nbytes)
+                cuda.copy_on_device(new.ptr, old.ptr, old.nbytes, self.stream)
+                bufs.append(new)
+            self.stream.synchronize()
+        return KVCache(bufs, kv.lengths.copy(), capacity=self.capacity, staging=_Staging(self.stream))
+
+    def truncate_cache(self, kv: KVCache, n: int) -> KVCache:
+        """Only the length changes: slots past ``n`` are masked by position, then overwritten."""
+        if kv.batch != 1 or not 0 < n <= int(kv.lengths[0]):
+            raise InputError(f"truncate_cache: a one-row cache of {int(kv.lengths[0])} tokens cannot keep {n}")
+        return KVCache(kv.values, np.array([n], np.int64), capacity=self.capacity, staging=kv.staging)
+
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
         with self._lock:
             cuda.set_device(self.config.device_id)

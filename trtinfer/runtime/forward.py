@@ -1,0 +1,195 @@
+"""Contexts and the Forward builder: one sequence's KV cache, fed pass by pass, read through probes.
+
+::
+
+    ctx = engine.context()                       # an empty sequence (its own KV buffers on the engine's device)
+    fwd = ctx.forward().input(tok.encode("The capital of France is"))
+    h_next = fwd.sample([-1], Argmax())[0]       # the token after the last input
+    h_ent = fwd.probe(-1, Entropy())
+    out = fwd.execute()                          # one pass; the context now holds the 6 tokens
+    out.token(h_next), out.entropy(h_ent)
+    alt = ctx.fork()                             # a copy of the cache, made on the backend
+    ctx.truncate(3)                              # roll back to the first 3 tokens (rejected drafts)
+
+Positions index this pass's input tokens (0 = the first token fed in this pass; negative from the end). A pass
+computes the LM head only at the positions some probe or sampler reads. Sampled tokens are not fed back by
+themselves: the next pass's ``.input`` does that, so a caller can verify drafts, branch or stop.
+
+Limits of the engines' KV layouts, said plainly: tokens always take the next positions (``input_at`` accepts only
+those), and the causal mask is built inside the graph, so ``attention_mask`` is refused; passes of several contexts
+run one after another (``Engine.execute``), not as one batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trtinfer.errors import InputError
+from trtinfer.runtime.probes import Argmax, Distribution, Entropy, Logits, Logprob, Logprobs, Sampler
+from trtinfer.runtime.session import DecoderSession, KVCache
+
+_READERS = {"token": "token", "logits": "logits", "distribution": "distribution", "logprobs": "logprobs",
+            "entropy": "entropy"}
+
+
+@dataclass(frozen=True)
+class Handle:
+    """Names one value of a pass's :class:`Output`: what was asked (``kind``) and where (its index)."""
+
+    index: int
+    kind: str
+    position: int
+
+
+class Output:
+    """The values a pass computed; read each through the handle its probe or sampler returned."""
+
+    def __init__(self, values: list[Any], handles: list[Handle]) -> None:
+        self._values = values
+        self._handles = handles
+
+    def _get(self, h: Handle, kind: str) -> Any:
+        if not isinstance(h, Handle) or h.index >= len(self._values) or self._handles[h.index] != h:
+            raise InputError("this handle does not belong to this pass's output")
+        if h.kind != kind:
+            raise InputError(f"the handle is a {h.kind} handle; read it with out.{_READERS[h.kind]}(h), not "
+                             f"out.{_READERS[kind]}(h)")
+        return self._values[h.index]
+
+    def token(self, h: Handle) -> int:
+        """The token a sampler chose."""
+        return int(self._get(h, "token"))
+
+    def logits(self, h: Handle) -> np.ndarray:
+        """float32 logits ``[V]`` of a :class:`Logits` probe."""
+        return self._get(h, "logits")  # type: ignore[no-any-return]
+
+    def distribution(self, h: Handle) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, probs)`` of a :class:`Distribution` probe, most likely first."""
+        return self._get(h, "distribution")  # type: ignore[no-any-return]
+
+    def logprobs(self, h: Handle) -> Any:
+        """A float (:class:`Logprob`) or float64 ``[N]`` (:class:`Logprobs`)."""
+        return self._get(h, "logprobs")
+
+    def entropy(self, h: Handle) -> float:
+        """Entropy in nats of an :class:`Entropy` probe."""
+        return float(self._get(h, "entropy"))
+
+
+class Forward:
+    """One pass over a context: feed tokens, ask for values at positions, :meth:`execute`."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.tokens: list[int] = []
+        self._asks: list[tuple[Handle, Any]] = []
+        self._done = False
+
+    def input(self, ids: Sequence[int]) -> Forward:
+        """Append tokens at the next positions."""
+        vocab = int(self.ctx.session.manifest.geometry["vocab_size"])
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self.tokens.extend(int(t) for t in ids)
+        return self
+
+    def input_at(self, ids: Sequence[int], positions: Sequence[int]) -> Forward:
+        """Tokens at explicit sequence positions; the engines' KV layouts place token t at position t, so these must
+        be the next positions (anything else is refused, not reordered)."""
+        start = len(self.ctx.tokens) + len(self.tokens)
+        if list(positions) != list(range(start, start + len(ids))):
+            raise InputError(f"input_at: the engine's KV layout writes tokens at the next positions only "
+                             f"({start}..{start + len(ids) - 1}), got {list(positions)[:8]}")
+        return self.input(ids)
+
+    def attention_mask(self, mask: Any) -> Forward:
+        """Refused: every engine layout builds its causal (and sliding-window) mask inside the graph."""
+        raise InputError("custom attention masks are not supported: the engine's graph builds the causal mask from "
+                         "positions (concat, shared_buffer and scatter_buffer layouts alike)")
+
+    def _position(self, position: int) -> int:
+        n = len(self.tokens)
+        p = position + n if position < 0 else position
+        if not 0 <= p < n:
+            raise InputError(f"position {position} is outside this pass's {n} input tokens")
+        return p
+
+    def _ask(self, position: int, what: Any) -> Handle:
+        h = Handle(len(self._asks), what.kind, self._position(position))
+        self._asks.append((h, what))
+        return h
+
+    def probe(self, position: int, probe: Logits | Distribution | Logprob | Logprobs | Entropy) -> Handle:
+        """Read ``probe`` at ``position``; the handle reads the value from :meth:`execute`'s output."""
+        if not isinstance(probe, (Logits, Distribution, Logprob, Logprobs, Entropy)):
+            raise InputError(f"probe() takes Logits, Distribution, Logprob, Logprobs or Entropy, got "
+                             f"{type(probe).__name__}")
+        return self._ask(position, probe)
+
+    def sample(self, positions: Sequence[int] | int, sampler: Argmax | Sampler) -> list[Handle]:
+        """Choose a token at each of ``positions`` with ``sampler``; one handle per position."""
+        if not isinstance(sampler, (Argmax, Sampler)):
+            raise InputError(f"sample() takes Argmax() or Sampler(...), got {type(sampler).__name__}")
+        pos = [positions] if isinstance(positions, int) else list(positions)
+        return [self._ask(p, sampler) for p in pos]
+
+    def execute(self) -> Output:
+        """Run the pass: the context takes the tokens; the asked values are computed from their positions' logits."""
+        if self._done:
+            raise InputError("this forward pass already ran; start another with ctx.forward()")
+        if not self.tokens:
+            raise InputError("nothing to run: feed tokens with .input() first")
+        logits = self.ctx._run(self.tokens, sorted({h.position for h, _ in self._asks}))
+        self._done = True
+        return Output([what.compute(logits[h.position]) for h, what in self._asks], [h for h, _ in self._asks])
+
+
+class Context:
+    """One sequence on an engine: its tokens and its KV cache (the engine's own buffers, on its device)."""
+
+    def __init__(self, session: DecoderSession, capacity: int) -> None:
+        max_len = session.manifest.max_seq_len
+        if not 2 <= capacity <= max_len:
+            raise InputError(f"capacity must be between 2 and the engine's max sequence length {max_len}, "
+                             f"got {capacity}")
+        session.check_can_score()  # a pass needs logits at chosen positions
+        self.session = session
+        self.capacity = capacity
+        self.tokens: list[int] = []
+        self.kv: KVCache | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def forward(self) -> Forward:
+        """A new pass on this context."""
+        return Forward(self)
+
+    def _run(self, tokens: list[int], positions: list[int]) -> dict[int, np.ndarray]:
+        if len(self.tokens) + len(tokens) > self.capacity:
+            raise InputError(f"the context holds {len(self.tokens)} tokens and room for {self.capacity}; "
+                             f"{len(tokens)} more do not fit (engine.context(capacity=...) up to the max sequence "
+                             f"length {self.session.manifest.max_seq_len})")
+        want = positions or [len(tokens) - 1]  # a pass nobody reads still fills the cache
+        logits, self.kv = self.session.run_chunk(tokens, self.kv, self.capacity, positions=want)
+        self.tokens.extend(tokens)
+        return {p: logits[i] for i, p in enumerate(want)}
+
+    def fork(self) -> Context:
+        """A copy of this context (tokens and KV cache, copied on the backend); the two then go their own ways."""
+        other = Context(self.session, self.capacity)
+        other.tokens = list(self.tokens)
+        other.kv = None if self.kv is None else self.session.copy_cache(self.kv)
+        return other
+
+    def truncate(self, n: int) -> None:
+        """Roll back to the first ``n`` tokens (e.g. rejected draft tokens); later passes continue from there."""
+        if not 0 <= n <= len(self.tokens):
+            raise InputError(f"truncate({n}): the context holds {len(self.tokens)} tokens")
+        self.tokens = self.tokens[:n]
+        self.kv = None if n == 0 or self.kv is None else self.session.truncate_cache(self.kv, n)

@@ -1,0 +1,143 @@
+"""What a forward pass can read at a position: probes (``Logits``, ``Distribution``, ``Logprob``, ``Logprobs``,
+``Entropy``) and samplers (``Argmax``, ``Sampler``). Each turns one row of logits ``[V]`` into its value, in numpy.
+
+Log-probabilities are computed in float64 from the float32 logits (the log-softmax of transformers' eager path in
+float32 differs by rounding only), so probes agree with PyTorch eager to ~1e-6 on an fp32 engine.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trtinfer.errors import InputError
+
+
+def log_softmax(row: np.ndarray) -> np.ndarray:
+    """float64 log-softmax of one row of logits."""
+    x = row.astype(np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Logits:
+    """The raw logits at the position (float32 ``[V]``); read with ``out.logits(h)``."""
+
+    kind = "logits"
+
+    def compute(self, row: np.ndarray) -> np.ndarray:
+        """The logits, as float32."""
+        return row.astype(np.float32, copy=True)
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """The ``k`` most likely next tokens and their probabilities at ``temperature``; ``out.distribution(h)`` gives
+    ``(ids, probs)`` sorted by probability, highest first."""
+
+    temperature: float = 1.0
+    k: int = 10
+    kind = "distribution"
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0 or not isinstance(self.k, int) or self.k < 1:
+            raise InputError(f"Distribution needs temperature > 0 and k >= 1, got {self.temperature}, {self.k}")
+
+    def compute(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, probs) of the top ``k``."""
+        lp = log_softmax(row / self.temperature)
+        k = min(self.k, lp.shape[0])
+        top = np.argpartition(-lp, k - 1)[:k]
+        top = top[np.argsort(-lp[top], kind="stable")]
+        return top.astype(np.int64), np.exp(lp[top])
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """log p(``token_id``) at the position; ``out.logprobs(h)`` gives a float."""
+
+    token_id: int
+    kind = "logprobs"
+
+    def compute(self, row: np.ndarray) -> float:
+        """The log-probability."""
+        _check_ids([self.token_id], row.shape[0])
+        return float(log_softmax(row)[self.token_id])
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """log p of each of ``token_ids`` at the position (scoring candidates); ``out.logprobs(h)`` gives float64 ``[N]``."""
+
+    token_ids: Sequence[int] = field(default_factory=tuple)
+    kind = "logprobs"
+
+    def compute(self, row: np.ndarray) -> np.ndarray:
+        """The log-probabilities, in the order given."""
+        ids = list(self.token_ids)
+        _check_ids(ids, row.shape[0])
+        return log_softmax(row)[ids]
+
+
+@dataclass(frozen=True)
+class Entropy:
+    """The entropy (nats) of the next-token distribution at the position; ``out.entropy(h)``."""
+
+    kind = "entropy"
+
+    def compute(self, row: np.ndarray) -> float:
+        """-sum p log p."""
+        lp = log_softmax(row)
+        return float(-(np.exp(lp) * lp).sum())
+
+
+@dataclass(frozen=True)
+class Argmax:
+    """Greedy choice: the most likely token; ``out.token(h)``."""
+
+    kind = "token"
+
+    def compute(self, row: np.ndarray) -> int:
+        """The token id."""
+        return int(np.argmax(row))
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Draw a token at ``temperature`` from the top-k / top-p filtered distribution (transformers' order), with its
+    own seeded generator; ``out.token(h)``."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    kind = "token"
+
+    def __post_init__(self) -> None:
+        from trtinfer.runtime.config import GenerationConfig
+
+        GenerationConfig(do_sample=True, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                         seed=self.seed)  # the same checks and messages as generate's
+        object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
+
+    def compute(self, row: np.ndarray) -> int:
+        """One drawn token id."""
+        from trtinfer.runtime.sampling import softmax, top_k_top_p_filter
+
+        logits = top_k_top_p_filter(row[None, :].astype(np.float32) / self.temperature, self.top_k, self.top_p)
+        probs = softmax(logits.astype(np.float64))[0]
+        rng: Any = self._rng  # type: ignore[attr-defined]
+        return int(rng.choice(probs.shape[0], p=probs))
+
+
+def _check_ids(ids: Sequence[int], vocab: int) -> None:
+    bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
+    if bad:
+        raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+
+Probe = Logits | Distribution | Logprob | Logprobs | Entropy
+SamplerType = Argmax | Sampler
