@@ -72,7 +72,7 @@ class StreamEvent:
 
 
 class Generation:
-    """One batched generation. Iterate :meth:`events` for streaming; read :attr:`results` after.
+    """One batched generation. Iterate :meth:`events` for streaming, or call :meth:`run`; read :attr:`results` after.
 
     Every row's length is its own: a row finishes with ``"length"`` when its prompt + generated tokens reach the
     engine's ``max_seq_len``, so a short prompt next to a long one may generate more than ``max_seq_len - longest``
@@ -122,15 +122,27 @@ class Generation:
 
     def events(self) -> Iterator[StreamEvent]:
         """Run the generation, yielding text deltas as tokens arrive; fills :attr:`results`."""
+        return self._steps(deltas=True)
+
+    def run(self) -> list[GenerationResult]:
+        """Run the generation without streaming: without stop strings, each row is detokenized once, at its end."""
+        for _ in self._steps(deltas=False):
+            pass
+        return self.results
+
+    def _steps(self, deltas: bool) -> Iterator[StreamEvent]:
+        """The decode loop; yields one event per row per step when ``deltas`` (else nothing)."""
         cfg, n = self.cfg, len(self.prompts)
         width = max(len(p) for p in self.prompts)
         seeds = np.random.SeedSequence(cfg.seed).spawn(n) if cfg.do_sample else []
         rngs = [np.random.default_rng(s) for s in seeds]
         timings = [Timings(prompt_tokens=len(p), batch_size=n) for p in self.prompts]
-        decoders = [IncrementalDecoder(self.tok, cfg.stop) for _ in range(n)]
+        # text is needed step by step only to stream it or to find stop strings; otherwise one decode at the end
+        decoders = [IncrementalDecoder(self.tok, cfg.stop) if deltas or cfg.stop else None for _ in range(n)]
         generated: list[list[int]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         seen = [np.asarray(p, dtype=np.int64) for p in self.prompts]
+        eos = frozenset(self.eos)
 
         active = list(range(n))  # batch row -> prompt index
         t0 = time.perf_counter()
@@ -160,17 +172,21 @@ class Generation:
                 tok = int(tokens[row])
                 generated[i].append(tok)
                 seen[i] = np.append(seen[i], tok)
-                delta = decoders[i].add(tok)
-                if decoders[i].stopped or tok in self.eos:
+                dec = decoders[i]
+                delta = dec.add(tok) if dec is not None else ""
+                if (dec is not None and dec.stopped) or tok in eos:
                     finish[i] = "stop"
                 elif (len(generated[i]) >= cfg.max_new_tokens
                       or len(self.prompts[i]) + len(generated[i]) >= self.max_seq_len):
                     finish[i] = "length"
-                if finish[i] is not None:
-                    delta += decoders[i].flush()
-                else:
+                if finish[i] is None:
                     keep.append(row)
-                yield StreamEvent(i, delta, tok, finish[i])
+                elif dec is not None:
+                    delta += dec.finish()
+                    if dec.stopped:  # the full decode holds a stop string the steps could not see yet
+                        finish[i] = "stop"
+                if deltas:
+                    yield StreamEvent(i, delta, tok, finish[i])
             if not keep:
                 break
             if len(keep) < len(active):
@@ -183,7 +199,8 @@ class Generation:
             else:
                 logits, kv = self.session.decode(tokens, kv)
 
+        texts = [d.text if d is not None else self.tok.decode(g) for d, g in zip(decoders, generated)]
         self.results = [
-            GenerationResult(generated[i], decoders[i].text, finish[i] or "length", self.prompts[i], timings[i])
+            GenerationResult(generated[i], texts[i], finish[i] or "length", self.prompts[i], timings[i])
             for i in range(n)
         ]

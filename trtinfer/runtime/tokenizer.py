@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from trtinfer.errors import EngineLoadError, InputError
+
+log = logging.getLogger(__name__)
 
 
 def read_tokenizer(engine_dir: Path) -> Any:
@@ -77,6 +80,11 @@ class EngineTokenizer:
         check_text(text, "the text to encode")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The underlying ``tokenizers.Tokenizer`` (transformers names it so too)."""
+        return self._tok
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -111,39 +119,105 @@ class EngineTokenizer:
 
 
 class IncrementalDecoder:
-    """Turn a growing list of token ids into text deltas, holding back incomplete UTF-8 and stop-string prefixes."""
+    """Token ids -> text deltas at a cost per token that does not grow with the text; stops at stop strings.
+
+    ``tokenizers``' ``DecodeStream`` decodes each new token with the few tokens before it as context and holds back
+    the bytes of a character still incomplete (a UTF-8 character split across byte-level tokens). On top of it this
+    class holds back any tail of the text that may still grow into one of the ``stop`` strings, and sets
+    :attr:`stopped` (and :attr:`stop_string`) once one appears. :meth:`finish` settles the text with one full decode:
+    :attr:`text` is ``tokenizer.decode(ids)`` cut before the first stop string in it, and the deltas of :meth:`add`
+    and :meth:`finish` joined equal it. One exception: byte-fallback decoders (Llama-2, Gemma) turn a run of byte
+    tokens that is not valid UTF-8 into one U+FFFD per byte as a whole, so when invalid bytes come before valid ones
+    in the same run, the deltas may hold those valid bytes as text where :attr:`text` has U+FFFD (bytes no
+    tokenizer would produce from text; the full decode re-reading every id at every step went wrong there too).
+    """
 
     def __init__(self, tokenizer: EngineTokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.ids: list[int] = []
-        self.text = ""
-        self.emitted = 0
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once one did
+        self._stream: Any = _decode_stream()  # None: full decodes (the stream could not follow this decoder)
+        self._emitted: list[str] = []  # deltas returned so far
+        self._pending = ""  # decoded text not returned yet: a possible stop-string start
+        self._final: str | None = None  # the text, once finish() ran
+
+    @property
+    def text(self) -> str:
+        """The text so far (returned deltas + what is held back); after :meth:`finish`, the final text."""
+        return self._final if self._final is not None else "".join(self._emitted) + self._pending
 
     def add(self, token_id: int) -> str:
-        """Append a token; return the newly safe text (may be empty). Sets ``stopped`` on a stop string."""
-        self.ids.append(token_id)
-        self.text = self.tokenizer.decode(self.ids)
+        """Append a token; return the newly safe text (may be empty). Sets :attr:`stopped` on a stop string."""
+        self.ids.append(int(token_id))
+        if self.stopped:
+            return ""
+        self._pending += self._step(int(token_id))
         if self.stop:
-            cut = min((i for i in (self.text.find(s, max(0, self.emitted - len(s))) for s in self.stop) if i >= 0),
-                      default=-1)
-            if cut >= 0:
-                self.text, self.stopped = self.text[:cut], True
-                return self.flush()
-        safe = len(self.text)
-        if self.text.endswith("\ufffd"):
-            safe = self.text.rstrip("\ufffd").__len__()
-        for s in self.stop:  # keep back a tail that may still become a stop string
-            for k in range(min(len(s) - 1, safe), 0, -1):
-                if self.text[safe - k:safe] == s[:k]:
-                    safe -= k
-                    break
-        safe = max(safe, self.emitted)
-        delta, self.emitted = self.text[self.emitted:safe], safe
+            # a stop string can only start inside the held-back text: every earlier possible start was held back
+            found = [(at, s) for s in self.stop if (at := self._pending.find(s)) >= 0]
+            if found:
+                at, self.stop_string = min(found)
+                self._pending, self.stopped = self._pending[:at], True
+                return self._release(len(self._pending))
+        return self._release(len(self._pending) - self._held())
+
+    def finish(self) -> str:
+        """Settle the text with one full decode (and its stop-string cut); return what was not returned yet."""
+        full = self.tokenizer.decode(self.ids)
+        found = [(at, s) for s in self.stop if (at := full.find(s)) >= 0]
+        if found:
+            at, self.stop_string = min(found)
+            full, self.stopped = full[:at], True
+        emitted = "".join(self._emitted)
+        if full.startswith(emitted):
+            delta = full[len(emitted):]
+        else:  # an invalid byte run of a byte-fallback decoder (see the class docstring): the full decode wins
+            log.debug("streamed text %r is not a prefix of the full decode %r", emitted[-40:], full[-40:])
+            delta = ""
+        self._final, self._pending = full, ""
+        if delta:
+            self._emitted.append(delta)
         return delta
 
-    def flush(self) -> str:
-        """Everything not yet emitted."""
-        delta, self.emitted = self.text[self.emitted:], len(self.text)
+    def _step(self, token_id: int) -> str:
+        """The text ``token_id`` adds ("" while a character is incomplete)."""
+        if self._stream is not None:
+            try:
+                return self._stream.step(self.tokenizer.backend_tokenizer, token_id) or ""
+            except Exception as e:  # noqa: BLE001  DecodeStream raises a bare Exception when its prefix check fails
+                log.debug("DecodeStream gave up (%s); decoding in full from here on", e)
+                self._stream = None
+        # full decode of every id, as transformers' TextStreamer does; incomplete characters decode to U+FFFD
+        full = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        known = "".join(self._emitted) + self._pending
+        return full[len(known):] if full.startswith(known) and len(full) > len(known) else ""
+
+    def _held(self) -> int:
+        """Length of the longest tail of the pending text that is a proper prefix of a stop string."""
+        held = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self._pending)), held, -1):
+                if self._pending.endswith(s[:k]):
+                    held = k
+                    break
+        return held
+
+    def _release(self, upto: int) -> str:
+        delta, self._pending = self._pending[:upto], self._pending[upto:]
+        if delta:
+            self._emitted.append(delta)
         return delta
+
+
+def _decode_stream() -> Any:
+    """A fresh ``tokenizers.decoders.DecodeStream`` skipping special tokens (tokenizers >= 0.21)."""
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError as e:
+        import tokenizers
+
+        raise EngineLoadError(f"incremental decoding needs tokenizers >= 0.21 (DecodeStream), found "
+                              f"{tokenizers.__version__}: pip install -U 'tokenizers>=0.21'") from e
+    return DecodeStream(skip_special_tokens=True)
