@@ -92,6 +92,11 @@ class RuntimeConfig:
 class GenerationConfig:
     """Decoding settings; the same names and meanings as transformers' ``generate``.
 
+    ``min_p`` (transformers): after top-p, drop tokens less likely than ``min_p`` times the most likely one.
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, not in transformers): each token's logit is lowered by
+    ``presence_penalty * (count > 0) + frequency_penalty * count``, ``count`` being how often it was generated so far
+    (the prompt does not count); negative values encourage repeats. ``no_repeat_ngram_size`` (transformers): no
+    n-gram of that size occurs twice in prompt + output; 0 turns it off.
     ``stop`` and ``eos_token_ids`` accept any list (a single string for ``stop``) and are stored as tuples.
     """
 
@@ -102,6 +107,10 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     eos_token_ids: tuple[int, ...] | None = None  # None: the engine's generation config
@@ -111,7 +120,8 @@ class GenerationConfig:
         self._normalize_sequences()
         _check_types(self, {"max_new_tokens": "int", "min_new_tokens": "int", "do_sample": "bool",
                             "temperature": "number", "top_k": "int", "top_p": "number",
-                            "repetition_penalty": "number", "ignore_eos": "bool"})
+                            "repetition_penalty": "number", "min_p": "number", "presence_penalty": "number",
+                            "frequency_penalty": "number", "no_repeat_ngram_size": "int", "ignore_eos": "bool"})
         if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
             raise ConfigError(f"seed must be a non-negative integer or None, got {_found(self.seed)}", field="seed")
         checks = [
@@ -123,6 +133,13 @@ class GenerationConfig:
             ("top_p", 0 < self.top_p <= 1, f"top_p must be within (0, 1], got {self.top_p}"),
             ("repetition_penalty", self.repetition_penalty > 0,
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            ("min_p", 0 <= self.min_p <= 1, f"min_p must be within [0, 1] (0 disables it), got {self.min_p}"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be within [-2, 2] (0 disables it), got {self.presence_penalty}"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be within [-2, 2] (0 disables it), got {self.frequency_penalty}"),
+            ("no_repeat_ngram_size", self.no_repeat_ngram_size >= 0,
+             f"no_repeat_ngram_size must be >= 0 (0 disables it), got {self.no_repeat_ngram_size}"),
         ]
         for name, ok, msg in checks:
             if not ok:
