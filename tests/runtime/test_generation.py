@@ -113,6 +113,27 @@ def test_stop_strings_and_streaming(tiny_engine):
         assert sum(e.finish_reason is not None for e in events) == 3
 
 
+def test_a_stop_string_keeps_its_tokens_and_leaves_the_text(tiny_engine):
+    """vLLM's rule: token_ids run up to the token that completed the stop string, text ends where it starts."""
+    with trtinfer.load(tiny_engine("llama")) as eng:
+        decode = eng.tokenizer.decode
+        full = eng.generate([PROMPTS[2]], max_new_tokens=16, ignore_eos=True)[0]
+        assert full.stop_reason is None and full.text == decode(full.token_ids)
+        stop = full.text[3:6]
+        cut = eng.generate([PROMPTS[2]], max_new_tokens=16, ignore_eos=True, stop=["never seen", stop])[0]
+        completed = next(k for k in range(1, 17) if stop in decode(full.token_ids[:k]))
+        assert cut.token_ids == full.token_ids[:completed]
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop
+        text = decode(cut.token_ids)
+        assert cut.text == text[: text.find(stop)] != text
+        streamed = [e for e in eng.stream_batch(input_ids=[cut.prompt_ids], max_new_tokens=16, ignore_eos=True,
+                                                stop=[stop])]
+        assert [e.token_id for e in streamed] == cut.token_ids and "".join(e.text for e in streamed) == cut.text
+        eos = full.token_ids[4]
+        by_eos = eng.generate([PROMPTS[2]], max_new_tokens=16, eos_token_ids=[eos])[0]
+        assert by_eos.stop_reason == eos and by_eos.token_ids[-1] == eos and by_eos.text == decode(by_eos.token_ids)
+
+
 def test_generate_without_streaming_detokenizes_once_per_row(tiny_engine, monkeypatch):
     """No stream, no stop strings: no per-step text; each row's text is one decode of its ids at the end."""
     from trtinfer.runtime import generator

@@ -52,13 +52,27 @@ class Timings:
 
 @dataclass
 class GenerationResult:
-    """One prompt's output: new token ids (EOS included, as transformers returns it), text, why it stopped."""
+    """One prompt's output: new token ids, their text, why generation stopped.
+
+    ``token_ids`` are the generated ids, EOS included (as transformers returns it). ``text`` is
+    ``tokenizer.decode(token_ids)`` (special tokens skipped), except after a stop string. A stop string is handled as
+    vLLM does: generation stops at the token that completes it, ``token_ids`` keep that token, and ``text`` ends
+    where the stop string starts (the stop string and anything after it are left out). So always::
+
+        full = tokenizer.decode(token_ids)
+        text == full[:full.find(stop_reason)] if isinstance(stop_reason, str) else text == full
+
+    ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_new_tokens``, or the row's prompt +
+    generated tokens reached the engine's max sequence length). ``stop_reason``: the stop string, or the EOS token
+    id, that ended the row; None for ``"length"``.
+    """
 
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or stop string) | "length" (max_new_tokens, or prompt + new tokens = max_seq_len)
+    finish_reason: str
     prompt_ids: list[int]
     timings: Timings
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +155,7 @@ class Generation:
         decoders = [IncrementalDecoder(self.tok, cfg.stop) if deltas or cfg.stop else None for _ in range(n)]
         generated: list[list[int]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
+        stop_reason: list[str | int | None] = [None] * n
         seen = [np.asarray(p, dtype=np.int64) for p in self.prompts]
         eos = frozenset(self.eos)
 
@@ -174,8 +189,10 @@ class Generation:
                 seen[i] = np.append(seen[i], tok)
                 dec = decoders[i]
                 delta = dec.add(tok) if dec is not None else ""
-                if (dec is not None and dec.stopped) or tok in eos:
-                    finish[i] = "stop"
+                if dec is not None and dec.stopped:
+                    finish[i], stop_reason[i] = "stop", dec.stop_string
+                elif tok in eos:
+                    finish[i], stop_reason[i] = "stop", tok
                 elif (len(generated[i]) >= cfg.max_new_tokens
                       or len(self.prompts[i]) + len(generated[i]) >= self.max_seq_len):
                     finish[i] = "length"
@@ -183,8 +200,8 @@ class Generation:
                     keep.append(row)
                 elif dec is not None:
                     delta += dec.finish()
-                    if dec.stopped:  # the full decode holds a stop string the steps could not see yet
-                        finish[i] = "stop"
+                    if dec.stopped:  # finish() settles which stop string cut the text (the steps found it first)
+                        finish[i], stop_reason[i] = "stop", dec.stop_string
                 if deltas:
                     yield StreamEvent(i, delta, tok, finish[i])
             if not keep:
@@ -201,6 +218,6 @@ class Generation:
 
         texts = [d.text if d is not None else self.tok.decode(g) for d, g in zip(decoders, generated)]
         self.results = [
-            GenerationResult(generated[i], texts[i], finish[i] or "length", self.prompts[i], timings[i])
+            GenerationResult(generated[i], texts[i], finish[i] or "length", self.prompts[i], timings[i], stop_reason[i])
             for i in range(n)
         ]
