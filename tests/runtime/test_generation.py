@@ -95,6 +95,18 @@ def test_repetition_penalty_and_min_new_tokens_match_hf(tiny_model_dir, tiny_eng
         assert held.token_ids == hf_greedy(src, ids, 10, eos_token_id=first, min_new_tokens=4)[: len(held.token_ids)]
 
 
+def test_greedy_with_processors_runs_them(tiny_model_dir, tiny_engine):
+    """Greedy decoding with a processor that changes logits (no-repeat n-grams, penalties) reads the logits on the
+    host: the device-argmax shortcut is for plain greedy only."""
+    src, ids = tiny_model_dir("llama"), [7, 8, 9]  # plain greedy repeats itself from there: 85 16 85 16 ...
+    with trtinfer.load(tiny_engine("llama")) as eng:
+        plain = eng.generate(input_ids=[ids], max_new_tokens=12, ignore_eos=True)[0].token_ids
+        ngram = eng.generate(input_ids=[ids], max_new_tokens=12, ignore_eos=True, no_repeat_ngram_size=2)[0]
+        presence = eng.generate(input_ids=[ids], max_new_tokens=12, ignore_eos=True, presence_penalty=2.0)[0]
+    assert ngram.token_ids == hf_greedy(src, ids, 12, no_repeat_ngram_size=2, eos_token_id=None, min_new_tokens=12)
+    assert ngram.token_ids != plain and presence.token_ids != plain
+
+
 def test_stop_strings_and_streaming(tiny_engine):
     with trtinfer.load(tiny_engine("llama")) as eng:
         full = eng.generate([PROMPTS[2]], max_new_tokens=16, ignore_eos=True)[0]

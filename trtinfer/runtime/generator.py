@@ -15,7 +15,7 @@ import numpy as np
 
 from trtinfer.errors import ConfigError, EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig
-from trtinfer.runtime.sampling import select_next
+from trtinfer.runtime.sampling import is_plain_greedy, select_next
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.tokenizer import EngineTokenizer, IncrementalDecoder
 
@@ -165,7 +165,7 @@ class Generation:
         # at max_new_tokens or at its own max_seq_len, and its last token is never fed back)
         capacity = min(self.max_seq_len, width + cfg.max_new_tokens + 1)
         # plain greedy needs no logits on the host: the session may pick the tokens where the logits are (TensorRT)
-        greedy = not cfg.do_sample and cfg.repetition_penalty == 1.0 and cfg.min_new_tokens == 0
+        greedy = is_plain_greedy(cfg)
         if greedy:
             tokens, kv = self.session.prefill_greedy(self.prompts, capacity)
         else:
