@@ -109,7 +109,8 @@ def test_temperature_then_warpers_match_transformers(temperature):
     t = lp.TemperatureLogitsWarper(temperature)(None, torch.from_numpy(x.copy())).numpy()
     cfg = GenerationConfig(do_sample=True, temperature=temperature)
     np.testing.assert_array_equal(x / np.float32(cfg.temperature), t)
-    np.testing.assert_array_equal(filter_logits(x / np.float32(temperature), 20, 0.9, 0.05), hf_filter(t, 20, 0.9, 0.05))
+    ours = filter_logits(x / np.float32(temperature), 20, 0.9, 0.05)
+    np.testing.assert_array_equal(ours, hf_filter(t, 20, 0.9, 0.05))
 
 
 @pytest.mark.parametrize(("top_k", "top_p", "min_p"), [(5, 1.0, 0.0), (0, 0.7, 0.0), (0, 0.9, 0.3), (4, 0.6, 0.1),
@@ -149,11 +150,11 @@ def test_top_p_past_the_candidate_set():
     flat = (rng.standard_normal((2, vocab)) * 0.5).astype(np.float32)  # nucleus of tens of thousands of tokens
     ties = np.full((1, vocab), -20.0, np.float32)
     ties[0, :10] = 2.0
-    ties[0, 100:100 + 2 * CANDIDATES] = 0.0  # 2,048 equal logits straddling the set's edge
+    ties[0, 100:100 + 2 * CANDIDATES] = 0.0  # equal logits straddling the set's edge
     x = np.concatenate([flat, ties, lm_like(rng, 1, vocab)])
     for top_p in (0.5, 0.9, 0.97):
         ours, ref = filter_logits(x, top_p=top_p), hf_filter(x, top_p=top_p)
-        assert np.isfinite(ours[0]).sum() > 8 * CANDIDATES
+        assert np.isfinite(ours[0]).sum() > 4 * CANDIDATES
         assert 10 < np.isfinite(ours[2]).sum() < 10 + 2 * CANDIDATES
         assert_same_kept(ours, ref, x, 0, top_p)
 
@@ -252,11 +253,13 @@ def test_processor_order_matches_transformers():
                                                       (8, 0.9, 0.05)])
 def test_draw_is_an_inverse_cdf_of_the_kept_probabilities(top_k, top_p, min_p):
     rng = np.random.default_rng(top_k)
-    # 700: the whole-vocabulary draw spans several blocks; 3000 flat: top-p past the candidate set
+    # 700: the whole-vocabulary draw spans several blocks; 5000 flat: top-p past the candidate set
     for vocab, x in [(30, lm_like(rng, 1, 30) / 3), (700, lm_like(rng, 1, 700) / 3),
-                     (3000, rng.standard_normal((1, 3000)).astype(np.float32) * 0.3)]:
+                     (5000, rng.standard_normal((1, 5000)).astype(np.float32) * 0.3)]:
         probs = softmax(hf_filter(x, top_k, top_p, min_p))[0]
-        n_grid = 5000 if vocab < 3000 else 2000
+        if vocab == 5000 and top_p < 1.0 and not top_k:
+            assert (probs > 0).sum() > CANDIDATES
+        n_grid = 5000 if vocab < 5000 else 1000
         u = (np.arange(n_grid) + 0.5) / n_grid
         counts = np.bincount(sample(np.repeat(x, n_grid, axis=0), u, top_k, top_p, min_p), minlength=vocab)
         assert np.abs(counts - probs * n_grid).max() <= 1.01

@@ -5,7 +5,7 @@ min_new_tokens (EOS blocked). Greedy then takes the argmax; sampling applies tem
 (transformers' warpers with ``min_tokens_to_keep=1``) and draws one token per row.
 
 Sampling sorts a candidate set, not the vocabulary: ``np.argpartition`` picks the top-k tokens (and any tied with the
-k-th), or for top-p alone the top 1,024. A top-p nucleus that ends above the smallest logit of that set holds only
+k-th), or for top-p alone the top 2,048. A top-p nucleus that ends above the smallest logit of that set holds only
 tokens of the set, in the order a full sort gives them: the result is the full sort's, not an approximation. A row
 whose nucleus is larger (a flat distribution) sorts its logits alone and finds the boundary with block sums. The draw
 is an inverse CDF at one uniform per row from that row's own generator (over the whole vocabulary in two levels,
@@ -22,7 +22,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from trtinfer.runtime.config import GenerationConfig
 
-CANDIDATES = 1024  # top-p without top-k: the candidate set a row tries before sorting its whole row
+CANDIDATES = 2048  # top-p without top-k: the candidate set a row tries before sorting its whole row
 _BLOCK = 256  # inverse CDF over a whole row: find the block of the vocabulary first, then the token inside it
 
 
