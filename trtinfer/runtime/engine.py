@@ -93,10 +93,7 @@ class Engine:
         ``repetition_penalty``, ``seed``, ``stop``, ...); keywords override ``config``.
         ``chat=True`` renders each prompt as a user message through the model's chat template.
         """
-        gen = self._generation(prompts, input_ids, chat, config, kwargs)
-        for _ in gen.events():
-            pass
-        return gen.results
+        return self._generation(prompts, input_ids, chat, config, kwargs).run()  # text decoded once per row
 
     def stream(self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None, chat: bool = False,
                config: GenerationConfig | None = None, **kwargs: Any) -> Iterator[str]:
