@@ -108,9 +108,9 @@ _LOW, _HIGH_SHIFT = np.uint64(0xFFFFFFFF), np.uint64(32)
 _SIGN = np.uint32(0x80000000)
 
 
-def _row_max(x: np.ndarray) -> np.ndarray:
-    m = x.max(axis=-1, keepdims=True)
-    return np.where(np.isfinite(m), m, np.float32(0))  # type: ignore[no-any-return]  # no finite logit: weights 0
+def _finite(m: np.ndarray) -> np.ndarray:
+    """Row maxima ``[R, 1]`` to subtract before exp; a row with no finite logit keeps its -inf (weights 0)."""
+    return np.where(np.isfinite(m), m, np.float32(0))  # type: ignore[no-any-return]
 
 
 def _sort_desc(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -173,15 +173,16 @@ def _nucleus(e: np.ndarray, z: np.ndarray, top_p: float) -> np.ndarray:
     return keep  # type: ignore[no-any-return]
 
 
-def _top_p_candidates(x: np.ndarray, m: np.ndarray, top_p: float) -> list[_Kept]:
+def _top_p_candidates(x: np.ndarray, top_p: float) -> list[_Kept]:
     """Top-p without top-k. Each row first tries its top :data:`CANDIDATES` tokens; a row whose nucleus reaches the
     smallest logit of that set (a token tied with it may lie outside) goes on to :func:`_top_p_whole_rows`."""
     vocab = x.shape[-1]
+    ids = _top_ids(x, CANDIDATES)
+    ids, vals = _sort_desc(ids, np.take_along_axis(x, ids, -1))
+    m = _finite(vals[:, :1])  # the row max is the first candidate
     e_all = np.subtract(x, m, dtype=np.float32)
     np.exp(e_all, out=e_all)
     z = e_all.sum(axis=-1, dtype=np.float64)  # the whole row's softmax total
-    ids = _top_ids(x, CANDIDATES)
-    ids, vals = _sort_desc(ids, np.take_along_axis(x, ids, -1))
     e = np.exp(vals - m)
     keep = _nucleus(e, z, top_p)
     if CANDIDATES >= vocab:
@@ -224,22 +225,21 @@ def _top_p_whole_rows(x: np.ndarray, m: np.ndarray, z: np.ndarray, top_p: float)
 
 def _kept(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> list[_Kept]:
     """Top-k -> top-p -> min-p on ``x [B, V]`` (already divided by the temperature), as groups of rows."""
-    m = _row_max(x)
     rows = np.arange(len(x))
     top_k = top_k if 0 < top_k < x.shape[-1] else 0
     if not top_k and top_p >= 1.0:
-        e = np.subtract(x, m, dtype=np.float32)
+        e = np.subtract(x, _finite(x.max(axis=-1, keepdims=True)), dtype=np.float32)
         np.exp(e, out=e)
         return [_Kept(rows, None, e >= min_p if min_p > 0 else None, e)]
     if top_k:
         ids, vals = _sort_desc(*_top_k_candidates(x, top_k))
-        e = np.exp(vals - m)
+        e = np.exp(vals - _finite(vals[:, :1]))  # the row max is the first candidate
         keep = ids >= 0
         if top_p < 1.0:  # top-p renormalizes over what top-k left
             keep &= _nucleus(e, e.sum(axis=-1, dtype=np.float64), top_p)
         groups = [_Kept(rows, ids, keep, e)]
     else:
-        groups = _top_p_candidates(x, m, top_p)
+        groups = _top_p_candidates(x, top_p)
     if min_p > 0:  # p >= min_p * p_max; the row max has e = 1 and survives top-k and top-p
         groups = [g._replace(keep=g.e >= min_p if g.keep is None else g.keep & (g.e >= min_p)) for g in groups]
     return groups
