@@ -97,6 +97,8 @@ class GenerationConfig:
     ``presence_penalty * (count > 0) + frequency_penalty * count``, ``count`` being how often it was generated so far
     (the prompt does not count); negative values encourage repeats. ``no_repeat_ngram_size`` (transformers): no
     n-gram of that size occurs twice in prompt + output; 0 turns it off.
+    ``logprobs=True`` (OpenAI's): each result carries, per generated token, its log-probability under the model (the
+    raw distribution, before any processor) and, with ``top_logprobs=k``, the ``k`` most likely alternatives.
     ``stop`` and ``eos_token_ids`` accept any list (a single string for ``stop``) and are stored as tuples.
     """
 
@@ -115,13 +117,16 @@ class GenerationConfig:
     stop: tuple[str, ...] = field(default_factory=tuple)
     eos_token_ids: tuple[int, ...] | None = None  # None: the engine's generation config
     ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
         _check_types(self, {"max_new_tokens": "int", "min_new_tokens": "int", "do_sample": "bool",
                             "temperature": "number", "top_k": "int", "top_p": "number",
                             "repetition_penalty": "number", "min_p": "number", "presence_penalty": "number",
-                            "frequency_penalty": "number", "no_repeat_ngram_size": "int", "ignore_eos": "bool"})
+                            "frequency_penalty": "number", "no_repeat_ngram_size": "int", "ignore_eos": "bool",
+                            "logprobs": "bool", "top_logprobs": "int"})
         if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
             raise ConfigError(f"seed must be a non-negative integer or None, got {_found(self.seed)}", field="seed")
         checks = [
@@ -140,6 +145,8 @@ class GenerationConfig:
              f"frequency_penalty must be within [-2, 2] (0 disables it), got {self.frequency_penalty}"),
             ("no_repeat_ngram_size", self.no_repeat_ngram_size >= 0,
              f"no_repeat_ngram_size must be >= 0 (0 disables it), got {self.no_repeat_ngram_size}"),
+            ("top_logprobs", 0 <= self.top_logprobs <= 20 and (self.logprobs or self.top_logprobs == 0),
+             f"top_logprobs must be within 0..20 and needs logprobs=True, got {self.top_logprobs}"),
         ]
         for name, ok, msg in checks:
             if not ok:

@@ -59,12 +59,13 @@ class Engine:
         assert prompts is not None
         if isinstance(prompts, str):
             prompts = [prompts]
+        if chat:  # each prompt: one user message (a string) or a conversation (a list of {"role", "content"} dicts)
+            return [self.tokenizer.encode_chat(_messages(p, i)) for i, p in enumerate(prompts)]
         if not all(isinstance(p, str) for p in prompts):
-            raise InputError("prompts must be strings; pass token ids through input_ids=")
+            raise InputError("prompts must be strings (with chat=True also lists of messages); pass token ids through "
+                             "input_ids=")
         for i, p in enumerate(prompts):
             check_text(p, f"prompt {i}")
-        if chat:
-            return [self.tokenizer.encode_chat(p) for p in prompts]
         return [self.tokenizer.encode(p) for p in prompts]
 
     def _generation(self, prompts: Any, input_ids: Any, chat: bool, config: GenerationConfig | None,
@@ -170,6 +171,21 @@ class Engine:
     def describe(self) -> dict[str, Any]:
         """The manifest as a dict."""
         return json.loads(json.dumps(self.manifest.raw))
+
+
+def _messages(prompt: Any, i: int) -> str | list[dict[str, str]]:
+    """A chat prompt checked: a user string, or a list of ``{"role": ..., "content": ...}`` messages."""
+    if isinstance(prompt, str):
+        check_text(prompt, f"prompt {i}")
+        return prompt
+    ok = isinstance(prompt, (list, tuple)) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+    if not ok:
+        raise InputError(f"chat prompt {i} must be a string or a non-empty list of {{'role': str, 'content': str}} "
+                         "messages")
+    for j, m in enumerate(prompt):
+        check_text(m["content"], f"prompt {i} message {j}")
+    return [dict(m) for m in prompt]
 
 
 def load(engine_dir: str | Path, config: RuntimeConfig | None = None, **overrides: Any) -> Any:

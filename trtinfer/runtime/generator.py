@@ -50,6 +50,32 @@ class Timings:
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 2), "total_ms": round(self.total_ms, 3)}
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely alternatives at its step (``top``: ``(id, logprob)``
+    pairs, most likely first), as OpenAI's ``logprobs.content`` items carry them."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: np.ndarray, tokens: np.ndarray, k: int) -> list[TokenLogprob]:
+    """Per row of ``logits [B,V]``: the chosen token's log-softmax and the top ``k`` (float64 math)."""
+    x = logits.astype(np.float64)
+    lse = x.max(axis=-1, keepdims=True)
+    lp = x - lse - np.log(np.exp(x - lse).sum(axis=-1, keepdims=True))
+    out = []
+    for r, t in enumerate(tokens):
+        top: tuple[tuple[int, float], ...] = ()
+        if k:
+            ids = np.argpartition(-lp[r], k - 1)[:k]
+            ids = ids[np.argsort(-lp[r, ids], kind="stable")]
+            top = tuple((int(i), float(lp[r, i])) for i in ids)
+        out.append(TokenLogprob(int(t), float(lp[r, int(t)]), top))
+    return out
+
+
 @dataclass
 class GenerationResult:
     """One prompt's output: new token ids, their text, why generation stopped.
@@ -62,6 +88,7 @@ class GenerationResult:
         full = tokenizer.decode(token_ids)
         text == full[:full.find(stop_reason)] if isinstance(stop_reason, str) else text == full
 
+    ``logprobs`` (with ``logprobs=True``): one :class:`TokenLogprob` per generated token, else None.
     ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_new_tokens``, or the row's prompt +
     generated tokens reached the engine's max sequence length). ``stop_reason``: the stop string, or the EOS token
     id, that ended the row; None for ``"length"``.
@@ -73,6 +100,7 @@ class GenerationResult:
     prompt_ids: list[int]
     timings: Timings
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +182,7 @@ class Generation:
         # text is needed step by step only to stream it or to find stop strings; otherwise one decode at the end
         decoders = [IncrementalDecoder(self.tok, cfg.stop) if deltas or cfg.stop else None for _ in range(n)]
         generated: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] | None = [[] for _ in range(n)] if cfg.logprobs else None
         finish: list[str | None] = [None] * n
         stop_reason: list[str | int | None] = [None] * n
         seen = [np.asarray(p, dtype=np.int64) for p in self.prompts]
@@ -175,6 +204,9 @@ class Generation:
             if not greedy:
                 tokens = select_next(logits, cfg, [seen[i] for i in active], step, self.eos,
                                      [rngs[i] for i in active] if rngs else [])
+                if logprobs is not None:
+                    for i, item in zip(active, token_logprobs(logits, tokens, cfg.top_logprobs)):
+                        logprobs[i].append(item)
             elapsed = (time.perf_counter() - t0) * 1000.0
             for i in active:
                 if step == 0:
@@ -218,6 +250,7 @@ class Generation:
 
         texts = [d.text if d is not None else self.tok.decode(g) for d, g in zip(decoders, generated)]
         self.results = [
-            GenerationResult(generated[i], texts[i], finish[i] or "length", self.prompts[i], timings[i], stop_reason[i])
+            GenerationResult(generated[i], texts[i], finish[i] or "length", self.prompts[i], timings[i], stop_reason[i],
+                             None if logprobs is None else logprobs[i])
             for i in range(n)
         ]

@@ -32,7 +32,8 @@ def is_plain_greedy(cfg: GenerationConfig) -> bool:
     A session may then pick tokens where the logits are (on the device) and skip copying them to the host.
     """
     return (not cfg.do_sample and cfg.repetition_penalty == 1.0 and cfg.presence_penalty == 0.0
-            and cfg.frequency_penalty == 0.0 and cfg.no_repeat_ngram_size == 0 and cfg.min_new_tokens == 0)
+            and cfg.frequency_penalty == 0.0 and cfg.no_repeat_ngram_size == 0 and cfg.min_new_tokens == 0
+            and not cfg.logprobs)  # log-probabilities need the logits on the host
 
 
 # --- processors (in place on float logits [B, V]) ----------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Torch-free tokenizer: the ``tokenizers`` library plus a jinja2 chat template, as the engine stores them."""
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 from collections.abc import Sequence
@@ -105,6 +106,8 @@ class EngineTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
         env.globals["raise_exception"] = raise_exception
+        # what transformers' template environment also offers (e.g. Llama 3 templates print today's date)
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
