@@ -493,24 +493,6 @@ class OrtDecoderSession(DecoderSession):
         self._stagings: weakref.WeakSet[PinnedInputs] = weakref.WeakSet()  # live generations' (for close, stats)
         self._stagings_lock = threading.Lock()
 
-    def _check_provider_started(self, model: Path) -> None:
-        """ONNX Runtime falls back to the next provider when one cannot start (a CUDA, cuDNN or TensorRT library
-        missing): say so instead of running on the fallback."""
-        if self.config.provider == "cpu":
-            return
-        name = ORT_PROVIDERS[self.config.provider]
-        started = self.sess.get_providers()
-        if started[0] == name:
-            return
-        if self.config.provider == "cuda":
-            fix = ("install the CUDA libraries it needs ('onnxruntime-gpu[cuda,cudnn]' or a CUDA toolkit of the "
-                   "version it was built for) or use provider 'cpu'")
-        else:
-            fix = ("install TensorRT 10 ('trtinfer[tensorrt]') and put its libraries on the loader path (e.g. "
-                   "LD_LIBRARY_PATH=<site-packages>/tensorrt_libs), or use provider 'cuda'")
-        raise BackendUnavailableError(f"ONNX Runtime could not start its {name} for {model} (session providers: "
-                                      f"{started}); {fix}")
-
     @property
     def pinned(self) -> bool:
         """Whether host inputs reach the GPU through page-locked buffers (False on the CPU, or without an allocator)."""
