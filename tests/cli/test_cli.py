@@ -31,10 +31,16 @@ def test_build_generate_inspect_round_trip(tiny_model_dir, tmp_path):
     g = json.loads(cli("generate", out, "-p", "Hello", "-p", "The history", "-n", "5", "--json").stdout)
     assert len(g) == 2 and all(len(r["token_ids"]) <= 5 for r in g)
     s = cli("generate", out, "-p", "Hello", "-n", "5", "--stream", "--min-new-tokens", "5")
-    assert s.stdout.strip() == g[0]["text"].strip() or len(s.stdout) > 0
-    chat = json.loads(cli("generate", out, "-p", "Hello", "-n", "3", "--chat", "--json", "--seed", "1",
-                          "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9").stdout)
-    assert chat[0]["timings"]["prompt_tokens"] > 2
+    same = json.loads(cli("generate", out, "-p", "Hello", "-n", "5", "--min-new-tokens", "5", "--json").stdout)
+    assert s.stdout.rstrip("\n") == same[0]["text"] and len(same[0]["token_ids"]) == 5  # streamed = returned text
+    base = ["generate", out, "-p", "Hello", "-n", "8", "--chat", "--json", "--min-new-tokens", "8"]
+    sampled = [*base, "--seed", "1", "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9"]
+    chat = json.loads(cli(*sampled).stdout)
+    assert chat[0]["timings"]["prompt_tokens"] > 2 and len(chat[0]["token_ids"]) == 8
+    assert json.loads(cli(*sampled).stdout)[0]["token_ids"] == chat[0]["token_ids"]  # the seed is honoured
+    greedy = json.loads(cli(*base).stdout)
+    hot = json.loads(cli(*base, "--seed", "2", "--temperature", "5").stdout)
+    assert hot[0]["token_ids"] != greedy[0]["token_ids"]  # a hot sampling run leaves the greedy path
     m = json.loads(cli("inspect", out, "--json").stdout)
     assert m["limits"]["max_batch_size"] == 4 and m["op_histogram"]["MatMul"] > 0
     assert m["export"]["validation"]["passed"]

@@ -8,7 +8,6 @@ import onnx_ir as ir
 import onnx_ir.passes.common  # registers ir.passes.common
 import onnxruntime as ort
 
-from trtinfer.passes.cleanup import simplify_static_shapes
 
 # Phi-3's rotary: rotary_dim = cos.shape[-1]; x_rot = x[..., :rotary_dim]; cat([f(x_rot), x[..., rotary_dim:]])
 ROTARY_SLICES = """
@@ -40,19 +39,11 @@ def _run(model: ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _fold(model: ir.Model) -> int:
-    """simplify + the constant folding cleanup runs with it, until nothing changes."""
-    from onnxscript.optimizer import _constant_folding
+    """The registered ``cleanup`` pass itself (folding, static-shape simplification, dead nodes); nodes removed."""
+    from trtinfer.passes import PassConfig, PassContext
+    from trtinfer.passes.cleanup import cleanup
 
-    total = 0
-    for _ in range(4):
-        n = simplify_static_shapes(model)
-        _constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=8192, output_size_limit=8192)(model)
-        ir.passes.common.RemoveUnusedNodesPass()(model)
-        ir.passes.common.ShapeInferencePass()(model)
-        total += n
-        if not n:
-            break
-    return total
+    return cleanup(model, PassContext(PassConfig(), {}))
 
 
 def test_static_rotary_dim_folds_and_slices_vanish() -> None:
