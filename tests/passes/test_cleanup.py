@@ -8,7 +8,6 @@ import onnx_ir as ir
 import onnx_ir.passes.common  # registers ir.passes.common
 import onnxruntime as ort
 
-
 # Phi-3's rotary: rotary_dim = cos.shape[-1]; x_rot = x[..., :rotary_dim]; cat([f(x_rot), x[..., rotary_dim:]])
 ROTARY_SLICES = """
 <ir_version: 9, opset_import: ["" : 17]>
