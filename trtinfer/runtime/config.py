@@ -99,6 +99,7 @@ class GenerationConfig:
     n-gram of that size occurs twice in prompt + output; 0 turns it off.
     ``logprobs=True`` (OpenAI's): each result carries, per generated token, its log-probability under the model (the
     raw distribution, before any processor) and, with ``top_logprobs=k``, the ``k`` most likely alternatives.
+    ``max_time`` (transformers'): seconds after which every row ends (``finish_reason`` ``"length"``).
     ``stop`` and ``eos_token_ids`` accept any list (a single string for ``stop``) and are stored as tuples.
     """
 
@@ -119,6 +120,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    max_time: float | None = None
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
@@ -127,6 +129,9 @@ class GenerationConfig:
                             "repetition_penalty": "number", "min_p": "number", "presence_penalty": "number",
                             "frequency_penalty": "number", "no_repeat_ngram_size": "int", "ignore_eos": "bool",
                             "logprobs": "bool", "top_logprobs": "int"})
+        if self.max_time is not None and not (_is_number(self.max_time) and self.max_time > 0):
+            raise ConfigError(f"max_time must be a positive number of seconds or None, got {_found(self.max_time)}",
+                              field="max_time")
         if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
             raise ConfigError(f"seed must be a non-negative integer or None, got {_found(self.seed)}", field="seed")
         checks = [

@@ -17,6 +17,10 @@ from trtinfer.runtime.session import DecoderSession, open_session
 from trtinfer.runtime.tokenizer import EngineTokenizer, check_text
 
 _GEN_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)}
+#: keyword options of generate/stream that are callables: ``logits_processor(ids_per_row, logits) -> logits`` (after
+#: the model, before repetition penalties and sampling, as transformers' hook) and ``should_stop() -> bool`` (checked
+#: once per step; True ends every row with finish_reason "cancelled")
+_HOOKS = frozenset({"logits_processor", "should_stop"})
 
 
 class Engine:
@@ -71,9 +75,10 @@ class Engine:
     def _generation(self, prompts: Any, input_ids: Any, chat: bool, config: GenerationConfig | None,
                     kwargs: dict[str, Any]) -> Generation:
         self._check_open()
+        hooks = {k: kwargs.pop(k) for k in _HOOKS if k in kwargs}  # callables, not configuration
         unknown = set(kwargs) - _GEN_FIELDS
         if unknown:
-            raise InputError(f"unknown generation option(s) {sorted(unknown)}; known: {sorted(_GEN_FIELDS)}")
+            raise InputError(f"unknown generation option(s) {sorted(unknown)}; known: {sorted(_GEN_FIELDS | _HOOKS)}")
         if config is not None and not isinstance(config, GenerationConfig):
             raise InputError(f"config must be a GenerationConfig, got {type(config).__name__}")
         if "stop" in kwargs and kwargs["stop"] is None:  # stop=None means no stop strings
@@ -82,7 +87,7 @@ class Engine:
         cfg = dataclasses.replace(config, **kwargs) if config is not None else GenerationConfig(**kwargs)
         ids = self._prompt_ids(prompts, input_ids, chat)
         return Generation(self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size,
-                          self.manifest.max_seq_len)
+                          self.manifest.max_seq_len, **hooks)
 
     def generate(self, prompts: Sequence[str] | str | None = None, *,
                  input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +20,9 @@ from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.tokenizer import EngineTokenizer, IncrementalDecoder
 
 log = logging.getLogger(__name__)
+
+#: ``fn(token_ids_per_row, logits [B, V]) -> logits``: each row's prompt + generated ids so far, the raw float32 logits
+LogitsProcessor = Callable[[list[np.ndarray], np.ndarray], np.ndarray]
 
 
 @dataclass
@@ -89,8 +92,9 @@ class GenerationResult:
         text == full[:full.find(stop_reason)] if isinstance(stop_reason, str) else text == full
 
     ``logprobs`` (with ``logprobs=True``): one :class:`TokenLogprob` per generated token, else None.
-    ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_new_tokens``, or the row's prompt +
-    generated tokens reached the engine's max sequence length). ``stop_reason``: the stop string, or the EOS token
+    ``finish_reason``: ``"stop"`` (EOS or a stop string), ``"length"`` (``max_new_tokens``, the row's prompt +
+    generated tokens reached the engine's max sequence length, or ``max_time`` ran out) or ``"cancelled"`` (the
+    ``should_stop`` callback returned True). ``stop_reason``: the stop string, or the EOS token
     id, that ended the row; None for ``"length"``.
     """
 
@@ -126,7 +130,8 @@ class Generation:
     """
 
     def __init__(self, session: DecoderSession, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
-                 cfg: GenerationConfig, max_batch_size: int, max_seq_len: int) -> None:
+                 cfg: GenerationConfig, max_batch_size: int, max_seq_len: int, *,
+                 logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
         if not prompts:
             raise InputError("no prompts given: pass at least one prompt or input_ids row")
         if len(prompts) > max_batch_size:
@@ -147,6 +152,12 @@ class Generation:
         self.max_seq_len = max_seq_len
         self.eos = () if cfg.ignore_eos else self._eos_ids(cfg, tokenizer, vocab)
         self.results: list[GenerationResult] = []
+        if logits_processor is not None and not callable(logits_processor):
+            raise InputError("logits_processor must be a callable (token ids of each row, logits [B, V]) -> logits")
+        if should_stop is not None and not callable(should_stop):
+            raise InputError("should_stop must be a callable taking no arguments and returning True to stop")
+        self.logits_processor = logits_processor
+        self.should_stop = should_stop
 
     @staticmethod
     def _eos_ids(cfg: GenerationConfig, tokenizer: EngineTokenizer, vocab: int) -> tuple[int, ...]:
@@ -165,6 +176,16 @@ class Generation:
     def events(self) -> Iterator[StreamEvent]:
         """Run the generation, yielding text deltas as tokens arrive; fills :attr:`results`."""
         return self._steps(deltas=True)
+
+    def _processed(self, logits: np.ndarray, seen: list[np.ndarray]) -> np.ndarray:
+        """The user's logits processor applied, its result checked (same shape, a float array)."""
+        assert self.logits_processor is not None
+        out = self.logits_processor([row.copy() for row in seen], logits.astype(np.float32, copy=True))
+        out = np.asarray(out)
+        if out.shape != logits.shape or not np.issubdtype(out.dtype, np.floating):
+            raise InputError(f"logits_processor must return float logits of shape {logits.shape}, got "
+                             f"{out.dtype} {out.shape}")
+        return out
 
     def run(self) -> list[GenerationResult]:
         """Run the generation without streaming: without stop strings, each row is detokenized once, at its end."""
@@ -194,7 +215,8 @@ class Generation:
         # at max_new_tokens or at its own max_seq_len, and its last token is never fed back)
         capacity = min(self.max_seq_len, width + cfg.max_new_tokens + 1)
         # plain greedy needs no logits on the host: the session may pick the tokens where the logits are (TensorRT)
-        greedy = is_plain_greedy(cfg)
+        greedy = is_plain_greedy(cfg) and self.logits_processor is None
+        deadline = None if cfg.max_time is None else time.perf_counter() + cfg.max_time
         if greedy:
             tokens, kv = self.session.prefill_greedy(self.prompts, capacity)
         else:
@@ -202,6 +224,8 @@ class Generation:
         step = 0
         while True:
             if not greedy:
+                if self.logits_processor is not None:  # transformers' hook: after the model, before our processors
+                    logits = self._processed(logits, [seen[i] for i in active])
                 tokens = select_next(logits, cfg, [seen[i] for i in active], step, self.eos,
                                      [rngs[i] for i in active] if rngs else [])
                 if logprobs is not None:
@@ -214,6 +238,9 @@ class Generation:
                 else:
                     timings[i].decode_ms.append(elapsed)
             step += 1
+            # out of time (max_time) or cancelled (should_stop): every active row ends with the token it just got
+            halt = ("length" if deadline is not None and time.perf_counter() > deadline else
+                    "cancelled" if self.should_stop is not None and self.should_stop() else None)
             keep: list[int] = []
             for row, i in enumerate(active):
                 tok = int(tokens[row])
@@ -228,6 +255,8 @@ class Generation:
                 elif (len(generated[i]) >= cfg.max_new_tokens
                       or len(self.prompts[i]) + len(generated[i]) >= self.max_seq_len):
                     finish[i] = "length"
+                elif halt is not None:
+                    finish[i] = halt
                 if finish[i] is None:
                     keep.append(row)
                 elif dec is not None:
