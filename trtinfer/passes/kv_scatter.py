@@ -119,9 +119,10 @@ def _cache_concat(past: ir.Value) -> ir.Node | str:
     return node
 
 
-def _depends_on(value: ir.Value, target: ir.Value) -> bool:
-    """``target`` is ``value`` or one of its ancestors."""
-    todo, seen = [value], set()
+def _reaches_back(starts: list[ir.Value], target: ir.Value, stops: frozenset[int] = frozenset()) -> bool:
+    """Walking producers upstream from ``starts``, without passing values whose id is in ``stops``: is ``target``
+    met?"""
+    todo, seen = [v for v in starts if id(v) not in stops], set()
     while todo:
         v = todo.pop()
         if v is target:
@@ -130,8 +131,13 @@ def _depends_on(value: ir.Value, target: ir.Value) -> bool:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        todo.extend(x for x in node.inputs if x is not None)
+        todo.extend(x for x in node.inputs if x is not None and id(x) not in stops)
     return False
+
+
+def _depends_on(value: ir.Value, target: ir.Value) -> bool:
+    """``target`` is ``value`` or one of its ancestors."""
+    return _reaches_back([value], target)
 
 
 def _is_padding_mask(node: ir.Node, attention_mask: ir.Value) -> bool:
@@ -202,19 +208,7 @@ def _mask_kind(mask: ir.Value, geometry: dict[str, Any]) -> str | None:
 
 def _reads_outside(graph: ir.Graph, value: ir.Value, stops: list[ir.Value]) -> bool:
     """Some graph output depends on ``value`` other than through the ``stops`` values."""
-    stop_ids = {id(v) for v in stops}
-    todo = [v for v in graph.outputs if id(v) not in stop_ids]
-    seen: set[int] = set()
-    while todo:
-        v = todo.pop()
-        if v is value:
-            return True
-        node = v.producer()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        todo.extend(x for x in node.inputs if x is not None and id(x) not in stop_ids)
-    return False
+    return _reaches_back(list(graph.outputs), value, frozenset(id(v) for v in stops))
 
 
 def plan_scatter(graph: ir.Graph, geometry: dict[str, Any]) -> _Plan | str:
