@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 
 import numpy as np
 import pytest
+from concurrency import assert_concurrent_equals_sequential
 
 import trtinfer
 import trtinfer.errors
@@ -149,26 +149,7 @@ def test_cuda_concurrent_generations_match_sequential(precision, tiny_engine):
     """Two threads generating at once on one CUDA session get the tokens each gets alone (no shared host buffer)."""
     jobs = {0: PROMPTS, 1: ["Once upon a time", "What is the capital of"]}
     with _cuda(tiny_engine, "llama", precision) as eng:
-        want = {k: [r.token_ids for r in eng.generate(p, max_new_tokens=12, ignore_eos=True)] for k, p in jobs.items()}
-        got: dict[int, list] = {0: [], 1: []}
-        errors: list[BaseException] = []
-        start = threading.Barrier(2)
-
-        def work(k):
-            try:
-                start.wait()
-                for _ in range(5):
-                    got[k].append([r.token_ids for r in eng.generate(jobs[k], max_new_tokens=12, ignore_eos=True)])
-            except BaseException as e:  # noqa: BLE001 - reported by the main thread
-                errors.append(e)
-
-        threads = [threading.Thread(target=work, args=(k,)) for k in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors, errors
-        assert got == {k: [want[k]] * 5 for k in jobs}
+        assert_concurrent_equals_sequential(eng, jobs, rounds=5, max_new_tokens=12)
         gc.collect()
         assert eng.session.live_stagings() == []
 

@@ -12,12 +12,12 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
+from concurrency import assert_concurrent_equals_sequential
 
 import trtinfer
 from trtinfer.errors import BackendUnavailableError, ConfigError
@@ -229,26 +229,6 @@ def test_concurrent_generations_match_sequential(engine, staged):
     with trtinfer.load(engine) as eng:
         if staged:
             _cpu_staging(eng.session)
-        want = {k: [r.token_ids for r in eng.generate(p, max_new_tokens=8, ignore_eos=True)] for k, p in jobs.items()}
-        got: dict[int, list] = {0: [], 1: []}
-        errors: list[BaseException] = []
-        start = threading.Barrier(2)
-
-        def work(k: int) -> None:
-            try:
-                start.wait()
-                for _ in range(3):
-                    got[k].append([r.token_ids for r in eng.generate(jobs[k], max_new_tokens=8, ignore_eos=True)])
-            except BaseException as e:  # noqa: BLE001 - reported by the main thread
-                errors.append(e)
-
-        threads = [threading.Thread(target=work, args=(k,)) for k in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors, errors
-        for k in jobs:
-            assert got[k] == [want[k]] * 3
+        assert_concurrent_equals_sequential(eng, jobs, rounds=3, max_new_tokens=8)
         gc.collect()
         assert eng.session.live_stagings() == []
