@@ -580,15 +580,16 @@ class OrtDecoderSession(DecoderSession):
             logits, vals = self._run(feeds, bufs, bufs, want, staging)  # present bound to past: written in place
             return logits[:, -1, :], KVCache(vals, lengths, capacity=self._scatter_capacity, staging=staging)
         if self.kv_layout == "shared_buffer":
-            for r, p in enumerate(prompts):  # right padding: row r's tokens sit at 0..len-1, as in its buffer
-                ids[r, :len(p)] = p
             cap = max(capacity, width)
+            # right padding, as the scatter layout: row r's tokens sit at 0..len-1, as in its buffer
+            feeds, _ = prefill_feeds(prompts, self.pad_token_id, cap)
+            want = feeds.pop(LOGITS_POSITIONS)  # each row's last real token
+            if not self._needs_positions:
+                del feeds["position_ids"]
+            feeds["seqlens_k"] = (lengths - 1).astype(np.int32)
+            feeds["total_sequence_length"] = np.array(width, dtype=np.int32)
             bufs = [self._kv_value((n, kvh, cap, hd)) for _ in self.past_names]
-            feeds = {"input_ids": ids, "seqlens_k": (lengths - 1).astype(np.int32),
-                     "total_sequence_length": np.array(width, dtype=np.int32)}
-            if self._needs_positions:
-                feeds["position_ids"] = np.broadcast_to(np.arange(width, dtype=np.int64), (n, width)).copy()
-            logits, vals = self._run(feeds, bufs, bufs, (lengths - 1)[:, None], staging)  # each row's last real token
+            logits, vals = self._run(feeds, bufs, bufs, want, staging)
             return logits[:, -1, :], KVCache(vals, lengths, capacity=cap, staging=staging)
         mask = np.zeros((n, width), dtype=np.int64)
         for r, p in enumerate(prompts):  # left padding: every row's last token is at the same column
