@@ -101,13 +101,24 @@ class GenerationConfig:
     raw distribution, before any processor) and, with ``top_logprobs=k``, the ``k`` most likely alternatives.
     ``max_time`` (transformers'): seconds after which every row ends (``finish_reason`` ``"length"``).
     ``stop`` and ``eos_token_ids`` accept any list (a single string for ``stop``) and are stored as tuples.
+
+    Beam search (transformers' names and rules): ``num_beams > 1`` keeps that many hypotheses per prompt, scored by
+    summed log-probabilities divided by ``generated_length ** length_penalty``; ``early_stopping`` is ``False``
+    (transformers' heuristic), ``True`` (stop once ``num_beams`` hypotheses finished) or ``"never"`` (the canonical
+    search); ``num_return_sequences`` best hypotheses are returned per prompt (with sampling and one beam: that many
+    independent samples per prompt). ``prompt_lookup_num_tokens=K`` drafts up to K tokens from the last
+    ``max_matching_ngram_size`` tokens' earlier occurrence in the sequence and verifies them in one pass (greedy:
+    the same tokens as plain greedy decoding).
+
+    An engine's ``generation_config.json`` (the model's) supplies the defaults of these fields where it sets them;
+    anything passed to ``generate`` overrides it. With neither, the defaults are transformers' (``top_k`` 50).
     """
 
     max_new_tokens: int = 64
     min_new_tokens: int = 0
     do_sample: bool = False
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: int = 50
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
@@ -121,6 +132,12 @@ class GenerationConfig:
     logprobs: bool = False
     top_logprobs: int = 0
     max_time: float | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int = 2
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
@@ -128,7 +145,16 @@ class GenerationConfig:
                             "temperature": "number", "top_k": "int", "top_p": "number",
                             "repetition_penalty": "number", "min_p": "number", "presence_penalty": "number",
                             "frequency_penalty": "number", "no_repeat_ngram_size": "int", "ignore_eos": "bool",
-                            "logprobs": "bool", "top_logprobs": "int"})
+                            "logprobs": "bool", "top_logprobs": "int", "num_beams": "int",
+                            "length_penalty": "number", "num_return_sequences": "int",
+                            "max_matching_ngram_size": "int"})
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ConfigError(f"early_stopping must be True, False or \"never\", got {_found(self.early_stopping)}",
+                              field="early_stopping")
+        lookup = self.prompt_lookup_num_tokens
+        if lookup is not None and not (_is_int(lookup) and lookup >= 1):
+            raise ConfigError(f"prompt_lookup_num_tokens must be a positive integer or None, got {_found(lookup)}",
+                              field="prompt_lookup_num_tokens")
         if self.max_time is not None and not (_is_number(self.max_time) and self.max_time > 0):
             raise ConfigError(f"max_time must be a positive number of seconds or None, got {_found(self.max_time)}",
                               field="max_time")
@@ -152,10 +178,34 @@ class GenerationConfig:
              f"no_repeat_ngram_size must be >= 0 (0 disables it), got {self.no_repeat_ngram_size}"),
             ("top_logprobs", 0 <= self.top_logprobs <= 20 and (self.logprobs or self.top_logprobs == 0),
              f"top_logprobs must be within 0..20 and needs logprobs=True, got {self.top_logprobs}"),
+            ("num_beams", self.num_beams >= 1, f"num_beams must be >= 1, got {self.num_beams}"),
+            ("num_return_sequences", 1 <= self.num_return_sequences and (
+                self.num_beams == 1 or self.num_return_sequences <= self.num_beams),
+             f"num_return_sequences must be within 1..num_beams ({self.num_beams}), got {self.num_return_sequences}"),
+            ("num_return_sequences", self.num_return_sequences == 1 or self.num_beams > 1 or self.do_sample,
+             "num_return_sequences > 1 needs beam search (num_beams > 1) or sampling (do_sample=True): greedy "
+             "decoding returns one sequence"),
+            ("max_matching_ngram_size", self.max_matching_ngram_size >= 1,
+             f"max_matching_ngram_size must be >= 1, got {self.max_matching_ngram_size}"),
         ]
+        self._check_combinations()
         for name, ok, msg in checks:
             if not ok:
                 raise ConfigError(msg, field=name)
+
+    def _check_combinations(self) -> None:
+        """What beam search and prompt lookup do not combine with, said in one line each."""
+        if self.num_beams > 1:
+            unsupported = [name for name, on in (
+                ("do_sample", self.do_sample), ("stop", bool(self.stop)), ("logprobs", self.logprobs),
+                ("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens is not None),
+                ("max_time", self.max_time is not None)) if on]
+            if unsupported:
+                raise ConfigError(f"beam search (num_beams={self.num_beams}) does not combine with {unsupported[0]}; "
+                                  "drop one of them", field=unsupported[0])
+        if self.prompt_lookup_num_tokens is not None and self.num_return_sequences > 1:
+            raise ConfigError("prompt_lookup_num_tokens does not combine with num_return_sequences > 1",
+                              field="num_return_sequences")
 
     def _normalize_sequences(self) -> None:
         # frozen: object.__setattr__ is the dataclass way to normalize in __post_init__

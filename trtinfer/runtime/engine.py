@@ -10,6 +10,7 @@ from typing import Any
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 from trtinfer.runtime.forward import Context, Forward, Output
+from trtinfer.runtime.gen_defaults import read_generation_defaults
 from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent
 from trtinfer.runtime.manifest import Manifest, read_manifest
 from trtinfer.runtime.scoring import PerplexityResult, ScoreResult, check_ids, score_ids, windowed_perplexity
@@ -33,6 +34,8 @@ class Engine:
         self.config = config or RuntimeConfig()
         self.tokenizer = EngineTokenizer(self.path, self.manifest.raw.get("tokenizer", {}))
         self.session: DecoderSession = open_session(self.path, self.manifest, self.config)
+        #: defaults of every generate/stream call: the model's generation_config.json over transformers' defaults
+        self.generation_defaults: GenerationConfig = read_generation_defaults(self.path)
         self.closed = False
 
     def __enter__(self) -> Engine:  # noqa: PYI034
@@ -73,7 +76,7 @@ class Engine:
         return [self.tokenizer.encode(p) for p in prompts]
 
     def _generation(self, prompts: Any, input_ids: Any, chat: bool, config: GenerationConfig | None,
-                    kwargs: dict[str, Any]) -> Generation:
+                    kwargs: dict[str, Any], streaming: bool = False) -> Any:
         self._check_open()
         hooks = {k: kwargs.pop(k) for k in _HOOKS if k in kwargs}  # callables, not configuration
         unknown = set(kwargs) - _GEN_FIELDS
@@ -83,11 +86,26 @@ class Engine:
             raise InputError(f"config must be a GenerationConfig, got {type(config).__name__}")
         if "stop" in kwargs and kwargs["stop"] is None:  # stop=None means no stop strings
             kwargs["stop"] = ()
-        # keyword options override the fields of ``config``; GenerationConfig checks and normalizes them
-        cfg = dataclasses.replace(config, **kwargs) if config is not None else GenerationConfig(**kwargs)
+        # keyword options override the fields of ``config`` (default: the engine's generation_config.json);
+        # GenerationConfig checks and normalizes them
+        cfg = dataclasses.replace(config if config is not None else self.generation_defaults, **kwargs)
         ids = self._prompt_ids(prompts, input_ids, chat)
-        return Generation(self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size,
-                          self.manifest.max_seq_len, **hooks)
+        args = (self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size, self.manifest.max_seq_len)
+        if cfg.num_beams > 1:
+            if streaming:
+                raise InputError("beam search cannot stream: the best hypothesis is known only at the end; use "
+                                 "generate()")
+            from trtinfer.runtime.beam import BeamSearch
+
+            return BeamSearch(*args, **hooks)
+        if cfg.prompt_lookup_num_tokens is not None:
+            from trtinfer.runtime.speculative import PromptLookupGeneration
+
+            return PromptLookupGeneration(*args, **hooks)
+        if cfg.num_return_sequences > 1:  # independent samples: each prompt repeated, each copy its own generator
+            ids = [row for row in ids for _ in range(cfg.num_return_sequences)]
+            args = (self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size, self.manifest.max_seq_len)
+        return Generation(*args, **hooks)
 
     def generate(self, prompts: Sequence[str] | str | None = None, *,
                  input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False,
@@ -106,7 +124,7 @@ class Engine:
         """Generate for one prompt, yielding text deltas as tokens arrive; options as for :meth:`generate`."""
         rows = None if input_ids is None else [list(input_ids)]
         prompts = None if prompt is None else [prompt]
-        for ev in self._generation(prompts, rows, chat, config, kwargs).events():
+        for ev in self._generation(prompts, rows, chat, config, kwargs, streaming=True).events():
             if ev.text:
                 yield ev.text
 
@@ -114,7 +132,7 @@ class Engine:
                      input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False,
                      config: GenerationConfig | None = None, **kwargs: Any) -> Iterator[StreamEvent]:
         """Generate for a batch, yielding a :class:`StreamEvent` per prompt per step; options as for :meth:`generate`."""
-        yield from self._generation(prompts, input_ids, chat, config, kwargs).events()
+        yield from self._generation(prompts, input_ids, chat, config, kwargs, streaming=True).events()
 
     def score(self, prompts: Sequence[str] | str | None = None, *,
               input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False) -> list[ScoreResult]:
