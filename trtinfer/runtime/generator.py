@@ -92,6 +92,8 @@ class GenerationResult:
         text == full[:full.find(stop_reason)] if isinstance(stop_reason, str) else text == full
 
     ``logprobs`` (with ``logprobs=True``): one :class:`TokenLogprob` per generated token, else None.
+    ``score`` (beam search): the hypothesis' score, transformers' ``sequences_scores`` (sum of log-probabilities /
+    ``len(token_ids) ** length_penalty``); None otherwise.
     ``finish_reason``: ``"stop"`` (EOS or a stop string), ``"length"`` (``max_new_tokens``, the row's prompt +
     generated tokens reached the engine's max sequence length, or ``max_time`` ran out) or ``"cancelled"`` (the
     ``should_stop`` callback returned True). ``stop_reason``: the stop string, or the EOS token
@@ -105,6 +107,7 @@ class GenerationResult:
     timings: Timings
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    score: float | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,57 @@ class StreamEvent:
     text: str
     token_id: int | None
     finish_reason: str | None = None
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab: int, max_seq_len: int) -> list[list[int]]:
+    """The prompts as int lists; InputError for none, an empty one, one too long, or ids outside the vocabulary."""
+    if not prompts:
+        raise InputError("no prompts given: pass at least one prompt or input_ids row")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise InputError(f"prompt {i} is empty (0 tokens); give at least one token")
+        if len(p) >= max_seq_len:
+            raise InputError(f"prompt {i} has {len(p)} tokens; the engine's max sequence length is {max_seq_len} "
+                             "(prompt + at least one new token); shorten it or rebuild with a larger --max-seq-len")
+        bad = [t for t in p if not 0 <= int(t) < vocab]
+        if bad:
+            raise InputError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    return [list(map(int, p)) for p in prompts]
+
+
+def eos_ids(cfg: GenerationConfig, tokenizer: EngineTokenizer, vocab: int) -> tuple[int, ...]:
+    """The EOS ids of a generation (none with ``ignore_eos``), each checked to be a row of the logits."""
+    if cfg.ignore_eos:
+        return ()
+    eos = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else tokenizer.eos_token_ids)
+    bad = [t for t in eos if not 0 <= t < vocab]
+    if bad and cfg.eos_token_ids is not None:
+        raise ConfigError(f"eos_token_ids {bad[:5]} are outside the model's vocabulary of {vocab} tokens (ids 0.."
+                          f"{vocab - 1}); pass ids of this model's tokenizer", field="eos_token_ids")
+    if bad:
+        raise EngineLoadError(f"the engine's eos_token_ids {bad[:5]} (manifest tokenizer.eos_token_ids) are outside "
+                              f"the model's vocabulary of {vocab} tokens; rebuild the engine, or pass "
+                              "eos_token_ids (or ignore_eos=True)")
+    return eos
+
+
+def check_hooks(logits_processor: LogitsProcessor | None, should_stop: Callable[[], bool] | None
+                ) -> tuple[LogitsProcessor | None, Callable[[], bool] | None]:
+    """The two hooks, each None or a callable (InputError otherwise)."""
+    if logits_processor is not None and not callable(logits_processor):
+        raise InputError("logits_processor must be a callable (token ids of each row, logits [B, V]) -> logits")
+    if should_stop is not None and not callable(should_stop):
+        raise InputError("should_stop must be a callable taking no arguments and returning True to stop")
+    return logits_processor, should_stop
+
+
+def run_logits_processor(fn: LogitsProcessor, logits: np.ndarray, seen: list[np.ndarray]) -> np.ndarray:
+    """The user's logits processor applied to a copy, its result checked (same shape, a float array)."""
+    out = np.asarray(fn([row.copy() for row in seen], logits.astype(np.float32, copy=True)))
+    if out.shape != logits.shape or not np.issubdtype(out.dtype, np.floating):
+        raise InputError(f"logits_processor must return float logits of shape {logits.shape}, got "
+                         f"{out.dtype} {out.shape}")
+    return out
 
 
 class Generation:
@@ -132,60 +186,19 @@ class Generation:
     def __init__(self, session: DecoderSession, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
                  cfg: GenerationConfig, max_batch_size: int, max_seq_len: int, *,
                  logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
-        if not prompts:
-            raise InputError("no prompts given: pass at least one prompt or input_ids row")
         if len(prompts) > max_batch_size:
             raise InputError(f"batch of {len(prompts)} prompts exceeds the engine's max batch size {max_batch_size}; "
                              "split it, or rebuild with a larger --max-batch-size")
-        vocab = int(session.manifest.geometry["vocab_size"])
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise InputError(f"prompt {i} is empty (0 tokens); give at least one token")
-            if len(p) >= max_seq_len:
-                raise InputError(f"prompt {i} has {len(p)} tokens; the engine's max sequence length is {max_seq_len} "
-                                 "(prompt + at least one new token); shorten it or rebuild with a larger --max-seq-len")
-            bad = [t for t in p if not 0 <= int(t) < vocab]
-            if bad:
-                raise InputError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         self.session, self.tok, self.cfg = session, tokenizer, cfg
-        self.prompts = [list(map(int, p)) for p in prompts]
+        self.prompts = check_prompts(prompts, int(session.manifest.geometry["vocab_size"]), max_seq_len)
         self.max_seq_len = max_seq_len
-        self.eos = () if cfg.ignore_eos else self._eos_ids(cfg, tokenizer, vocab)
+        self.eos = eos_ids(cfg, tokenizer, int(session.manifest.geometry["vocab_size"]))
         self.results: list[GenerationResult] = []
-        if logits_processor is not None and not callable(logits_processor):
-            raise InputError("logits_processor must be a callable (token ids of each row, logits [B, V]) -> logits")
-        if should_stop is not None and not callable(should_stop):
-            raise InputError("should_stop must be a callable taking no arguments and returning True to stop")
-        self.logits_processor = logits_processor
-        self.should_stop = should_stop
-
-    @staticmethod
-    def _eos_ids(cfg: GenerationConfig, tokenizer: EngineTokenizer, vocab: int) -> tuple[int, ...]:
-        """The EOS ids of this generation, each checked to be a row of the logits (sampling indexes them)."""
-        eos = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else tokenizer.eos_token_ids)
-        bad = [t for t in eos if not 0 <= t < vocab]
-        if bad and cfg.eos_token_ids is not None:
-            raise ConfigError(f"eos_token_ids {bad[:5]} are outside the model's vocabulary of {vocab} tokens (ids 0.."
-                              f"{vocab - 1}); pass ids of this model's tokenizer", field="eos_token_ids")
-        if bad:
-            raise EngineLoadError(f"the engine's eos_token_ids {bad[:5]} (manifest tokenizer.eos_token_ids) are outside "
-                                  f"the model's vocabulary of {vocab} tokens; rebuild the engine, or pass "
-                                  "eos_token_ids (or ignore_eos=True)")
-        return eos
+        self.logits_processor, self.should_stop = check_hooks(logits_processor, should_stop)
 
     def events(self) -> Iterator[StreamEvent]:
         """Run the generation, yielding text deltas as tokens arrive; fills :attr:`results`."""
         return self._steps(deltas=True)
-
-    def _processed(self, logits: np.ndarray, seen: list[np.ndarray]) -> np.ndarray:
-        """The user's logits processor applied, its result checked (same shape, a float array)."""
-        assert self.logits_processor is not None
-        out = self.logits_processor([row.copy() for row in seen], logits.astype(np.float32, copy=True))
-        out = np.asarray(out)
-        if out.shape != logits.shape or not np.issubdtype(out.dtype, np.floating):
-            raise InputError(f"logits_processor must return float logits of shape {logits.shape}, got "
-                             f"{out.dtype} {out.shape}")
-        return out
 
     def run(self) -> list[GenerationResult]:
         """Run the generation without streaming: without stop strings, each row is detokenized once, at its end."""
@@ -225,7 +238,7 @@ class Generation:
         while True:
             if not greedy:
                 if self.logits_processor is not None:  # transformers' hook: after the model, before our processors
-                    logits = self._processed(logits, [seen[i] for i in active])
+                    logits = run_logits_processor(self.logits_processor, logits, [seen[i] for i in active])
                 tokens = select_next(logits, cfg, [seen[i] for i in active], step, self.eos,
                                      [rngs[i] for i in active] if rngs else [])
                 if logprobs is not None:

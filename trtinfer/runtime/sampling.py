@@ -315,14 +315,14 @@ def sample(logits: np.ndarray, u: np.ndarray, top_k: int = 0, top_p: float = 1.0
     return out
 
 
-def select_next(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[np.ndarray], n_generated: int,
-                eos_ids: Sequence[int], rngs: Sequence[np.random.Generator], *,
-                generated: Sequence[np.ndarray] | None = None) -> np.ndarray:
-    """Pick one token per row of ``logits [B, V]``; ``rngs`` holds one generator per row (sampling only).
+def apply_processors(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[np.ndarray], n_generated: int,
+                     eos_ids: Sequence[int], generated: Sequence[np.ndarray] | None = None) -> np.ndarray:
+    """transformers' logits processors of ``cfg`` over ``logits [B, V]`` (a float32 copy when any applies).
 
-    ``seen[r]`` holds row r's prompt and generated tokens (repetition penalty, no-repeat n-grams);
-    ``generated[r]`` its generated tokens alone (presence/frequency penalties), by default the last ``n_generated``
-    of ``seen[r]``. Sampling takes exactly one uniform from each row's generator per call.
+    Repetition penalty, presence/frequency penalties, no-repeat n-grams, then ``min_new_tokens`` (EOS gets -inf while
+    fewer tokens were generated). ``seen[r]`` holds row r's prompt and generated tokens; ``generated[r]`` its generated
+    tokens alone, by default the last ``n_generated`` of ``seen[r]``. Beam search runs them on log-probabilities, as
+    transformers does.
     """
     rewrite = (cfg.repetition_penalty != 1.0 or cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0
                or cfg.no_repeat_ngram_size > 0 or (n_generated < cfg.min_new_tokens and bool(eos_ids)))
@@ -335,6 +335,19 @@ def select_next(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[np.nda
     apply_no_repeat_ngram(x, seen, cfg.no_repeat_ngram_size)
     if n_generated < cfg.min_new_tokens and eos_ids:
         x[:, list(eos_ids)] = -np.inf
+    return x
+
+
+def select_next(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[np.ndarray], n_generated: int,
+                eos_ids: Sequence[int], rngs: Sequence[np.random.Generator], *,
+                generated: Sequence[np.ndarray] | None = None) -> np.ndarray:
+    """Pick one token per row of ``logits [B, V]``; ``rngs`` holds one generator per row (sampling only).
+
+    ``seen[r]`` holds row r's prompt and generated tokens (repetition penalty, no-repeat n-grams);
+    ``generated[r]`` its generated tokens alone (presence/frequency penalties), by default the last ``n_generated``
+    of ``seen[r]``. Sampling takes exactly one uniform from each row's generator per call.
+    """
+    x = apply_processors(logits, cfg, seen, n_generated, eos_ids, generated)
     if not cfg.do_sample:
         return x.argmax(axis=-1).astype(np.int64)  # type: ignore[no-any-return]
     if cfg.temperature != 1.0:

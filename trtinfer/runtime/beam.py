@@ -1,0 +1,219 @@
+"""Beam search over a :class:`DecoderSession`, step for step transformers' ``generate(num_beams=...)``.
+
+Each prompt keeps ``num_beams`` running hypotheses as rows of one batched KV cache. A step scores every
+continuation of every running beam (log-softmax of the logits, transformers' processors applied to those
+log-probabilities, plus the beam's running score), keeps the best ``2 * num_beams`` (more with several EOS ids),
+retires candidates that end (an EOS id, or the prompt's length limit) into the prompt's finished set scored by
+``sum of log-probabilities / generated_length ** length_penalty``, and continues the best ``num_beams`` others. The KV
+rows follow their beams with :meth:`DecoderSession.select_rows` (a gather on the device), skipped when no beam moved.
+A prompt is done by transformers' rule for ``early_stopping`` (``True``: ``num_beams`` finished hypotheses;
+``False``: when the best running beam, scored at the current length, cannot beat the worst finished one;
+``"never"``: the same at the longest possible length when ``length_penalty > 0``); its rows then leave the batch.
+
+Prompts run in groups of ``max_batch_size // num_beams`` (each prompt's beams must fit one batch). Every prompt is
+independent of the others, as in transformers, whose batched padding is the only thing that may make its scores
+differ by rounding.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trtinfer.errors import InputError
+from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.generator import (
+    GenerationResult,
+    LogitsProcessor,
+    StreamEvent,
+    Timings,
+    check_hooks,
+    check_prompts,
+    eos_ids,
+    run_logits_processor,
+)
+from trtinfer.runtime.sampling import apply_processors
+from trtinfer.runtime.session import DecoderSession
+from trtinfer.runtime.tokenizer import EngineTokenizer
+
+log = logging.getLogger(__name__)
+
+_NEG = -1.0e9  # transformers' "impossible" score: added, never compared for equality
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 log-softmax over the last axis (transformers computes it on float32 logits)."""
+    x = np.asarray(logits, dtype=np.float32)
+    m = x.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, np.float32(0))
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))  # type: ignore[no-any-return]
+
+
+@dataclass
+class _Prompt:
+    """One prompt's beam state: running hypotheses (tokens, scores) and the finished set, transformers' tensors."""
+
+    ids: list[int]
+    num_beams: int
+    limit: int  # most tokens this prompt may generate (max_new_tokens, or up to the engine's max_seq_len)
+    running: list[list[int]] = field(default_factory=list)
+    running_scores: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    finished: list[list[int]] = field(default_factory=list)
+    finished_scores: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    is_finished: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
+    done: bool = False
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        nb = self.num_beams
+        self.running = [[] for _ in range(nb)]
+        # only the first beam's continuations count at the first step (all beams hold the same prompt)
+        self.running_scores = np.full(nb, _NEG, np.float32)
+        self.running_scores[0] = 0.0
+        self.finished = [[] for _ in range(nb)]
+        self.finished_scores = np.full(nb, _NEG, np.float32)
+        self.is_finished = np.zeros(nb, bool)
+
+
+class BeamSearch:
+    """Beam search for a batch of prompts; :meth:`run` returns ``num_return_sequences`` results per prompt.
+
+    Results come prompt by prompt, each prompt's best hypothesis first; ``result.score`` is transformers'
+    ``sequences_scores`` (the length-penalized sum of log-probabilities). ``finish_reason`` is ``"stop"`` for a
+    hypothesis that ended with an EOS id, ``"length"`` for one cut by ``max_new_tokens`` or the engine's max sequence
+    length, ``"cancelled"`` when ``should_stop`` ended the search. ``logits_processor`` receives each beam's tokens
+    and its log-probabilities (transformers applies processors after the log-softmax in beam search).
+    """
+
+    def __init__(self, session: DecoderSession, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
+                 cfg: GenerationConfig, max_batch_size: int, max_seq_len: int, *,
+                 logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
+        vocab = int(session.manifest.geometry["vocab_size"])
+        if cfg.num_beams > max_batch_size:
+            raise InputError(f"num_beams={cfg.num_beams} exceeds the engine's max batch size {max_batch_size} (each "
+                             "beam is a row of the batch); lower num_beams or rebuild with a larger --max-batch-size")
+        if cfg.num_beams * 2 > vocab:
+            raise InputError(f"num_beams={cfg.num_beams} needs at least {2 * cfg.num_beams} tokens in the vocabulary")
+        self.session, self.tok, self.cfg = session, tokenizer, cfg
+        self.prompts = check_prompts(prompts, vocab, max_seq_len)
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.eos = eos_ids(cfg, tokenizer, vocab)
+        self.logits_processor, self.should_stop = check_hooks(logits_processor, should_stop)
+        self.results: list[GenerationResult] = []
+
+    def events(self) -> Iterator[StreamEvent]:
+        raise InputError("beam search cannot stream: the best hypothesis is known only at the end; use generate()")
+
+    def run(self) -> list[GenerationResult]:
+        """Search every prompt; fills and returns :attr:`results`."""
+        per_group = max(1, self.max_batch_size // self.cfg.num_beams)
+        self.results = []
+        for start in range(0, len(self.prompts), per_group):
+            self.results.extend(self._search(self.prompts[start:start + per_group]))
+        return self.results
+
+    # -----------------------------------------------------------------------------------------------------------
+    def _search(self, prompts: list[list[int]]) -> list[GenerationResult]:
+        cfg, nb = self.cfg, self.cfg.num_beams
+        states = [_Prompt(p, nb, min(cfg.max_new_tokens, self.max_seq_len - len(p))) for p in prompts]
+        timings = [Timings(prompt_tokens=len(p), batch_size=len(prompts) * nb) for p in prompts]
+        keep_k = max(2, 1 + len(self.eos)) * nb  # candidates kept per prompt (transformers' beams_to_keep)
+        width = max(len(p) for p in prompts)
+        capacity = min(self.max_seq_len, width + cfg.max_new_tokens + 1)
+        t0 = time.perf_counter()
+        logits, kv = self.session.prefill(prompts, capacity)
+        rows = [i for i in range(len(prompts)) for _ in range(nb)]  # every beam starts as a copy of its prompt
+        kv = self.session.select_rows(kv, rows)
+        logits = logits[rows]
+        active = list(range(len(prompts)))  # prompts whose beams are rows of the batch, in row order
+        step = 0
+        while True:
+            seen = [np.asarray(states[i].ids + beam, np.int64) for i in active for beam in states[i].running]
+            scores = apply_processors(log_softmax(logits), cfg, seen, step, self.eos)
+            if self.logits_processor is not None:
+                scores = run_logits_processor(self.logits_processor, scores, seen)
+            cancelled = self.should_stop is not None and bool(self.should_stop())
+            src_rows: list[int] = []
+            tokens: list[int] = []
+            for slot, i in enumerate(active):
+                st = states[i]
+                src, toks = self._step(st, scores[slot * nb:(slot + 1) * nb], step, keep_k, cancelled)
+                if not st.done:
+                    src_rows.extend(slot * nb + s for s in src)
+                    tokens.extend(toks)
+            elapsed = (time.perf_counter() - t0) * 1000.0
+            for i in active:
+                if step == 0:
+                    timings[i].prefill_ms = elapsed
+                else:
+                    timings[i].decode_ms.append(elapsed)
+            step += 1
+            active = [i for i in active if not states[i].done]
+            if not active:
+                break
+            t0 = time.perf_counter()
+            if src_rows != list(range(len(src_rows))) or len(src_rows) != kv.batch:
+                kv = self.session.select_rows(kv, src_rows)  # the rows follow their beams (and done prompts leave)
+            logits, kv = self.session.decode(np.asarray(tokens, np.int64), kv)
+        return [r for st, t in zip(states, timings) for r in self._results(st, t)]
+
+    def _step(self, st: _Prompt, scores: np.ndarray, step: int, keep_k: int,
+              cancelled: bool) -> tuple[list[int], list[int]]:
+        """One step of one prompt (transformers' ``_beam_search`` body); returns the next running beams' source beams
+        and tokens. ``scores [num_beams, V]``: processed log-probabilities of each running beam's continuations."""
+        nb, lp = st.num_beams, self.cfg.length_penalty
+        vocab = scores.shape[-1]
+        flat = (scores + st.running_scores[:, None]).reshape(-1)
+        top = np.argpartition(-flat, keep_k - 1)[:keep_k]
+        top = top[np.argsort(-flat[top], kind="stable")]
+        top_scores = flat[top].astype(np.float32)
+        beam, token = top // vocab, top % vocab
+        gen_len = step + 1  # tokens generated by every candidate, its new one included
+        ends = np.isin(token, list(self.eos)) | (gen_len >= st.limit) | cancelled
+        candidates = [st.running[b] + [int(t)] for b, t in zip(beam, token)]
+        # the best num_beams candidates that go on (ended ones pushed to the bottom)
+        go_on = top_scores + ends.astype(np.float32) * np.float32(_NEG)
+        nxt = np.argsort(-go_on, kind="stable")[:nb]
+        # the finished set takes the ended candidates among the top num_beams, if they beat what it holds
+        just_ended = ends & (np.arange(keep_k) < nb)
+        final = top_scores / np.float32(gen_len ** lp)
+        if self.cfg.early_stopping is True and st.is_finished.all():
+            final = final + np.float32(_NEG)
+        if not st.improvable:
+            final = final + np.float32(_NEG)
+        final = final + (~just_ended).astype(np.float32) * np.float32(_NEG)
+        merged = np.concatenate([st.finished_scores, final])
+        best = np.argsort(-merged, kind="stable")[:nb]
+        pool = st.finished + candidates
+        flags = np.concatenate([st.is_finished, just_ended])
+        st.finished = [pool[j] for j in best]
+        st.finished_scores = merged[best]
+        st.is_finished = flags[best]
+        st.running = [candidates[j] for j in nxt]
+        st.running_scores = go_on[nxt]
+        st.cancelled = st.cancelled or cancelled
+        # transformers' stopping rules, at the new length
+        if self.cfg.early_stopping == "never" and lp > 0.0:
+            best_len = st.limit
+        else:
+            best_len = gen_len
+        best_running = st.running_scores[0] / np.float32(best_len ** lp)
+        worst = np.where(st.is_finished, st.finished_scores.min(), np.float32(_NEG))
+        st.improvable = st.improvable and bool((best_running > worst).any())
+        all_full = bool(st.is_finished.all()) and self.cfg.early_stopping is True
+        st.done = not st.improvable or all_full or bool(ends.all())
+        return [int(beam[j]) for j in nxt], [int(token[j]) for j in nxt]
+
+    def _results(self, st: _Prompt, timings: Timings) -> list[GenerationResult]:
+        eos = set(self.eos)
+        out = []
+        for tokens, score in list(zip(st.finished, st.finished_scores))[:self.cfg.num_return_sequences]:
+            ended = bool(tokens) and tokens[-1] in eos
+            reason = "stop" if ended else ("cancelled" if st.cancelled else "length")
+            out.append(GenerationResult(list(tokens), self.tok.decode(tokens), reason, list(st.ids), timings,
+                                        tokens[-1] if ended else None, score=float(score)))
+        return out
