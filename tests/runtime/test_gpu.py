@@ -154,6 +154,15 @@ def test_cuda_concurrent_generations_match_sequential(precision, tiny_engine):
         assert eng.session.live_stagings() == []
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_cuda_fp32_engines_run_without_tf32(precision, tiny_engine):
+    """fp32 engines ask the CUDA provider for fp32 MatMuls: its default, TF32 on Ampere and newer, failed SmolLM2's
+    fp32 engine check on an H100 (0.045 on logits of 29). Reduced-precision engines keep the default."""
+    with _cuda(tiny_engine, "llama", precision) as eng:
+        opts = eng.session.sess.get_provider_options()["CUDAExecutionProvider"]
+    assert opts["use_tf32"] == ("0" if precision == "fp32" else "1")
+
+
 def _tensorrt(engine_dir, cache_dir):
     """A session on ONNX Runtime's TensorRT provider, or a skip saying what this machine lacks."""
     import onnxruntime as ort

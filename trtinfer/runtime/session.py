@@ -433,8 +433,14 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
         _check_provider_available(ort, config.provider)
     if config.provider == "tensorrt":
         _make_dirs(trt_cache_paths(engine_dir, manifest, config))
+    providers = ort_providers(config, manifest, engine_dir)
+    if config.provider != "cpu" and engine_precision(manifest) == "fp32":
+        # ONNX Runtime's CUDA provider runs fp32 MatMuls in TF32 (10-bit mantissa) on Ampere and newer unless told
+        # not to: an fp32 engine would then miss its fp32 engine check (SmolLM2-135M on an H100: 0.045 on logits of 29)
+        providers = [(p[0], {**p[1], "use_tf32": 0}) if isinstance(p, tuple) and p[0] == ORT_PROVIDERS["cuda"] else p
+                     for p in providers]
     try:
-        sess = ort.InferenceSession(str(model), so, providers=ort_providers(config, manifest, engine_dir))
+        sess = ort.InferenceSession(str(model), so, providers=providers)
     except Exception as e:
         raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
     if config.provider == "cpu":
