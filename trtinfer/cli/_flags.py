@@ -12,8 +12,13 @@ T = TypeVar("T")
 # config field -> the flag that sets it
 GENERATION_FLAGS = {
     "max_new_tokens": "--max-new-tokens", "min_new_tokens": "--min-new-tokens", "do_sample": "--sample",
-    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
-    "repetition_penalty": "--repetition-penalty", "seed": "--seed", "stop": "--stop",
+    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty", "no_repeat_ngram_size": "--no-repeat-ngram-size", "seed": "--seed",
+    "stop": "--stop", "num_beams": "--num-beams", "length_penalty": "--length-penalty",
+    "early_stopping": "--early-stopping", "num_return_sequences": "--num-return-sequences",
+    "prompt_lookup_num_tokens": "--prompt-lookup-num-tokens", "logprobs": "--logprobs",
+    "top_logprobs": "--top-logprobs",
 }
 RUNTIME_FLAGS = {"provider": "--provider"}
 
