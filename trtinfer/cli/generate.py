@@ -7,6 +7,9 @@ import json
 import sys
 from typing import Any
 
+#: fields whose checks depend on fields the engine's generation_config.json may set (num_beams, do_sample)
+_COMBINED = frozenset({"num_return_sequences"})
+
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
@@ -56,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the verb."""
     import trtinfer
     from trtinfer.cli._flags import GENERATION_FLAGS, RUNTIME_FLAGS, check_text_flag, config_from_flags
-    from trtinfer.errors import InputError
-    from trtinfer.runtime.config import RuntimeConfig
+    from trtinfer.errors import ConfigError, InputError
+    from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 
     # every flag is checked before the engine loads, and reported under its own name
     check_text_flag("--prompt", args.prompt)
@@ -77,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         chosen["do_sample"] = True
     elif args.greedy:
         chosen["do_sample"] = False
+    try:  # the flags alone, before anything loads: value errors are reported at once
+        config_from_flags(GenerationConfig, GENERATION_FLAGS, **chosen)
+    except ConfigError as e:
+        if e.field not in _COMBINED:  # a rule that involves the engine's defaults is checked once they are known
+            raise
     runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider)
     with trtinfer.load(args.engine, config=runtime) as engine:
         # the flags over the engine's defaults (its generation_config.json), checked together (after loading: which

@@ -9,7 +9,8 @@ from typing import Any
 
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
-from trtinfer.runtime.forward import Context, Forward, Output
+from trtinfer.runtime.forward import Context, Forward, Group, Output
+from trtinfer.runtime.forward import execute as execute_passes
 from trtinfer.runtime.gen_defaults import read_generation_defaults
 from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent
 from trtinfer.runtime.manifest import Manifest, read_manifest
@@ -184,12 +185,24 @@ class Engine:
         """An empty sequence to feed pass by pass (:mod:`trtinfer.runtime.forward`); ``capacity`` bounds its length
         (default: the engine's max sequence length; buffer layouts allocate that many KV slots)."""
         self._check_open()
+        self.session.check_can_score()  # a context's passes read logits at chosen positions
         return Context(self.session, capacity or self.manifest.max_seq_len)
 
-    def execute(self, passes: Sequence[Forward]) -> list[Output]:
-        """Run several contexts' passes; one after another today (each context has its own KV buffers)."""
+    def contexts(self, n: int, capacity: int | None = None) -> list[Context]:
+        """``n`` empty sequences whose KV caches are the rows of one batch: :meth:`execute` runs their passes as one
+        batched prefill or decode step (see :mod:`trtinfer.runtime.forward`); ``n`` up to the engine's max batch."""
         self._check_open()
-        return [f.execute() for f in passes]
+        if not (isinstance(n, int) and 1 <= n <= self.manifest.max_batch_size):
+            raise InputError(f"contexts(n): n must be within 1..{self.manifest.max_batch_size} (the engine's max "
+                             f"batch size), got {n!r}")
+        group = Group(self.session, capacity or self.manifest.max_seq_len)
+        return [Context(self.session, group.capacity, group) for _ in range(n)]
+
+    def execute(self, passes: Sequence[Forward]) -> list[Output]:
+        """Run several contexts' passes: one batched step for the live contexts of one :meth:`contexts` batch that
+        all start or all feed one token; one after another otherwise."""
+        self._check_open()
+        return execute_passes(passes)
 
     def describe(self) -> dict[str, Any]:
         """The manifest as a dict."""

@@ -15,9 +15,15 @@ Positions index this pass's input tokens (0 = the first token fed in this pass; 
 computes the LM head only at the positions some probe or sampler reads. Sampled tokens are not fed back by
 themselves: the next pass's ``.input`` does that, so a caller can verify drafts, branch or stop.
 
+Several sequences batch: ``engine.contexts(n)`` makes ``n`` contexts whose caches are the rows of one batched KV
+cache, and ``engine.execute([f1, f2, ...])`` runs their passes as ONE batched pass when they are all of a group's
+live contexts and either all start their sequence (one prefill; probes at each pass's last token) or all feed one
+token (one decode step). Other combinations run one after another, each context first taking its row out of the
+batch (a gather on the device). :meth:`Context.release` ends a context: its row leaves the batch at the next step.
+``generate`` is this loop.
+
 Limits of the engines' KV layouts, said plainly: tokens always take the next positions (``input_at`` accepts only
-those), and the causal mask is built inside the graph, so ``attention_mask`` is refused; passes of several contexts
-run one after another (``Engine.execute``), not as one batch.
+those), and the causal mask is built inside the graph, so ``attention_mask`` is refused.
 """
 from __future__ import annotations
 
@@ -138,30 +144,153 @@ class Forward:
         pos = [positions] if isinstance(positions, int) else list(positions)
         return [self._ask(p, sampler) for p in pos]
 
-    def execute(self) -> Output:
-        """Run the pass: the context takes the tokens; the asked values are computed from their positions' logits."""
+    def _check_runnable(self) -> None:
         if self._done:
             raise InputError("this forward pass already ran; start another with ctx.forward()")
         if not self.tokens:
             raise InputError("nothing to run: feed tokens with .input() first")
+        if self.ctx.released:
+            raise InputError("this context was released; make a new one with engine.context()")
+
+    def execute(self) -> Output:
+        """Run the pass: the context takes the tokens; the asked values are computed from their positions' logits."""
+        self._check_runnable()
+        self.ctx._own()  # a row of a batch runs alone: it takes its row out first
         logits = self.ctx._run(self.tokens, sorted({h.position for h, _ in self._asks}))
         self._done = True
+        return self._output(logits)
+
+    def _output(self, logits: dict[int, np.ndarray]) -> Output:
         return Output([what.compute(logits[h.position]) for h, what in self._asks], [h for h, _ in self._asks])
+
+    def _greedy_only(self) -> bool:
+        """Every ask is an Argmax at the last token (the backend may pick tokens where the logits are)."""
+        last = len(self.tokens) - 1
+        return bool(self._asks) and all(isinstance(w, Argmax) and h.position == last for h, w in self._asks)
+
+
+class Group:
+    """Contexts whose KV caches are the rows of one batched cache (``engine.contexts(n)``); ``rows`` lists the
+    contexts in row order, None for a row whose context left (dropped from the cache at the next batched step)."""
+
+    def __init__(self, session: DecoderSession, capacity: int) -> None:
+        self.session = session
+        self.capacity = capacity
+        self.kv: KVCache | None = None
+        self.rows: list[Context | None] = []
+
+    def live(self) -> list[Context]:
+        """Member contexts, in row order."""
+        return [c for c in self.rows if c is not None]
+
+    def _compact(self) -> None:
+        """Drop the rows of contexts that left (one gather), so rows = live contexts."""
+        keep = [i for i, c in enumerate(self.rows) if c is not None]
+        if len(keep) == len(self.rows):
+            return
+        self.kv = None if self.kv is None or not keep else self.session.select_rows(self.kv, keep)
+        self.rows = [self.rows[i] for i in keep]
+
+    def leave(self, ctx: Context, take_row: bool) -> KVCache | None:
+        """``ctx`` leaves the group; with ``take_row`` its row of the cache comes with it (a one-row cache)."""
+        i = self.rows.index(ctx)
+        row = None
+        if take_row and self.kv is not None:
+            row = self.kv if len(self.rows) == 1 else self.session.select_rows(self.kv, [i])
+        self.rows[i] = None
+        if not self.live():
+            self.kv, self.rows = None, []
+        return row
+
+    def run(self, passes: list[Forward]) -> list[Output] | None:
+        """The passes as one batched step, or None when they do not make one (then they run one by one)."""
+        live = self.live()
+        if len(passes) != len(live) or {id(f.ctx) for f in passes} != {id(c) for c in live}:
+            return None
+        by_ctx = {id(f.ctx): f for f in passes}
+        ordered = [by_ctx[id(c)] for c in live]
+        fresh = self.kv is None and all(not c.tokens for c in live)
+        last_only = all(h.position == len(f.tokens) - 1 for f in ordered for h, _ in f._asks)
+        if fresh and last_only:
+            self.rows = list(live)
+            tokens = [f.tokens for f in ordered]
+            greedy = all(f._greedy_only() for f in ordered)
+            if greedy:
+                values, self.kv = self.session.prefill_greedy(tokens, self.capacity)
+            else:
+                values, self.kv = self.session.prefill(tokens, self.capacity)
+        elif self.kv is not None and all(len(f.tokens) == 1 for f in ordered) and all(c.tokens for c in live):
+            self._compact()
+            col = np.array([f.tokens[0] for f in ordered], dtype=np.int64)
+            if any(len(c.tokens) + 1 > self.capacity for c in live):
+                raise InputError(f"a context of this batch would hold more than its capacity of {self.capacity} "
+                                 "tokens (engine.contexts(n, capacity=...))")
+            greedy = all(f._greedy_only() for f in ordered)
+            if greedy:
+                values, self.kv = self.session.decode_greedy(col, self.kv)
+            else:
+                values, self.kv = self.session.decode(col, self.kv)
+        else:
+            return None
+        outs = {}
+        for r, f in enumerate(ordered):
+            f.ctx.tokens.extend(f.tokens)
+            f._done = True
+            if greedy:
+                outs[id(f)] = Output([int(values[r])] * len(f._asks), [h for h, _ in f._asks])
+            else:
+                outs[id(f)] = f._output({len(f.tokens) - 1: values[r]})
+        return [outs[id(f)] for f in passes]
+
+
+def execute(passes: Sequence[Forward]) -> list[Output]:
+    """Run several contexts' passes: as one batch where :meth:`Group.run` allows it, else one after another."""
+    passes = list(passes)
+    if not all(isinstance(f, Forward) for f in passes):
+        raise InputError("execute() takes a list of forward passes (ctx.forward()...)")
+    if len({id(f) for f in passes}) != len(passes) or len({id(f.ctx) for f in passes}) != len(passes):
+        raise InputError("execute() takes one pass per context; run a context's second pass after the first")
+    for f in passes:
+        f._check_runnable()
+    groups = {id(f.ctx.group) for f in passes}
+    if passes and len(groups) == 1 and passes[0].ctx.group is not None:
+        outs = passes[0].ctx.group.run(passes)
+        if outs is not None:
+            return outs
+    return [f.execute() for f in passes]
 
 
 class Context:
-    """One sequence on an engine: its tokens and its KV cache (the engine's own buffers, on its device)."""
+    """One sequence on an engine: its tokens and its KV cache (the engine's own buffers, on its device), held alone
+    or as a row of a :class:`Group`'s batched cache."""
 
-    def __init__(self, session: DecoderSession, capacity: int) -> None:
+    def __init__(self, session: DecoderSession, capacity: int, group: Group | None = None) -> None:
         max_len = session.manifest.max_seq_len
         if not 2 <= capacity <= max_len:
             raise InputError(f"capacity must be between 2 and the engine's max sequence length {max_len}, "
                              f"got {capacity}")
-        session.check_can_score()  # a pass needs logits at chosen positions
         self.session = session
         self.capacity = capacity
         self.tokens: list[int] = []
         self.kv: KVCache | None = None
+        self.group = group
+        self.released = False
+        if group is not None:
+            group.rows.append(self)
+
+    def _own(self) -> None:
+        """Leave the group (if any), taking this context's row of its cache along."""
+        if self.group is not None:
+            self.kv = self.group.leave(self, take_row=True)
+            self.group = None
+
+    def release(self) -> None:
+        """End this context: its KV row leaves the batch (at the group's next step) or its buffers are freed."""
+        if self.group is not None:
+            self.group.leave(self, take_row=False)
+            self.group = None
+        self.kv = None
+        self.released = True
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -171,6 +300,7 @@ class Context:
         return Forward(self)
 
     def _run(self, tokens: list[int], positions: list[int]) -> dict[int, np.ndarray]:
+        self.session.check_can_score()  # a pass alone needs logits at chosen positions
         if len(self.tokens) + len(tokens) > self.capacity:
             raise InputError(f"the context holds {len(self.tokens)} tokens and room for {self.capacity}; "
                              f"{len(tokens)} more do not fit (engine.context(capacity=...) up to the max sequence "
@@ -182,6 +312,7 @@ class Context:
 
     def fork(self) -> Context:
         """A copy of this context (tokens and KV cache, copied on the backend); the two then go their own ways."""
+        self._own()
         other = Context(self.session, self.capacity)
         other.tokens = list(self.tokens)
         other.kv = None if self.kv is None else self.session.copy_cache(self.kv)
@@ -191,5 +322,6 @@ class Context:
         """Roll back to the first ``n`` tokens (e.g. rejected draft tokens); later passes continue from there."""
         if not 0 <= n <= len(self.tokens):
             raise InputError(f"truncate({n}): the context holds {len(self.tokens)} tokens")
+        self._own()
         self.tokens = self.tokens[:n]
         self.kv = None if n == 0 or self.kv is None else self.session.truncate_cache(self.kv, n)

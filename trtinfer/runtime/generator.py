@@ -15,11 +15,25 @@ import numpy as np
 
 from trtinfer.errors import ConfigError, EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.forward import Context, Group
+from trtinfer.runtime.probes import Argmax
 from trtinfer.runtime.sampling import is_plain_greedy, select_next
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.tokenizer import EngineTokenizer, IncrementalDecoder
 
 log = logging.getLogger(__name__)
+
+class _LastLogits:
+    """The raw logits row at a position, without a copy (generate stacks the rows into its own array)."""
+
+    kind = "logits"
+
+    def compute(self, row: np.ndarray) -> np.ndarray:
+        return row
+
+
+_LAST_LOGITS = _LastLogits()
+_NO_LOGITS, _NO_TOKENS = np.empty((0, 0), np.float32), np.empty(0, np.int64)
 
 #: ``fn(token_ids_per_row, logits [B, V]) -> logits``: each row's prompt + generated ids so far, the raw float32 logits
 LogitsProcessor = Callable[[list[np.ndarray], np.ndarray], np.ndarray]
@@ -200,6 +214,24 @@ class Generation:
         """Run the generation, yielding text deltas as tokens arrive; fills :attr:`results`."""
         return self._steps(deltas=True)
 
+    @staticmethod
+    def _pass(group: Group, contexts: list[Context], feeds: list[list[int]],
+              greedy: bool) -> tuple[np.ndarray, np.ndarray]:
+        """One batched pass: ``feeds[r]`` into ``contexts[r]``; returns (logits ``[B, V]``, no tokens) or, greedy, (no
+        logits, tokens ``[B]``): the argmax then comes from the backend (on the device for TensorRT)."""
+        passes, handles = [], []
+        for ctx, feed in zip(contexts, feeds):
+            f = ctx.forward()
+            f.tokens.extend(feed)  # checked once, by the prompt checks and by being the model's own choices
+            handles.append(f.sample(-1, Argmax())[0] if greedy else f._ask(-1, _LAST_LOGITS))
+            passes.append(f)
+        outs = group.run(passes)
+        if outs is None:  # every live row feeds a prefill or one token: always one batched step
+            raise RuntimeError("generation passes did not form one batched step")
+        if greedy:
+            return _NO_LOGITS, np.array([o.token(h) for o, h in zip(outs, handles)], dtype=np.int64)
+        return np.stack([o.logits(h) for o, h in zip(outs, handles)]), _NO_TOKENS
+
     def run(self) -> list[GenerationResult]:
         """Run the generation without streaming: without stop strings, each row is detokenized once, at its end."""
         for _ in self._steps(deltas=False):
@@ -230,10 +262,10 @@ class Generation:
         # plain greedy needs no logits on the host: the session may pick the tokens where the logits are (TensorRT)
         greedy = is_plain_greedy(cfg) and self.logits_processor is None
         deadline = None if cfg.max_time is None else time.perf_counter() + cfg.max_time
-        if greedy:
-            tokens, kv = self.session.prefill_greedy(self.prompts, capacity)
-        else:
-            logits, kv = self.session.prefill(self.prompts, capacity)
+        # one context per row, the rows of one batched cache: each step is one batched pass of the Forward layer
+        group = Group(self.session, capacity)
+        contexts = [Context(self.session, capacity, group) for _ in range(n)]
+        logits, tokens = self._pass(group, [contexts[i] for i in active], self.prompts, greedy)
         step = 0
         while True:
             if not greedy:
@@ -280,15 +312,16 @@ class Generation:
                     yield StreamEvent(i, delta, tok, finish[i])
             if not keep:
                 break
-            if len(keep) < len(active):
-                kv = self.session.select_rows(kv, keep)
+            if len(keep) < len(active):  # finished rows leave the batch (their KV rows are dropped next pass)
+                for row, i in enumerate(active):
+                    if row not in keep:
+                        contexts[i].release()
                 tokens = tokens[keep]
                 active = [active[r] for r in keep]
             t0 = time.perf_counter()
-            if greedy:
-                tokens, kv = self.session.decode_greedy(tokens, kv)
-            else:
-                logits, kv = self.session.decode(tokens, kv)
+            logits, tokens = self._pass(group, [contexts[i] for i in active], [[int(t)] for t in tokens], greedy)
+        for c in contexts:
+            c.release()
 
         texts = [d.text if d is not None else self.tok.decode(g) for d, g in zip(decoders, generated)]
         self.results = [
