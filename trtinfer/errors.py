@@ -83,3 +83,16 @@ class BackendUnavailableError(TrtInferError):
     """The requested backend or execution provider is not installed on this machine."""
 
     exit_code = 3
+
+
+class ServingError(TrtInferError):
+    """A serving request cannot be taken (the server answers it with a 4xx/5xx and keeps serving)."""
+
+    exit_code = 2
+    status = 400
+
+
+class QueueFullError(ServingError):
+    """Every batch slot is busy and the waiting queue is full: try again later (HTTP 429)."""
+
+    status = 429
