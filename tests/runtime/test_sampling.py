@@ -102,6 +102,21 @@ def test_warpers_match_transformers(top_k, top_p, min_p, vocab):
     np.testing.assert_array_equal(filter_logits(x, top_k, top_p, min_p), hf_filter(x, top_k, top_p, min_p))
 
 
+@pytest.mark.parametrize(("top_k", "top_p"), [(50, 1.0), (40, 0.9), (200, 0.95), (256, 1.0)])
+def test_top_k_near_the_max_matches_transformers(top_k, top_p):
+    """Rows with hundreds of tokens within 8 of their max (top-k then selects among those alone), rows with too few
+    (the whole row), and rows with ties at the k-th: the kept sets are transformers'."""
+    rng = np.random.default_rng(top_k)
+    vocab = 49152
+    x = (rng.standard_normal((6, vocab)) - 12).astype(np.float32)
+    for r, n in enumerate([300, 60, 20, 1000, 300, 0]):
+        x[r, rng.choice(vocab, n, replace=False)] = rng.uniform(0, 8, n).astype(np.float32)
+    x[4, rng.choice(vocab, 80, replace=False)] = 5.0  # a tie spanning the k-th largest
+    ours, ref = filter_logits(x, top_k, top_p), hf_filter(x, top_k, top_p)
+    np.testing.assert_array_equal(ours[:4], ref[:4])
+    assert_same_kept(ours[4:], ref[4:], x[4:], top_k, top_p)  # which tied tokens top-p keeps is torch's sort's whim
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.7])
 def test_temperature_then_warpers_match_transformers(temperature):
     rng = np.random.default_rng(1)

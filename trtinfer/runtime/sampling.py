@@ -23,6 +23,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from trtinfer.runtime.config import GenerationConfig
 
 CANDIDATES = 2048  # top-p without top-k: the candidate set a row tries before sorting its whole row
+_NEAR, _NEAR_MAX_WIDTH, _NEAR_MAX_CANDIDATES = 8.0, 256, 8192  # _top_ids' first look: logits within 8 of the max
 _BLOCK = 256  # inverse CDF over a whole row: find the block of the vocabulary first, then the token inside it
 
 
@@ -133,11 +134,31 @@ def _sort_desc(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def _top_ids(x: np.ndarray, width: int) -> np.ndarray:
-    """``[R, width]`` ids of each row's ``width`` largest logits, in no particular order."""
+    """``[R, width]`` ids of each row's ``width`` largest logits, in no particular order.
+
+    A row first looks among its logits within :data:`_NEAR` of its maximum (one comparison over the row): when at
+    least ``width`` are there, they hold the ``width`` largest (every other logit is smaller than all of them), and
+    the partial selection runs on those few only (language-model rows: tens to hundreds of tokens, ~2x faster at
+    batch 8 for top-k 50). Other rows select over the whole row.
+    """
     vocab = x.shape[-1]
     if width >= vocab:
         return np.broadcast_to(np.arange(vocab), x.shape)
-    return np.argpartition(x, vocab - width, axis=-1)[:, vocab - width:]
+    out = np.empty((len(x), width), np.int64)
+    whole = list(range(len(x)))
+    if width <= _NEAR_MAX_WIDTH:
+        near = x >= x.max(axis=-1, keepdims=True) - np.float32(_NEAR)
+        counts = near.sum(axis=-1)
+        whole = []
+        for r in range(len(x)):
+            if not width <= counts[r] <= _NEAR_MAX_CANDIDATES:
+                whole.append(r)
+                continue
+            cand = np.flatnonzero(near[r])
+            out[r] = cand[np.argpartition(x[r, cand], cand.size - width)[cand.size - width:]]
+    if whole:
+        out[whole] = np.argpartition(x[whole], vocab - width, axis=-1)[:, vocab - width:]
+    return out
 
 
 def _top_k_candidates(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
