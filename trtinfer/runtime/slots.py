@@ -1,0 +1,114 @@
+"""A slot KV cache for continuous batching: one preallocated ``shared_buffer`` cache whose rows are slots.
+
+::
+
+    buffers   [S, kv_heads, capacity, head_dim] per past/present pair, allocated once, bound as past AND present
+    slot s    row s of every buffer: one request's KV, right-aligned at position 0, ``lengths[s]`` tokens
+    prefill   batch-1 calls bound to row s alone (a [1, kv_heads, capacity, head_dim] view at the row's address)
+    decode    one call over rows 0..n-1 (a view of the first n rows), each row with its own seqlens_k / position
+
+Rows of a C-contiguous ``[S, ...]`` buffer are contiguous, so a row (or the first n rows) is a tensor of its own
+at ``base + row * row_bytes``: ONNX Runtime reads and writes it in place through IOBinding, on the CPU or on a CUDA
+device alike. Prefill is batch 1 because ONNX Runtime's GroupQueryAttention refuses batch > 1 when a call has
+several new tokens and past context. A decode row that has nothing to decode (a free slot, a request still
+prefilling) gets a dummy token at its own length: its KV lands in the position its next write overwrites, and its
+logits are ignored.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from trtinfer.errors import EngineLoadError, InputError
+from trtinfer.runtime.kv_feeds import LOGITS_POSITIONS
+
+#: ONNX element types of the KV dtypes (IOBinding takes these for pointer bindings; numpy has no bfloat16)
+_ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}
+
+
+class SlotCache:
+    """``slots`` rows of KV buffers of ``capacity`` positions on an :class:`OrtDecoderSession` (``shared_buffer``).
+
+    Not thread-safe: one thread (the scheduler's) drives it. :attr:`lengths` counts each row's tokens.
+    """
+
+    def __init__(self, session: Any, slots: int, capacity: int) -> None:
+        if getattr(session, "kv_layout", None) != "shared_buffer" or not hasattr(session, "_kv_value"):
+            raise EngineLoadError(
+                f"continuous batching needs an ONNX Runtime engine with the shared_buffer KV layout; this one is "
+                f"{getattr(session, 'kv_layout', '?')} on {type(session).__name__}: rebuild with the default passes")
+        session.check_can_score()  # a chunk's logits are read at its last token: needs logits_positions
+        self.session = session
+        self.slots, self.capacity = slots, capacity
+        kvh, hd = session._kv_shape
+        self._row_shape = [1, kvh, capacity, hd]
+        self._elem = _ONNX_TYPES[str(session._kv_dtype)]
+        self._row_bytes = kvh * capacity * hd * (4 if self._elem == 1 else 2)
+        # zeros: a row never read past its length still holds finite values (0 * x, never NaN)
+        self.values = [session._kv_value((slots, kvh, capacity, hd)) for _ in session.past_names]
+        self.lengths = np.zeros(slots, dtype=np.int64)
+        self._staging = session._new_staging()  # this cache's host input buffers (CUDA), reused step to step
+
+    def _run(self, feeds: dict[str, np.ndarray], first_row: int, rows: int, positions: np.ndarray) -> np.ndarray:
+        """One pass over buffer rows ``first_row .. first_row + rows - 1``; logits ``[rows, K, V]`` at ``positions``."""
+        s = self.session
+        if not s._needs_positions:
+            feeds.pop("position_ids", None)
+        feeds[LOGITS_POSITIONS] = np.ascontiguousarray(positions, dtype=np.int64)
+        io = s.sess.io_binding()
+        for name, arr in feeds.items():
+            s._bind_host_input(io, name, arr, self._staging)
+        io.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
+        shape = [rows, *self._row_shape[1:]]
+        device, device_id = s.device, s.config.device_id
+        for past, present, val in zip(s.past_names, s.present_names, self.values):
+            ptr = val.data_ptr() + first_row * self._row_bytes
+            io.bind_input(past, device, device_id, self._elem, shape, ptr)
+            io.bind_output(present, device, device_id, self._elem, shape, ptr)  # written in place
+        s.sess.run_with_iobinding(io)
+        return s._select(io.get_outputs()[0].numpy(), positions)  # type: ignore[no-any-return]
+
+    def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
+        """Feed the next ``tokens`` of slot ``slot``'s sequence (one batch-1 call); logits ``[V]`` after the last."""
+        start, n = int(self.lengths[slot]), len(tokens)
+        if n == 0 or start + n > self.capacity:
+            raise InputError(f"slot {slot} holds {start} of {self.capacity} positions; {n} more tokens do not fit")
+        feeds: dict[str, np.ndarray] = {"input_ids": np.asarray(tokens, dtype=np.int64)[None, :],
+                 "position_ids": np.arange(start, start + n, dtype=np.int64)[None, :],
+                 "seqlens_k": np.array([start + n - 1], dtype=np.int32),
+                 "total_sequence_length": np.array(start + n, dtype=np.int32)}
+        logits = self._run(feeds, slot, 1, np.array([[n - 1]], dtype=np.int64))
+        self.lengths[slot] = start + n
+        return logits[0, -1]
+
+    def decode(self, tokens: dict[int, int]) -> dict[int, np.ndarray]:
+        """One token into each slot of ``tokens`` (slot -> token), as one batched call over rows 0..max slot.
+
+        Returns each of those slots' next-token logits ``[V]``; other rows in the range are left as they were.
+        """
+        rows = max(tokens) + 1
+        if any(int(self.lengths[s]) + 1 > self.capacity for s in tokens):
+            raise InputError(f"a slot would hold more than its {self.capacity} positions")
+        ids = np.zeros((rows, 1), dtype=np.int64)
+        for s, t in tokens.items():
+            ids[s, 0] = t
+        lengths = self.lengths[:rows]
+        feeds = {"input_ids": ids, "position_ids": lengths[:, None].copy(),
+                 "seqlens_k": lengths.astype(np.int32),
+                 "total_sequence_length": np.array(int(lengths.max()) + 1, dtype=np.int32)}
+        logits = self._run(feeds, 0, rows, np.zeros((rows, 1), dtype=np.int64))
+        for s in tokens:
+            self.lengths[s] += 1
+        return {s: logits[s, -1] for s in tokens}
+
+    def free(self, slot: int) -> None:
+        """Forget slot ``slot``'s tokens (its buffers are overwritten by the next request, never cleared)."""
+        self.lengths[slot] = 0
+
+    def close(self) -> None:
+        """Drop the buffers (and the host staging)."""
+        self.values = []
+        if self._staging is not None:
+            self._staging.release()

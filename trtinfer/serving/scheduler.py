@@ -1,0 +1,496 @@
+"""Continuous batching: requests join and leave between decode steps, each in its own slot of one KV cache.
+
+::
+
+    submit ──► waiting (bounded FIFO) ──► slot s (KV reserved up front) ──► prefill in chunks ──► decode ──► retired
+                 full: QueueFullError        lowest free slot first          batch-1 calls          one batched call
+
+Every :meth:`Scheduler.step` retires cancelled requests, admits waiting ones into free slots, prefills up to
+``prefill_chunk`` prompt tokens (so a long prompt never stalls the running decodes for more than one chunk), then
+runs ONE batched decode step for every request that is decoding. A slot is a row of the session's slot KV cache
+(:class:`~trtinfer.runtime.slots.SlotCache`): a request is admitted only when its prompt + ``max_new_tokens`` fits
+the engine's max sequence length, so it never runs out of room and nothing is ever evicted.
+
+A request's tokens depend on its own prompt, settings and seed only: selection runs per request with its own
+generator (``SeedSequence(seed).spawn(1)[0]``, as ``engine.generate`` seeds a batch of one), so its output equals
+``engine.generate`` of that prompt alone, whatever it was batched with. Only the scheduler's thread touches the
+session; :meth:`Scheduler.submit` and :meth:`Request.cancel` touch locked queues and flags only.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trtinfer.errors import InputError, QueueFullError, ServingError
+from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.generator import GenerationResult, Timings, TokenLogprob, check_prompts, eos_ids, token_logprobs
+from trtinfer.runtime.sampling import select_next
+from trtinfer.runtime.slots import SlotCache
+from trtinfer.runtime.tokenizer import IncrementalDecoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step of a request: a token and the text it adds; ``finish_reason`` is set on the last event.
+
+    ``token_id`` is None only on a last event without a token (a cancelled request). ``logprob``: with
+    ``logprobs=True``, the token's :class:`TokenLogprob`. ``time``: ``time.perf_counter()`` when it was made.
+    """
+
+    token_id: int | None
+    text: str
+    logprob: TokenLogprob | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler, for metrics (``vllm:num_requests_running`` and friends)."""
+
+    running: int  # requests holding a slot (prefilling or decoding)
+    waiting: int  # requests queued for a slot
+    slots_used: int
+    slots_total: int
+    queue_capacity: int
+    prompt_tokens_total: int  # prompt tokens prefilled so far
+    generation_tokens_total: int  # tokens generated so far
+    requests_finished_total: dict[str, int] = field(default_factory=dict)  # by finish reason, "error" included
+    steps_total: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly."""
+        return asdict(self)
+
+
+class Request:
+    """One submitted prompt: its settings, its progress (owned by the scheduler) and its events (for any thread).
+
+    Read it with blocking iteration (``for ev in request``), ``async for ev in request.stream()`` or
+    :meth:`result`; a request that failed raises its error from all three. Timestamps (``time.perf_counter()``):
+    ``t_submit``, ``t_first_token`` and ``token_times`` (one per token), for TTFT and inter-token latency.
+    """
+
+    def __init__(self, rid: int, prompt_ids: list[int], cfg: GenerationConfig, eos: tuple[int, ...],
+                 decoder: IncrementalDecoder) -> None:
+        self.id = rid
+        self.prompt_ids = prompt_ids
+        self.cfg = cfg
+        self.t_submit = time.perf_counter()
+        self.t_admit: float | None = None
+        self.t_first_token: float | None = None
+        self.token_times: list[float] = []
+        # --- progress, touched by the scheduler's thread only -----------------------------------------------------
+        self.slot: int | None = None
+        self.num_computed = 0  # prompt tokens in the slot's KV
+        self.generated: list[int] = []
+        self.next_token: int | None = None  # sampled, not yet fed back
+        self.eos = eos
+        self._seen = np.asarray(prompt_ids, dtype=np.int64)
+        self._decoder = decoder
+        self._logprobs: list[TokenLogprob] | None = [] if cfg.logprobs else None
+        self._rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(1)[0]) if cfg.do_sample else None
+        self._deadline = None if cfg.max_time is None else self.t_submit + cfg.max_time
+        self._batch_size = 1
+        # --- shared with readers -----------------------------------------------------------------------------------
+        self._cond = threading.Condition()
+        self._events: list[Event] = []
+        self._wakers: list[Callable[[], None]] = []
+        self._done = False
+        self._cancelled = False
+        self._result: GenerationResult | None = None
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return f"Request(id={self.id}, prompt={len(self.prompt_ids)} tokens, slot={self.slot}, done={self._done})"
+
+    @property
+    def done(self) -> bool:
+        """True once the last event was pushed (finished, cancelled or failed)."""
+        with self._cond:
+            return self._done
+
+    @property
+    def cancelled(self) -> bool:
+        """True once :meth:`cancel` was called."""
+        with self._cond:
+            return self._cancelled
+
+    def cancel(self) -> None:
+        """Stop this request: it ends with ``finish_reason="cancelled"`` and its slot frees at the next step."""
+        with self._cond:
+            self._cancelled = True
+
+    # --- reading ------------------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Event]:
+        """Events as they come (blocking); raises the request's error after its last event, if it failed."""
+        i = 0
+        while True:
+            with self._cond:
+                while len(self._events) <= i and not self._done:
+                    self._cond.wait()
+                batch, done = self._events[i:], self._done
+            i += len(batch)
+            yield from batch
+            if done and i == len(self._events):
+                self._raise_error()
+                return
+
+    async def stream(self) -> AsyncIterator[Event]:
+        """Events as they come, for asyncio: the scheduler's thread wakes this loop through
+        ``call_soon_threadsafe``; raises the request's error after its last event, if it failed."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def waker() -> None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop closed while the request ran: nobody listens any more
+                pass
+
+        with self._cond:
+            self._wakers.append(waker)
+        i = 0
+        try:
+            while True:
+                wake.clear()  # before reading: an event pushed after the read sets it again
+                with self._cond:
+                    batch, done = self._events[i:], self._done
+                i += len(batch)
+                for ev in batch:
+                    yield ev
+                if done and i == len(self._events):
+                    self._raise_error()
+                    return
+                if not batch:
+                    await wake.wait()
+        finally:
+            with self._cond:
+                self._wakers.remove(waker)
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait for the end; the :class:`GenerationResult` (raises the request's error if it failed, TimeoutError
+        after ``timeout`` seconds)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._done, timeout):
+                raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        self._raise_error()
+        assert self._result is not None
+        return self._result
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # --- writing (the scheduler) --------------------------------------------------------------------------------
+    def _push(self, event: Event, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+        with self._cond:
+            if self._done:
+                return
+            self._events.append(event)
+            if result is not None or error is not None:
+                self._result, self._error, self._done = result, error, True
+            self._cond.notify_all()
+            wakers = list(self._wakers)
+        for w in wakers:
+            w()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._done:
+                return
+            self._error, self._done = error, True
+            self._cond.notify_all()
+            wakers = list(self._wakers)
+        for w in wakers:
+            w()
+
+
+class Scheduler:
+    """Continuous batching over an engine: :meth:`submit` requests from any thread; a background thread
+    (:meth:`start`) or the caller (:meth:`step`) runs them. Use as a context manager (starts and closes).
+
+    ``max_slots`` (default: the engine's max batch size) is how many requests run at once, each holding one row of
+    a KV cache of the engine's max sequence length; up to ``max_queue`` more wait for a slot.
+    """
+
+    def __init__(self, engine: Any, max_queue: int = 64, prefill_chunk: int = 256,
+                 max_slots: int | None = None) -> None:
+        limit = int(engine.manifest.max_batch_size)
+        slots = limit if max_slots is None else max_slots
+        if not 1 <= slots <= limit:
+            raise InputError(f"max_slots must be within 1..{limit} (the engine's max batch size), got {max_slots}")
+        if max_queue < 0 or prefill_chunk < 1:
+            raise InputError(f"max_queue must be >= 0 and prefill_chunk >= 1, got {max_queue} and {prefill_chunk}")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_seq_len = int(engine.manifest.max_seq_len)
+        self.vocab = int(engine.manifest.geometry["vocab_size"])
+        self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
+        self.cache = SlotCache(engine.session, slots, self.max_seq_len)
+        self._slots: list[Request | None] = [None] * slots  # touched by the stepping thread only
+        self._waiting: deque[Request] = deque()
+        self._cond = threading.Condition()  # guards _waiting, _closed, counters; wakes the thread
+        self._step_lock = threading.Lock()  # one step at a time
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._prompt_tokens = self._generation_tokens = self._steps = 0
+        self._finished: dict[str, int] = {}
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+    def __enter__(self) -> Scheduler:  # noqa: PYI034
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> Scheduler:
+        """Run steps on a background thread whenever there is work."""
+        with self._cond:
+            if self._closed:
+                raise ServingError("the scheduler is closed; make a new one")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="trtinfer-scheduler", daemon=True)
+                self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the thread; requests still running or waiting fail with a ServingError (503)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        with self._step_lock:
+            with self._cond:
+                left = [r for r in self._slots if r is not None] + list(self._waiting)
+                self._waiting.clear()
+            for req in left:
+                self._release(req)
+                err = ServingError(f"request {req.id} did not finish: the scheduler was closed")
+                err.status = 503
+                self._fail(req, err)
+            self.cache.close()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._has_work())
+                if self._closed:
+                    return
+            try:
+                self.step()
+            except Exception:  # step fails the requests it concerns; this only keeps the thread alive
+                log.exception("scheduler step failed")
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting) or any(r is not None for r in self._slots)
+
+    # --- submitting -------------------------------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None = None) -> Request:
+        """Queue a prompt (token ids) with its settings (default: the engine's generation defaults).
+
+        Raises InputError for a prompt that does not fit (prompt + ``max_new_tokens`` over the engine's max sequence
+        length), ids outside the vocabulary, or settings a scheduler does not run (beam search, prompt lookup,
+        several sequences); QueueFullError when the waiting queue is full. Thread-safe.
+        """
+        cfg = self.engine.generation_defaults if cfg is None else cfg
+        if not isinstance(cfg, GenerationConfig):
+            raise InputError(f"cfg must be a GenerationConfig, got {type(cfg).__name__}")
+        if cfg.num_beams > 1 or cfg.prompt_lookup_num_tokens is not None or cfg.num_return_sequences > 1:
+            raise InputError("the scheduler runs one sequence per request without beam search or prompt lookup "
+                             "(num_beams=1, num_return_sequences=1, prompt_lookup_num_tokens=None); use "
+                             "engine.generate for those")
+        ids = check_prompts([prompt_ids], self.vocab, self.max_seq_len)[0]
+        if len(ids) + cfg.max_new_tokens > self.max_seq_len:
+            raise InputError(f"a prompt of {len(ids)} tokens + max_new_tokens {cfg.max_new_tokens} = "
+                             f"{len(ids) + cfg.max_new_tokens} exceeds the engine's max sequence length "
+                             f"{self.max_seq_len}; shorten the prompt or ask for fewer tokens")
+        eos = eos_ids(cfg, self.tokenizer, self.vocab)
+        with self._cond:
+            if self._closed:
+                raise ServingError("the scheduler is closed")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue {self.max_queue}) and "
+                                     f"all {len(self._slots)} slots are busy; retry later")
+            req = Request(next(self._ids), ids, cfg, eos, IncrementalDecoder(self.tokenizer, cfg.stop))
+            self._waiting.append(req)
+            self._cond.notify_all()
+        return req
+
+    def stats(self) -> SchedulerStats:
+        """Counts of running and waiting requests, slots and tokens (thread-safe, approximate while stepping)."""
+        with self._cond:
+            used = sum(r is not None for r in self._slots)
+            return SchedulerStats(running=used, waiting=len(self._waiting), slots_used=used,
+                                  slots_total=len(self._slots), queue_capacity=self.max_queue,
+                                  prompt_tokens_total=self._prompt_tokens,
+                                  generation_tokens_total=self._generation_tokens,
+                                  requests_finished_total=dict(self._finished), steps_total=self._steps)
+
+    # --- one step -----------------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Retire, admit, prefill up to ``prefill_chunk`` prompt tokens, decode once; True while work remains."""
+        with self._step_lock:
+            if not self.cache.values:  # closed
+                raise ServingError("the scheduler is closed")
+            self._retire_cancelled()
+            self._admit()
+            self._prefill()
+            self._decode()
+            with self._cond:
+                self._steps += 1
+                return self._has_work()
+
+    def _running(self) -> list[Request]:
+        """Requests holding a slot, in arrival order."""
+        return sorted((r for r in self._slots if r is not None), key=lambda r: r.id)
+
+    def _retire_cancelled(self) -> None:
+        with self._cond:
+            gone = [r for r in self._waiting if r.cancelled]
+            for r in gone:
+                self._waiting.remove(r)
+        for req in gone + [r for r in self._running() if r.cancelled]:
+            self._finish(req, "cancelled", None, Event(None, req._decoder.finish(), None, "cancelled", None,
+                                                       time.perf_counter()))
+
+    def _admit(self) -> None:
+        with self._cond:
+            while self._waiting and None in self._slots:
+                req = self._waiting.popleft()
+                slot = self._slots.index(None)  # the lowest: keeps the decode range 0..highest short
+                self._slots[slot], req.slot, req.t_admit = req, slot, time.perf_counter()
+
+    def _prefill(self) -> None:
+        """Up to ``prefill_chunk`` prompt tokens, oldest request first, each chunk one batch-1 call into its slot."""
+        budget = self.prefill_chunk
+        for req in self._running():
+            if budget == 0:
+                break
+            todo = len(req.prompt_ids) - req.num_computed
+            if todo == 0:
+                continue
+            n = min(todo, budget)
+            assert req.slot is not None
+            try:
+                logits = self.cache.prefill(req.slot, req.prompt_ids[req.num_computed:req.num_computed + n])
+                budget -= n
+                req.num_computed += n
+                with self._cond:
+                    self._prompt_tokens += n
+                if req.num_computed == len(req.prompt_ids):
+                    req._batch_size = sum(r is not None for r in self._slots)
+                    self._emit(req, logits)
+            except Exception as e:  # noqa: BLE001  one request's failure ends that request only
+                self._error(req, e)
+
+    def _decode(self) -> None:
+        """One batched step over every request with a token to feed."""
+        batch = [r for r in self._running() if r.next_token is not None]
+        if not batch:
+            return
+        try:
+            logits = self.cache.decode({r.slot: r.next_token for r in batch if r.slot is not None and
+                                        r.next_token is not None})
+        except Exception as e:  # noqa: BLE001  the whole batch failed: each of its requests ends with the error
+            for req in batch:
+                self._error(req, e)
+            return
+        for req in batch:
+            assert req.slot is not None
+            try:
+                self._emit(req, logits[req.slot])
+            except Exception as e:  # noqa: BLE001
+                self._error(req, e)
+
+    def _emit(self, req: Request, logits: np.ndarray) -> None:
+        """Choose the request's next token from its logits ``[V]``, push its event, finish it if it ends here.
+
+        The same rules, in the same order, as :class:`~trtinfer.runtime.generator.Generation` for one row.
+        """
+        cfg, x = req.cfg, logits[None, :]
+        tok = int(select_next(x, cfg, [req._seen], len(req.generated), req.eos,
+                              [req._rng] if req._rng is not None else [])[0])
+        lp = token_logprobs(x, np.array([tok]), cfg.top_logprobs)[0] if cfg.logprobs else None
+        now = time.perf_counter()
+        if req.t_first_token is None:
+            req.t_first_token = now
+        req.token_times.append(now)
+        req.generated.append(tok)
+        req._seen = np.append(req._seen, tok)
+        if req._logprobs is not None and lp is not None:
+            req._logprobs.append(lp)
+        with self._cond:
+            self._generation_tokens += 1
+        dec = req._decoder
+        delta = dec.add(tok)
+        finish: str | None = None
+        stop: str | int | None = None
+        if dec.stopped:
+            finish, stop = "stop", dec.stop_string
+        elif tok in req.eos:
+            finish, stop = "stop", tok
+        elif (len(req.generated) >= cfg.max_new_tokens
+              or len(req.prompt_ids) + len(req.generated) >= self.max_seq_len
+              or (req._deadline is not None and now > req._deadline)):  # max_time: as Generation, "length"
+            finish = "length"
+        if finish is None:
+            req.next_token = tok
+            req._push(Event(tok, delta, lp, None, None, now))
+            return
+        delta += dec.finish()
+        if dec.stopped:  # finish() settles which stop string cut the text
+            finish, stop = "stop", dec.stop_string
+        self._finish(req, finish, stop, Event(tok, delta, lp, finish, stop, now))
+
+    # --- endings ------------------------------------------------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        """Free the request's slot (if it holds one)."""
+        if req.slot is not None:
+            self.cache.free(req.slot)
+            self._slots[req.slot] = None
+            req.slot = None
+        req.next_token = None
+
+    def _count(self, reason: str) -> None:
+        with self._cond:
+            self._finished[reason] = self._finished.get(reason, 0) + 1
+
+    def _finish(self, req: Request, finish: str, stop: str | int | None, last: Event) -> None:
+        self._release(req)
+        self._count(finish)
+        times = [req.t_admit or req.t_submit, *req.token_times]
+        timings = Timings(prompt_tokens=len(req.prompt_ids), batch_size=req._batch_size,
+                          prefill_ms=(times[1] - times[0]) * 1000.0 if len(times) > 1 else 0.0,
+                          decode_ms=[(b - a) * 1000.0 for a, b in itertools.pairwise(times[1:])])
+        result = GenerationResult(list(req.generated), req._decoder.text, finish, list(req.prompt_ids), timings, stop,
+                                  None if req._logprobs is None else list(req._logprobs))
+        req._push(last, result=result)
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        self._count("error")
+        req._fail(error)
+
+    def _error(self, req: Request, e: Exception) -> None:
+        log.warning("request %s failed: %s", req.id, e)
+        self._release(req)
+        err = ServingError(f"request {req.id} failed: {type(e).__name__}: {e}")
+        err.status = 500
+        err.__cause__ = e
+        self._fail(req, err)
