@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,25 +54,6 @@ class Event:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     time: float = 0.0
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot of the scheduler, for metrics (``vllm:num_requests_running`` and friends)."""
-
-    running: int  # requests holding a slot (prefilling or decoding)
-    waiting: int  # requests queued for a slot
-    slots_used: int
-    slots_total: int
-    queue_capacity: int
-    prompt_tokens_total: int  # prompt tokens prefilled so far
-    generation_tokens_total: int  # tokens generated so far
-    requests_finished_total: dict[str, int] = field(default_factory=dict)  # by finish reason, "error" included
-    steps_total: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly."""
-        return asdict(self)
 
 
 class Request:
@@ -333,15 +314,17 @@ class Scheduler:
             self._cond.notify_all()
         return req
 
-    def stats(self) -> SchedulerStats:
-        """Counts of running and waiting requests, slots and tokens (thread-safe, approximate while stepping)."""
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for metrics (thread-safe): ``running`` (requests holding a slot, prefilling or decoding),
+        ``waiting`` (queued for a slot), ``slots_used``, ``slots_total``, ``queue_capacity``, the counters
+        ``prompt_tokens`` (prefilled) and ``generation_tokens`` (generated), ``requests_finished`` (by finish reason,
+        ``"error"`` included) and ``steps``."""
         with self._cond:
             used = sum(r is not None for r in self._slots)
-            return SchedulerStats(running=used, waiting=len(self._waiting), slots_used=used,
-                                  slots_total=len(self._slots), queue_capacity=self.max_queue,
-                                  prompt_tokens_total=self._prompt_tokens,
-                                  generation_tokens_total=self._generation_tokens,
-                                  requests_finished_total=dict(self._finished), steps_total=self._steps)
+            return {"running": used, "waiting": len(self._waiting), "slots_used": used, "slots_total": len(self._slots),
+                    "queue_capacity": self.max_queue, "prompt_tokens": self._prompt_tokens,
+                    "generation_tokens": self._generation_tokens, "requests_finished": dict(self._finished),
+                    "steps": self._steps}
 
     # --- one step -----------------------------------------------------------------------------------------------
     def step(self) -> bool:
