@@ -31,9 +31,13 @@ def test_readme_python_quickstart_runs_on_the_default_engine(tmp_path, in_user_c
     blocks = readme_python_blocks()
     forward = next(b for b in blocks if "engine.context(" in b)  # the Forward API example, on the same engine
     code = blocks[0] + forward + "\nprint('best candidate', tok.decode(best))\n"
+    code += ("plain = engine.generate([f'Repeat this exactly: {passage}'], chat=True, max_new_tokens=40, "
+             "do_sample=False)[0]\n"
+             "print('beams ordered', top.score >= runner_up.score, 'lookup', plain.token_ids == r.token_ids)\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=False,
                        env={**os.environ, "PYTHONPATH": str(README.parent)}, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     # the two batched prompts' results print their finish reasons (chat and streaming ran without error too)
     assert p.stdout.count("'prompt_tokens'") >= 2 and ("stop" in p.stdout or "length" in p.stdout)
     assert "best candidate  Paris" in p.stdout  # the candidate-scoring example picks the right city
+    assert "beams ordered True lookup True" in p.stdout  # beam search ranks; prompt lookup = plain greedy
