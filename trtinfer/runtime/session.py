@@ -669,7 +669,9 @@ class OrtDecoderSession(DecoderSession):
             logits, vals = self._run(feeds, bufs, bufs, want, staging)
             return logits[0], KVCache(vals, lengths, capacity=cap, staging=staging)
         past = [self._kv_value((1, kvh, 0, hd)) for _ in self.past_names] if kv is None else kv.values
-        mask = np.ones((1, start + n), dtype=np.int64)
+        # a row taken out of a batch keeps its left padding: its mask says which past columns are real
+        before = np.ones((1, start), np.int64) if kv is None or kv.mask is None else kv.mask
+        mask = np.concatenate([before, np.ones((1, n), np.int64)], axis=1)
         logits, vals = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, past, None, want,
                                  staging)
         return logits[0], KVCache(vals, lengths, mask=mask, staging=staging)
@@ -699,9 +701,10 @@ class OrtDecoderSession(DecoderSession):
             return KVCache(kv.values, lengths, capacity=kv.capacity, staging=kv.staging)
         assert kv.mask is not None
         ov = self._ort.OrtValue
-        cut = [ov.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :n]), self.device, self.config.device_id)
-               for v in kv.values]
-        return KVCache(cut, lengths, mask=kv.mask[:, :n].copy(), staging=kv.staging)
+        keep = kv.mask.shape[1] - int(kv.lengths[0]) + n  # left padding (a row taken out of a batch) + n tokens
+        cut = [ov.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :keep]), self.device,
+                                      self.config.device_id) for v in kv.values]
+        return KVCache(cut, lengths, mask=kv.mask[:, :keep].copy(), staging=kv.staging)
 
     def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
         if self.select_sess is None:
