@@ -86,7 +86,7 @@ def test_slot_cache_chunked_prefill_and_batched_decode_equal_one_shot(engine):
 
 def test_concat_layout_refused(tiny_engine):
     with (trtinfer.load(tiny_engine("llama", disable_passes=("attention",))) as eng,
-          pytest.raises(EngineLoadError, match="rebuild with the default passes")):
+          pytest.raises(EngineLoadError, match="with the default passes")):
         Scheduler(eng)
 
 
@@ -272,6 +272,16 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(llama, monk
         same(r2.result(timeout=30), alone(llama, p2, GREEDY))
         assert sched.stats()["requests_finished"] == {"error": 1, "length": 1}
         assert sched.stats()["slots_used"] == 0
+        # a failure outside any one request's work (here: decoding's bookkeeping) ends the running ones
+        def broken():
+            raise RuntimeError("bug")
+
+        monkeypatch.setattr(sched, "_decode", broken)
+        r3 = sched.submit(p1, GREEDY)
+        with pytest.raises(ServingError, match="bug"):
+            r3.result(timeout=30)
+        monkeypatch.undo()
+        same(sched.submit(p1, GREEDY).result(timeout=30), alone(llama, p1, GREEDY))
 
 
 def test_close_fails_unfinished_requests(llama):

@@ -37,8 +37,9 @@ class SlotCache:
     def __init__(self, session: Any, slots: int, capacity: int) -> None:
         if getattr(session, "kv_layout", None) != "shared_buffer" or not hasattr(session, "_kv_value"):
             raise EngineLoadError(
-                f"continuous batching needs an ONNX Runtime engine with the shared_buffer KV layout; this one is "
-                f"{getattr(session, 'kv_layout', '?')} on {type(session).__name__}: rebuild with the default passes")
+                f"continuous batching runs ONNX Runtime engines with the shared_buffer KV layout; this engine has the "
+                f"{getattr(session, 'kv_layout', '?')} layout on {type(session).__name__}: rebuild it for ONNX Runtime "
+                "with the default passes")
         session.check_can_score()  # a chunk's logits are read at its last token: needs logits_positions
         self.session = session
         self.slots, self.capacity = slots, capacity

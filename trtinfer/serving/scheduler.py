@@ -61,7 +61,9 @@ class Request:
 
     Read it with blocking iteration (``for ev in request``), ``async for ev in request.stream()`` or
     :meth:`result`; a request that failed raises its error from all three. Timestamps (``time.perf_counter()``):
-    ``t_submit``, ``t_first_token`` and ``token_times`` (one per token), for TTFT and inter-token latency.
+    ``t_submit``, ``t_admit`` (slot taken), ``t_first_token`` and ``token_times`` (one per token), for TTFT and
+    inter-token latency. ``cfg.max_time`` counts from ``t_submit``. Nothing cancels a request whose reader went away
+    (an HTTP client that disconnected): call :meth:`cancel` then, or it runs to its end.
     """
 
     def __init__(self, rid: int, prompt_ids: list[int], cfg: GenerationConfig, eos: tuple[int, ...],
@@ -276,8 +278,11 @@ class Scheduler:
                     return
             try:
                 self.step()
-            except Exception:  # step fails the requests it concerns; this only keeps the thread alive
+            except Exception as e:  # not one request's failure (those end inside step): end every running one
                 log.exception("scheduler step failed")
+                with self._step_lock:
+                    for req in [r for r in self._slots if r is not None]:
+                        self._error(req, e)
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(r is not None for r in self._slots)
