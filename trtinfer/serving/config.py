@@ -1,0 +1,55 @@
+"""``ServeConfig``: every setting of ``trtinfer serve`` in one frozen, validated dataclass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trtinfer.errors import ConfigError
+from trtinfer.runtime.config import PROVIDERS, RuntimeConfig, _found, _is_int
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the OpenAI-compatible server listens, whom it lets in, and how much it takes at once.
+
+    ``host``/``port``: where uvicorn binds (loopback unless told otherwise; port 0 picks a free one).
+    ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401).
+    ``model_name``: the name ``/v1/models`` lists and requests must give as ``model`` (default: the engine
+    directory's name). ``max_queue``: requests waiting for a batch slot before new ones get 429 (every request waits
+there a moment before a slot takes it, so at least 1).
+    ``max_body_bytes``: larger request bodies get 413. ``prefill_chunk``: prompt tokens per prefill pass (long
+    prompts go in chunks between decode steps). ``max_n``: the most choices (``n``) one request may ask for.
+    ``provider`` and ``intra_op_threads`` go to the engine's :class:`~trtinfer.runtime.config.RuntimeConfig`.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model_name: str | None = None
+    max_queue: int = 64
+    max_body_bytes: int = 1 << 20
+    prefill_chunk: int = 256
+    max_n: int = 16
+    provider: str = "cpu"
+    intra_op_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.host, str) and self.host):
+            raise ConfigError(f"host must be a host name or address, got {_found(self.host)}", field="host")
+        for name, low in (("port", 0), ("max_queue", 1), ("max_body_bytes", 1), ("prefill_chunk", 1), ("max_n", 1),
+                          ("intra_op_threads", 0)):
+            value = getattr(self, name)
+            if not (_is_int(value) and value >= low):
+                raise ConfigError(f"{name} must be an integer >= {low}, got {_found(value)}", field=name)
+        if self.port > 65535:
+            raise ConfigError(f"port must be within 0..65535 (0: a free one), got {self.port}", field="port")
+        for name in ("api_key", "model_name"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip() and value.isprintable()):
+                raise ConfigError(f"{name} must be a non-empty printable string or None, got {_found(value)}",
+                                  field=name)
+        if self.provider not in PROVIDERS:
+            raise ConfigError(f"provider must be one of {PROVIDERS}, got {_found(self.provider)}", field="provider")
+
+    def runtime(self) -> RuntimeConfig:
+        """The engine's runtime settings."""
+        return RuntimeConfig(provider=self.provider, intra_op_threads=self.intra_op_threads)

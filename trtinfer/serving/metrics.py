@@ -1,0 +1,93 @@
+"""Prometheus metrics of the server, named after vLLM's with a ``trtinfer:`` prefix, in a registry per app.
+
+Gauges and counters (tokens, finished requests) are read from the scheduler's ``stats()`` when scraped (one source
+of truth: the scheduler counts, the exposition reads); latency histograms are observed by the app as each request
+ends, from the request's own timestamps.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: the scheduler's finish reasons as vLLM names them
+FINISHED_AS = {"cancelled": "abort"}
+
+# vLLM's buckets (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+
+
+class _SchedulerCollector(Collector):
+    """Running/waiting requests, KV slot usage and token counters, from ``stats()`` at scrape time."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any] | None], labels: dict[str, str]) -> None:
+        self.stats, self.labels = stats, labels
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats() or {}
+        names, values = list(self.labels), list(self.labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        total = s.get("slots_total") or 0
+        yield gauge("trtinfer:num_requests_running", "Requests holding a batch slot.", s.get("running", 0))
+        yield gauge("trtinfer:num_requests_waiting", "Requests queued for a batch slot.", s.get("waiting", 0))
+        yield gauge("trtinfer:kv_cache_usage_perc", "Fraction of KV cache slots in use (1 = full).",
+                    (s.get("slots_used", 0) / total) if total else 0.0)
+        yield counter("trtinfer:prompt_tokens", "Prompt tokens prefilled.", s.get("prompt_tokens", 0))
+        yield counter("trtinfer:generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
+        done = CounterMetricFamily("trtinfer:request_success", "Finished requests by finish reason (abort: cancelled, "
+                                   "e.g. the client went away).", labels=[*names, "finished_reason"])
+        for reason, count in sorted((s.get("requests_finished") or {}).items()):
+            if reason != "error":  # a failed request is no success
+                done.add_metric([*values, FINISHED_AS.get(reason, reason)], count)
+        yield done
+
+
+class ServerMetrics:
+    """The app's metrics in their own :class:`CollectorRegistry` (several apps in one process never collide)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Mapping[str, Any] | None]) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.registry.register(_SchedulerCollector(stats, labels))
+        names = ["model_name"]
+        self.ttft = Histogram("trtinfer:time_to_first_token_seconds", "Time to first token.", names,
+                              buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram("trtinfer:inter_token_latency_seconds", "Time between consecutive tokens.", names,
+                             buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("trtinfer:e2e_request_latency_seconds", "Request latency, submit to last token.", names,
+                             buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+
+    def finished(self, t_submit: float | None, t_first: float | None, token_times: Sequence[float] | None,
+                 t_end: float | None) -> None:
+        """Record one finished request's TTFT, inter-token gaps and end-to-end latency (one clock, in seconds)."""
+        if t_submit is not None and t_first is not None:
+            self.ttft.observe(max(0.0, t_first - t_submit))
+        if token_times:
+            for a, b in itertools.pairwise(token_times):
+                self.itl.observe(max(0.0, b - a))
+        if t_submit is not None and t_end is not None:
+            self.e2e.observe(max(0.0, t_end - t_submit))
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)

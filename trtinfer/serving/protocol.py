@@ -1,0 +1,352 @@
+"""OpenAI's wire format: request models, their mapping onto :class:`GenerationConfig`, response and error bodies.
+
+Requests are pydantic models that accept OpenAI's fields and vLLM's extra sampling fields (``top_k``, ``min_p``,
+``min_tokens``, ``ignore_eos``, ``repetition_penalty``); unknown fields are ignored with a warning, as vLLM does.
+Values are checked where one rule lives: :class:`GenerationConfig` (``ConfigError.field`` is mapped back to the
+request's parameter name), plus the few rules that are OpenAI's own (``temperature`` 0 means greedy, ``n``, what is
+not supported). Responses are plain dicts shaped as OpenAI's, which the ``openai`` client parses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trtinfer.errors import ConfigError, ServingError
+from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.generator import TokenLogprob
+
+#: below this a temperature means greedy decoding (vLLM's _SAMPLING_EPS)
+GREEDY_BELOW = 1e-5
+#: GenerationConfig field -> the request parameter that sets it, for error messages
+PARAM_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
+#: HTTP status -> OpenAI error type
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class BadRequest(ServingError):
+    """A request the server refuses; ``status`` is its HTTP status, ``param`` the parameter at fault."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
+class _Body(BaseModel):
+    # unknown fields are kept in model_extra and reported, not refused: clients send fields we do not know
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices."""
+
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """The fields completions and chat share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    repetition_penalty: float | None = None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: a prompt (text, token ids, or a batch of either) to continue."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(_Body):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    """A chat message: a role and its content (text, or text parts)."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``: a conversation rendered through the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+def unknown_fields(req: BaseModel) -> list[str]:
+    """The request's fields this server does not know (nested ones as ``parent.child``)."""
+    found = sorted(req.model_extra or {})
+    for name in type(req).model_fields:
+        value = getattr(req, name)
+        for item in (value if isinstance(value, list) else [value]):
+            if isinstance(item, _Body):
+                found += [f"{name}.{k}" for k in sorted(item.model_extra or {})]
+    return found
+
+
+def check_unsupported(req: _Sampling, max_n: int) -> None:
+    """Refuse what the server does not do, naming the parameter (OpenAI answers such requests with 400 too)."""
+    if not 1 <= req.n <= max_n:
+        raise BadRequest(f"n must be within 1..{max_n}, got {req.n}", param="n")
+    if req.logit_bias:
+        raise BadRequest("logit_bias is not supported by this server; leave it out", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise BadRequest("echo is not supported by this server; prepend the prompt yourself", param="echo")
+        if req.suffix:
+            raise BadRequest("suffix is not supported by this server", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise BadRequest(f"best_of must equal n ({req.n}) or be left out: this server returns every choice it "
+                             "generates", param="best_of")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools or req.tool_choice not in (None, "none"):
+            raise BadRequest("tool calling is not supported by this server", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise BadRequest("response_format other than text is not supported by this server",
+                             param="response_format")
+        if req.top_logprobs and not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The conversation as ``{"role", "content"}`` dicts of text (text parts joined by newlines, as vLLM does)."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            bad = [p.type for p in content if p.type != "text" or p.text is None]
+            if bad:
+                raise BadRequest(f"messages[{i}].content has a {bad[0]!r} part; only text parts are supported",
+                                 param=f"messages.{i}.content")
+            content = "\n".join(p.text or "" for p in content)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: each a text or a list of token ids."""
+    p: Any = req.prompt
+    prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not prompts:
+        raise BadRequest("prompt must not be empty", param="prompt")
+    for i, one in enumerate(prompts):
+        if len(one) == 0:
+            raise BadRequest(f"prompt {i} is empty; give at least one character or token", param="prompt")
+    return prompts
+
+
+def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len: int, max_seq_len: int,
+                      default_max_tokens: int | None) -> GenerationConfig:
+    """The request's sampling settings over the engine's defaults (the model's generation_config.json).
+
+    Left out: ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` take the model's
+    defaults (as vLLM does), and so does greedy vs sampling (``trtinfer generate``'s rule: the model's
+    ``do_sample``, greedy where it says nothing); ``temperature`` 0 is greedy and > 0 samples; ``top_p``, ``top_k``
+    or ``min_p`` given without ``temperature`` sample at the model's temperature. ``max_tokens`` left out is
+    ``default_max_tokens`` (None: the rest of the context), capped at what the context holds.
+    """
+    room = max_seq_len - prompt_len
+    if room < 1:
+        raise BadRequest(f"this model's maximum context length is {max_seq_len} tokens, and the prompt has "
+                         f"{prompt_len}: no room for a completion; shorten the prompt", param="messages"
+                         if isinstance(req, ChatCompletionRequest) else "prompt", code="context_length_exceeded")
+    newer = isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
+    max_param = "max_completion_tokens" if newer else "max_tokens"  # OpenAI's newer name wins where both are given
+    max_tokens = getattr(req, max_param)
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens > room:
+        raise BadRequest(f"this model's maximum context length is {max_seq_len} tokens; you asked for "
+                         f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate); lower "
+                         f"{max_param} to at most {room} or shorten the prompt", param=max_param,
+                         code="context_length_exceeded")
+    fields: dict[str, Any] = {
+        "max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens, "do_sample": defaults.do_sample,
+        "temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k,
+        "min_p": defaults.min_p, "repetition_penalty": defaults.repetition_penalty,
+        "no_repeat_ngram_size": defaults.no_repeat_ngram_size, "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty, "seed": req.seed, "ignore_eos": req.ignore_eos,
+        "stop": [] if req.stop is None else req.stop,
+    }
+    for name in ("top_p", "min_p", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    if req.top_k is not None:
+        fields["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM: -1 (or 0) turns top-k off
+    if req.temperature is not None:
+        if req.temperature < 0:
+            raise BadRequest(f"temperature must be >= 0 (0: greedy), got {req.temperature}", param="temperature")
+        fields["do_sample"] = req.temperature >= GREEDY_BELOW
+        if fields["do_sample"]:
+            fields["temperature"] = req.temperature
+    elif any(getattr(req, name) is not None for name in ("top_p", "top_k", "min_p")):
+        fields["do_sample"] = True
+    if isinstance(req, CompletionRequest) and req.logprobs is not None:
+        fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
+    elif isinstance(req, ChatCompletionRequest) and req.logprobs:
+        fields["logprobs"], fields["top_logprobs"] = True, req.top_logprobs or 0
+    try:
+        return GenerationConfig(**fields)
+    except ConfigError as e:
+        name = e.field or ""
+        param: str | None = PARAM_OF.get(name, name) or None
+        if name == "top_logprobs" and isinstance(req, ChatCompletionRequest):
+            param = "top_logprobs"
+        elif name == "max_new_tokens":
+            param = max_param
+        message = str(e)
+        for field, shown in PARAM_OF.items():
+            message = message.replace(field, shown)
+        raise BadRequest(message, param=param) from e
+
+
+def for_choice(cfg: GenerationConfig, i: int) -> GenerationConfig:
+    """Choice ``i``'s settings: a given seed becomes ``seed + i``, so choices differ and each is reproducible."""
+    return cfg if cfg.seed is None or i == 0 else dataclasses.replace(cfg, seed=cfg.seed + i)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# responses
+
+
+def new_id(prefix: str) -> str:
+    """A response id as OpenAI's: ``cmpl-...`` / ``chatcmpl-...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """``created``: Unix seconds."""
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(items: Sequence[TokenLogprob], token_text: TokenText, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for some tokens; ``offset`` is the text length before them."""
+    tokens = [token_text(lp.token_id) for lp in items]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    tops = []
+    for lp in items:  # keyed by text: of two tokens of the same text (say U+FFFD) the likelier one stays
+        top: dict[str, float] = {}
+        for alt, v in lp.top:
+            top.setdefault(token_text(alt), v)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(items: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        shown = token_text(token_id)
+        return {"token": shown, "logprob": logprob, "bytes": list(shown.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in items], "refusal": None}
+
+
+@dataclasses.dataclass
+class Choice:
+    """One finished choice, as the app collects it."""
+
+    index: int
+    text: str
+    finish_reason: str
+    stop_reason: str | int | None
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+
+
+def completion_response(rid: str, model: str, choices: Sequence[Choice], prompt_tokens: int,
+                        token_text: TokenText) -> dict[str, Any]:
+    """A whole ``text_completion``."""
+    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
+            "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                         "stop_reason": c.stop_reason,
+                         "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, token_text)}
+                        for c in choices],
+            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
+
+
+def chat_response(rid: str, model: str, choices: Sequence[Choice], prompt_tokens: int,
+                  token_text: TokenText) -> dict[str, Any]:
+    """A whole ``chat.completion``."""
+    return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                         "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, token_text)}
+                        for c in choices],
+            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
+
+
+def chunk(kind: Literal["completion", "chat"], rid: str, model: str, created: int,
+          choices: list[dict[str, Any]], usage_: dict[str, int] | None = None,
+          with_usage: bool = False) -> dict[str, Any]:
+    """One streamed chunk; ``with_usage`` adds ``"usage"`` (null but on the last chunk), as OpenAI does."""
+    out: dict[str, Any] = {"id": rid, "object": "text_completion" if kind == "completion" else
+                           "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if with_usage:
+        out["usage"] = usage_
+    return out
+
+
+def models_list(name: str, max_seq_len: int, created: int) -> dict[str, Any]:
+    """``GET /v1/models``: the one served model."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "trtinfer",
+                                        "root": name, "max_model_len": max_seq_len}]}
