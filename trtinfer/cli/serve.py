@@ -1,0 +1,146 @@
+"""``trtinfer serve DIR``: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over one engine.
+
+The engine loads in the background: ``/health`` answers 503 until it is ready, then 200. Ctrl-C (or SIGTERM) stops
+the server cleanly: requests in flight end, the engine is closed, the exit status is 0. A load that fails stops the
+server with the load error as one line and a non-zero exit.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("trtinfer.serve")
+
+#: ServeConfig field -> flag (errors about a field are reported under its flag)
+SERVE_FLAGS = {"host": "--host", "port": "--port", "api_key": "--api-key", "model_name": "--model-name",
+               "max_queue": "--max-queue", "max_body_bytes": "--max-body-bytes", "prefill_chunk": "--prefill-chunk",
+               "max_n": "--max-n", "provider": "--provider", "intra_op_threads": "--threads"}
+#: where --api-key is read from when the flag is not given (a key on the command line shows in `ps`)
+API_KEY_ENV = "TRTINFER_API_KEY"
+
+
+def add_parser(sub: Any) -> None:
+    """Register the verb."""
+    p = sub.add_parser("serve", help="serve an engine over an OpenAI-compatible HTTP API")
+    p.add_argument("engine", help="engine directory from `trtinfer build`")
+    # flags default to None: ServeConfig holds the defaults (one place)
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000; 0: any free port)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV})")
+    p.add_argument("--model-name", default=None, help="the model's name in the API (default: the engine folder's)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="requests waiting for a batch slot before new ones get 429 (default 64)")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 1 MiB)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill pass between decode steps (default 256)")
+    p.add_argument("--max-n", type=int, default=None, help="the most choices (n) per request (default 16)")
+    p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default=None, help="default cpu")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default 0: one per core)")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`ServeConfig` the flags ask for (checked, errors named by flag)."""
+    from trtinfer.cli._flags import config_from_flags
+    from trtinfer.serving.config import ServeConfig
+
+    chosen = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in SERVE_FLAGS.items()}
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    if "api_key" not in chosen and os.environ.get(API_KEY_ENV):
+        chosen["api_key"] = os.environ[API_KEY_ENV]
+    return config_from_flags(ServeConfig, SERVE_FLAGS, **chosen)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the verb."""
+    from trtinfer.errors import InputError
+    from trtinfer.runtime.manifest import read_manifest
+
+    config = config_from_args(args)
+    path = Path(args.engine)
+    manifest = read_manifest(path)  # a bad directory fails here, before anything listens
+    if manifest.raw.get("kind", "decoder") != "decoder":
+        raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
+    # scale-out hosts (Ray Serve) wrap the same create_app(path, config); this is the single-process host
+    return serve_uvicorn(path, config)
+
+
+class _Stopped(Exception):
+    """SIGTERM, raised once uvicorn has shut down (uvicorn re-raises the signals it caught)."""
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped
+
+
+def serve_uvicorn(path: Path, config: Any) -> int:
+    """Serve ``path`` with uvicorn until Ctrl-C/SIGTERM (0) or a failed engine load (its error)."""
+    import uvicorn
+
+    from trtinfer.errors import EngineLoadError, TrtInferError
+    from trtinfer.serving.app import create_app
+
+    app = create_app(path, config)
+    service = app.state.service
+    sock = _bind(config.host, config.port)
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=10,
+                                           lifespan="on"))
+    service.on_failure.append(lambda e: setattr(server, "should_exit", True))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    log.info("serving %s as %r at http://%s:%d/v1 (loading the engine: /health answers 200 once it is ready; "
+             "Ctrl-C stops)", path, service.model_name, shown, port)
+    if config.api_key is None and not _is_loopback(host):
+        log.warning("listening on %s without --api-key: anyone who reaches this port can use the model", host)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_stopped) if main else None
+    try:
+        server.run(sockets=[sock])
+    except (KeyboardInterrupt, _Stopped):
+        pass
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+        sock.close()
+    if service.error is not None:
+        err = service.error
+        if isinstance(err, TrtInferError):
+            raise err
+        raise EngineLoadError(f"the engine {path} failed to load: {type(err).__name__}: {err}") from err
+    log.info("stopped")
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (IPv4 or IPv6); ServingError when it cannot be."""
+    from trtinfer.errors import ServingError
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        raise ServingError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port or --host") from e
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

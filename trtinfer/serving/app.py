@@ -1,0 +1,561 @@
+"""The OpenAI-compatible HTTP server: ``create_app(engine_dir, config) -> FastAPI``.
+
+::
+
+    client ── _Gate (API key, body limit) ── FastAPI routes ── Service ── Scheduler (continuous batching) ── Engine
+                                               /v1/completions        submit() -> Request; Request.stream() events
+                                               /v1/chat/completions   cancel() when the client goes away
+                                               /v1/models, /health, /metrics
+
+The engine loads in a background thread when the app starts, so ``/health`` answers 503 until it is ready (and the
+generation routes answer 503 too). Every refusal is an OpenAI-shaped error body (``{"error": {"message", "type",
+"param", "code"}}``) with a 4xx status; an unexpected failure is logged with its traceback and answered with a bare
+500. The app is a plain factory of an engine directory (or a loaded :class:`Engine`) and a :class:`ServeConfig`, so
+another host (uvicorn here; a Ray Serve deployment) can wrap it as it is.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from trtinfer.errors import ConfigError, InputError, ServingError, TrtInferError
+from trtinfer.runtime.engine import Engine
+from trtinfer.runtime.generator import TokenLogprob
+from trtinfer.serving import protocol as P
+from trtinfer.serving.config import ServeConfig
+from trtinfer.serving.metrics import CONTENT_TYPE, ServerMetrics
+from trtinfer.serving.scheduler import Event, Scheduler
+from trtinfer.serving.scheduler import Request as Submitted
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: routes open without the API key (a load balancer's probe carries no key)
+OPEN_PATHS = frozenset({"/health"})
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(P.error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the engine and its scheduler, loaded in the background
+
+
+class Service:
+    """The engine and its scheduler: ``loading`` until :meth:`start`'s thread is done, then ``ready`` or ``failed``.
+
+    ``on_failure`` callbacks run (on the loading thread) when loading fails: ``trtinfer serve`` stops there.
+    """
+
+    def __init__(self, source: Engine | str | Path, config: ServeConfig) -> None:
+        self.config = config
+        self._source = source
+        self._owns_engine = not isinstance(source, Engine)
+        path = source.path if isinstance(source, Engine) else Path(source)
+        self.model_name = config.model_name or path.resolve().name
+        self.engine: Engine | None = None
+        self.scheduler: Scheduler | None = None
+        self._token_text: Callable[[int], str] = str
+        self.error: BaseException | None = None
+        self.created = P.now()
+        self.on_failure: list[Callable[[BaseException], None]] = []
+        self._closing = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def state(self) -> str:
+        """``loading``, ``ready`` or ``failed``."""
+        return "failed" if self.error is not None else "ready" if self.scheduler is not None else "loading"
+
+    def start(self) -> None:
+        """Load in a background thread (a loaded Engine is wrapped at once)."""
+        if isinstance(self._source, Engine):
+            self._load()
+            return
+        self._thread = threading.Thread(target=self._load, name="trtinfer-load", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        engine = None
+        try:
+            t0 = time.perf_counter()
+            engine = self._source if isinstance(self._source, Engine) else _load_engine(self._source, self.config)
+            scheduler = Scheduler(engine, max_queue=self.config.max_queue, prefill_chunk=self.config.prefill_chunk)
+            scheduler.start()
+        except Exception as e:  # reported through /health and on_failure, never lost
+            if engine is not None and self._owns_engine:
+                engine.close()
+            self.error = e
+            log.error("the engine failed to load: %s", e, exc_info=not isinstance(e, TrtInferError))
+            for fn in self.on_failure:
+                fn(e)
+            return
+        tok = engine.tokenizer
+        self._token_text = lru_cache(maxsize=1 << 16)(lambda i: tok.decode([i], skip_special_tokens=False))
+        with self._lock:
+            self.engine, self.scheduler = engine, scheduler
+            closing = self._closing
+        if closing:  # the server stopped while the engine loaded
+            self._shutdown()
+            return
+        log.info("model %s ready in %.1f s (max batch %d, max sequence length %d)", self.model_name,
+                 time.perf_counter() - t0, engine.manifest.max_batch_size, engine.manifest.max_seq_len)
+
+    def close(self) -> None:
+        """Stop the scheduler (its requests end) and close the engine when this service loaded it."""
+        with self._lock:
+            self._closing = True
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            scheduler, engine = self.scheduler, self.engine
+            self.scheduler = self.engine = None
+        if scheduler is not None:
+            scheduler.close()
+        if engine is not None and self._owns_engine:
+            engine.close()
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text alone (special tokens shown), as logprobs name tokens."""
+        return self._token_text(token_id)
+
+    def stats(self) -> dict[str, Any] | None:
+        """The scheduler's stats, or None while loading."""
+        scheduler = self.scheduler
+        return None if scheduler is None else scheduler.stats()
+
+    def ready(self) -> tuple[Engine, Scheduler]:
+        """The engine and scheduler; 503 while loading or after a failed load."""
+        engine, scheduler = self.engine, self.scheduler
+        if engine is None or scheduler is None:
+            why = "the model is still loading; retry when /health answers 200" if self.error is None else \
+                f"the model failed to load: {self.error}"
+            raise P.BadRequest(why, status=503, code="model_not_ready")
+        return engine, scheduler
+
+
+def _load_engine(path: str | Path, config: ServeConfig) -> Engine:
+    """The engine of a directory (a seam for tests that hold loading back)."""
+    from trtinfer.runtime.engine import load
+
+    engine = load(path, config=config.runtime())
+    if not isinstance(engine, Engine):
+        engine.close()
+        raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
+    return engine
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# ASGI gate: API key and body size, before any route runs
+
+
+class _Gate:
+    """Refuses requests without the API key (401) and bodies over the limit (413) before the app sees them.
+
+    A body is read here in full (up to the limit) and handed on: a chunked upload without Content-Length is limited
+    as well as one that declares its size.
+    """
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], api_key: str | None,
+                 max_body: int) -> None:
+        self.app, self.max_body = app, max_body
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope.get("path") not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                await _error(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await _error(400, "Content-Length is not a number")(scope, receive, send)
+                return
+            if int(declared) > self.max_body:
+                await self._too_large(scope, receive, send)
+                return
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: http.disconnect when the client goes away
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _error(413, f"request body exceeds this server's limit of {self.max_body} bytes",
+                     code="request_too_large")(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# generation routes
+
+
+class _Streamed:
+    """What one choice streamed so far, for the response or the usage chunk."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.offset = 0  # text length so far (completions' logprobs text_offset)
+
+
+async def _merged(requests: list[Submitted]) -> AsyncIterator[tuple[int, Event]]:
+    """``(choice index, event)`` of every request's stream, as they come."""
+    if len(requests) == 1:
+        async for ev in requests[0].stream():
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()  # events, errors and `done` marks
+    done = object()
+
+    async def pump(i: int, req: Submitted) -> None:
+        try:
+            async for ev in req.stream():
+                queue.put_nowait((i, ev))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        left = len(requests)
+        while left:
+            i, ev = await queue.get()
+            if ev is done:
+                left -= 1
+            elif isinstance(ev, Exception):
+                raise ev
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (the body is already read: the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that cancel their requests however the response ends (done, error, client gone)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._body, self._on_close = body, on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            aclose = getattr(self._body, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class Handler:
+    """The two generation routes over one :class:`Service`: parse, submit, then answer whole or streamed."""
+
+    def __init__(self, service: Service, metrics: ServerMetrics) -> None:
+        self.service, self.metrics = service, metrics
+        self.config = service.config
+
+    async def handle(self, req: P.CompletionRequest | P.ChatCompletionRequest, request: Request) -> Response:
+        """Serve one completion or chat request."""
+        engine, scheduler = self.service.ready()
+        chat = isinstance(req, P.ChatCompletionRequest)
+        if req.model and req.model != self.service.model_name:
+            raise P.BadRequest(f"the model {req.model!r} does not exist here; this server serves "
+                               f"{self.service.model_name!r}", param="model", status=404, code="model_not_found")
+        P.check_unsupported(req, self.config.max_n)
+        extra = P.unknown_fields(req)
+        if extra:
+            log.warning("ignoring unknown request field(s) %s", extra)
+        prompts = await run_in_threadpool(_encode, engine, req)
+        max_seq_len = engine.manifest.max_seq_len
+        cfgs = [P.generation_config(req, engine.generation_defaults, prompt_len=len(ids), max_seq_len=max_seq_len,
+                                    default_max_tokens=None if chat else 16) for ids in prompts]
+        submitted: list[Submitted] = []
+        try:
+            for ids, cfg in zip(prompts, cfgs):
+                for j in range(req.n):
+                    submitted.append(scheduler.submit(ids, P.for_choice(cfg, j)))
+        except BaseException:
+            for r in submitted:
+                r.cancel()
+            raise
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        text_of = self.service.token_text
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = self._events(submitted, rid, chat, prompt_tokens, include_usage, text_of)
+            return _EventStream(body, lambda: self._cancel(submitted))
+        collect = asyncio.ensure_future(self._collect(submitted))
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left: its requests free their slots
+                collect.cancel()
+            self._cancel(submitted)
+        if collect.cancelled():
+            log.info("client disconnected; %d request(s) cancelled", len(submitted))
+            return Response(status_code=499)
+        streamed = collect.result()
+        choices = [P.Choice(i, "".join(s.text), s.finish_reason or "length", s.stop_reason, s.token_ids,
+                            s.logprobs if cfgs[0].logprobs else None) for i, s in enumerate(streamed)]
+        build = P.chat_response if chat else P.completion_response
+        return JSONResponse(build(rid, self.service.model_name, choices, prompt_tokens, text_of))
+
+    async def _collect(self, requests: list[Submitted]) -> list[_Streamed]:
+        out = [_Streamed() for _ in requests]
+        async for i, ev in _merged(requests):
+            self._add(requests[i], out[i], ev)
+        return out
+
+    def _add(self, req: Submitted, s: _Streamed, ev: Event) -> None:
+        """Fold one event into its choice; record the request's metrics at its last event."""
+        if ev.token_id is not None:
+            s.token_ids.append(ev.token_id)
+        if ev.text:
+            s.text.append(ev.text)
+        if ev.logprob is not None:
+            s.logprobs.append(ev.logprob)
+        if ev.finish_reason is not None:
+            s.finish_reason, s.stop_reason = ev.finish_reason, ev.stop_reason
+            if ev.finish_reason != "cancelled":
+                self.metrics.finished(req.t_submit, req.t_first_token, req.token_times, ev.time)
+
+    @staticmethod
+    def _cancel(requests: list[Submitted]) -> None:
+        """Cancel the requests still running: their slots free at the scheduler's next step."""
+        for r in requests:
+            if not r.done:
+                r.cancel()
+
+    async def _events(self, requests: list[Submitted], rid: str, chat: bool, prompt_tokens: int, include_usage: bool,
+                      text_of: Callable[[int], str]) -> AsyncIterator[str]:
+        """The SSE body: a chunk per event that carries something, the usage chunk if asked, then ``[DONE]``."""
+        kind: Literal["completion", "chat"] = "chat" if chat else "completion"
+        model, created = self.service.model_name, P.now()
+        states = [_Streamed() for _ in requests]
+
+        def sse(choices: list[dict[str, Any]]) -> str:
+            data = P.chunk(kind, rid, model, created, choices, None, include_usage)
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        try:
+            if chat:  # OpenAI's first chunk per choice: the role
+                for i in range(len(requests)):
+                    yield sse([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
+            async for i, ev in _merged(requests):
+                s = states[i]
+                self._add(requests[i], s, ev)
+                lp = ev.logprob
+                if not ev.text and lp is None and ev.finish_reason is None:
+                    continue
+                if chat:
+                    choice: dict[str, Any] = {"index": i, "delta": {"content": ev.text} if ev.text else {},
+                                              "logprobs": None if lp is None else P.chat_logprobs([lp], text_of)}
+                else:
+                    choice = {"index": i, "text": ev.text, "logprobs": None if lp is None else
+                              P.completion_logprobs([lp], text_of, s.offset)}
+                    s.offset += len(text_of(lp.token_id)) if lp is not None else 0
+                choice["finish_reason"] = ev.finish_reason
+                if ev.finish_reason is not None:
+                    choice["stop_reason"] = s.stop_reason
+                yield sse([choice])
+            if include_usage:
+                used = P.usage(prompt_tokens, sum(len(s.token_ids) for s in states))
+                data = P.chunk(kind, rid, model, created, [], used, True)
+                yield f"data: {json.dumps(data)}\n\n"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the stream has begun: the error goes as an event, then the end
+            status, message = _status_of(e)
+            log.log(logging.ERROR if status >= 500 else logging.INFO, "stream failed: %s", e,
+                    exc_info=status >= 500)
+            yield f"data: {json.dumps(P.error_body(status, message))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def _encode(engine: Engine, req: P.CompletionRequest | P.ChatCompletionRequest) -> list[list[int]]:
+    """Token ids of each prompt (a chat: one, through the model's chat template)."""
+    tok = engine.tokenizer
+    if isinstance(req, P.ChatCompletionRequest):
+        return [tok.encode_chat(P.chat_messages(req))]
+    vocab = int(engine.manifest.geometry["vocab_size"])
+    out = []
+    for i, p in enumerate(P.completion_prompts(req)):
+        if isinstance(p, str):
+            out.append(tok.encode(p))
+            continue
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise P.BadRequest(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                               param="prompt")
+        out.append(list(p))
+    return out
+
+
+def _param_of(loc: Any) -> str | None:
+    """A pydantic error location as the parameter's dotted name (``messages.0.role``), without the union member
+    tags pydantic puts in (``prompt.list[int].0`` -> ``prompt.0``)."""
+    parts = [str(x) for x in loc if x != "body" and not (isinstance(x, str) and ("[" in x or x in _TYPE_TAGS))]
+    return ".".join(parts) or None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "null"})
+
+
+def _status_of(e: BaseException) -> tuple[int, str]:
+    """HTTP status and client-facing message of an exception (a bare message for failures we did not mean)."""
+    status = int(getattr(e, "status", 400)) if isinstance(e, ServingError) else \
+        400 if isinstance(e, (InputError, ConfigError)) else 500
+    # a 500 is a failure we did not mean: its details stay in the server's log
+    return status, str(e) if status != 500 else "internal server error; the server log has the details"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the app
+
+
+def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -> FastAPI:
+    """An OpenAI-compatible FastAPI app serving ``engine`` (a directory, loaded in the background, or an Engine).
+
+    Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (503 while
+    loading), ``GET /metrics`` (Prometheus). ``app.state.service`` is the :class:`Service` (engine, scheduler,
+    ``stats()``); ``app.state.metrics`` the :class:`ServerMetrics`.
+    """
+    config = config or ServeConfig()
+    service = Service(engine, config)
+    metrics = ServerMetrics(service.model_name, service.stats)
+    handler = Handler(service, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(service.close)
+
+    app = FastAPI(title="trtinfer", summary="OpenAI-compatible server of a trtinfer engine", lifespan=lifespan)
+    app.state.service, app.state.metrics = service, metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
+        param = _param_of(first.get("loc", ()))
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid body"))
+        if sum(_param_of(e.get("loc", ())) == param for e in errors) > 1:  # a union: no accepted form fits
+            message = f"{param}: no accepted form fits; for one, {first.get('msg', 'invalid value')}"
+        if first.get("input") is not None and param:
+            message += f" (got {json.dumps(first['input'], default=str)[:80]})"
+        return _error(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(TrtInferError)
+    async def refused(_: Request, exc: TrtInferError) -> JSONResponse:
+        status, message = _status_of(exc)
+        if status >= 500:
+            log.error("request failed: %s", exc, exc_info=exc)
+        return _error(status, message, getattr(exc, "param", None) or getattr(exc, "field", None),
+                      getattr(exc, "code", None))
+
+    @app.exception_handler(Exception)
+    async def failed(_: Request, exc: Exception) -> JSONResponse:
+        log.error("request failed: %s", exc, exc_info=exc)
+        return _error(500, "internal server error; the server log has the details")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if service.state == "ready":
+            return JSONResponse({"status": "ok"})
+        return _error(503, "the model is still loading" if service.error is None else
+                      f"the model failed to load: {service.error}", code="model_not_ready")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        engine, _ = service.ready()
+        return JSONResponse(P.models_list(service.model_name, engine.manifest.max_seq_len, service.created))
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, request: Request) -> Response:
+        return await handler.handle(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
+        return await handler.handle(body, request)
+
+    app.add_middleware(_Gate, api_key=config.api_key, max_body=config.max_body_bytes)  # type: ignore[arg-type]
+    return app
