@@ -6,16 +6,76 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError
 
 from trtinfer.errors import TrtInferError
 
-VERBS = ("export", "optimize", "quantize", "build", "generate", "embed", "eval", "inspect", "bench", "cache")
+#: The verbs, in help order; each is the module ``trtinfer.cli.<verb>`` with ``add_parser(sub)`` (registering a verb is
+#: adding its name here).
+VERBS = ("export", "optimize", "quantize", "build", "generate", "serve", "embed", "eval", "inspect", "bench", "cache")
+
+#: The optional parts of trtinfer: extra -> (what it is, the modules it brings). ``pip install trtinfer`` alone is the
+#: runtime (onnxruntime, numpy, tokenizers, jinja2, tqdm): enough for generate, embed, inspect.
+EXTRAS = {
+    "export": ("the export stack", ("torch", "transformers", "onnx", "onnxscript", "onnx_ir", "gguf", "ml_dtypes")),
+    "serve": ("the HTTP server", ("fastapi", "uvicorn", "prometheus_client")),
+    "ray": ("Ray Serve", ("ray",)),
+    "triton": ("tritonclient", ("tritonclient",)),
+    "tensorrt": ("TensorRT", ("tensorrt",)),
+}
+#: Verbs that cannot run at all without an extra; checked before they start.
+VERB_EXTRAS = {"export": "export", "optimize": "export", "quantize": "export", "build": "export", "serve": "serve",
+               "triton": "triton"}
+
+
+def _extra_of(module: str | None) -> str | None:
+    """The extra that brings ``module`` (a dotted name or a distribution name), if any."""
+    root = (module or "").split(".")[0].replace("-", "_")
+    return next((extra for extra, (_, mods) in EXTRAS.items() if root in mods), None)
+
+
+def _missing(extra: str) -> str | None:
+    """The first module of ``extra`` that is not installed (looked up, not imported), or None."""
+    from importlib.util import find_spec
+
+    for module in EXTRAS[extra][1]:
+        try:
+            if find_spec(module) is None:
+                return module
+        except (ImportError, ValueError):  # a finder that refuses it, or a module without a spec
+            return module
+    return None
+
+
+def _absent_name(e: BaseException) -> str | None:
+    """The module or distribution ``e`` says is not installed, if it says so."""
+    if isinstance(e, ModuleNotFoundError):
+        return e.name
+    if isinstance(e, PackageNotFoundError) and e.args:
+        return str(e.args[0])
+    return None
+
+
+def _needs_line(verb: str, extra: str) -> str:
+    return f"trtinfer {verb} needs {EXTRAS[extra][0]}: pip install 'trtinfer[{extra}]'"
+
+
+def _stub(sub: argparse._SubParsersAction, verb: str, extra: str) -> None:  # type: ignore[type-arg]
+    """A verb whose module cannot be imported here: it accepts any arguments and says what to install."""
+    p = sub.add_parser(verb, help=f"(needs pip install 'trtinfer[{extra}]')", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda args: _needs_exit(verb, extra))
+
+
+def _needs_exit(verb: str, extra: str) -> int:
+    print(_needs_line(verb, extra), file=sys.stderr)
+    return 2
 
 
 def _parser() -> argparse.ArgumentParser:
+    from importlib import import_module
+
     from trtinfer import __version__
-    from trtinfer.cli import bench, build, cache, embed, export, generate, inspect, optimize, quantize
-    from trtinfer.cli import eval as eval_
 
     p = argparse.ArgumentParser(prog="trtinfer", description="Export, build and run transformer engines.")
     p.add_argument("--version", action="version", version=f"trtinfer {__version__}")
@@ -24,10 +84,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show other libraries' log lines and progress bars (transformers, onnxruntime)")
     sub = p.add_subparsers(dest="verb", metavar="{" + ",".join(VERBS) + "}")
-    for mod in (export, optimize, quantize, build, generate, embed, eval_, inspect, bench, cache):
-        mod.add_parser(sub)
+    for verb in VERBS:
+        try:  # a verb module imports only light modules at the top; the heavy stack when it runs
+            import_module(f"trtinfer.cli.{verb}").add_parser(sub)
+        except ModuleNotFoundError as e:
+            extra = _extra_of(e.name)
+            if extra is None:
+                raise
+            _stub(sub, verb, extra)
     return p
-
 
 
 class _PersonFormatter(logging.Formatter):
@@ -90,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verb is None:
         parser.print_help(sys.stderr)
         return 2
+    extra = VERB_EXTRAS.get(args.verb)
+    if extra is not None and _missing(extra) is not None:
+        return _needs_exit(args.verb, extra)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -106,6 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # an unexpected failure still gets one line unless --debug
         if debug:
             raise
+        extra = _extra_of(_absent_name(e))
+        if extra is not None:  # an optional part this run reached is not installed
+            return _needs_exit(args.verb, extra)
         print(f"trtinfer {args.verb}: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
               file=sys.stderr)
         return 1
