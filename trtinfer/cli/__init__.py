@@ -12,7 +12,8 @@ from trtinfer.errors import TrtInferError
 
 #: The verbs, in help order; each is the module ``trtinfer.cli.<verb>`` with ``add_parser(sub)`` (registering a verb is
 #: adding its name here).
-VERBS = ("export", "optimize", "quantize", "build", "generate", "serve", "embed", "eval", "inspect", "bench", "cache")
+VERBS = ("export", "optimize", "quantize", "build", "generate", "serve", "embed", "eval", "inspect", "bench", "cache",
+         "triton")
 
 #: The optional parts of trtinfer: extra -> (what it is, the modules it brings). ``pip install trtinfer`` alone is the
 #: runtime (onnxruntime, numpy, tokenizers, jinja2, tqdm): enough for generate, embed, inspect.

@@ -1,0 +1,364 @@
+"""A Triton Inference Server model repository for an engine directory (``trtinfer triton DIR -o REPO``).
+
+    decoder engine (onnxruntime or tensorrt) -> REPO/NAME/config.pbtxt   backend "python", decoupled
+                                                REPO/NAME/1/model.py      (trtinfer/serving/triton_model.py)
+                                                REPO/NAME/1/engine/       the engine directory (copy or symlink)
+    encoder engine, onnxruntime              -> platform "onnxruntime_onnx", dynamic batching, 1/model.onnx(+.data)
+    encoder engine, tensorrt                 -> platform "tensorrt_plan", dynamic batching, 1/model.plan
+
+Decoders run the trtinfer runtime inside Triton's Python backend (which also drives TensorRT engines), one response
+per text delta. Their inputs carry TensorRT-LLM's tensor names (``text_input``, ``max_tokens``, ``temperature``,
+``top_p``, ``top_k``, ``random_seed``, ``stop_words``, ``stream``, ...) and vLLM's ``sampling_parameters`` (a JSON
+object of vLLM's ``SamplingParams`` names); the output is ``text_output``. :func:`parse_request` and
+:func:`response_texts` are the whole request logic of the generated ``model.py``, so they are tested here, against
+a real engine, without a Triton server.
+
+``config.pbtxt`` files are ``model_config_pb2.ModelConfig`` messages from tritonclient, written with protobuf's
+text format: a field Triton does not know cannot be written. tritonclient is needed to write a repository, not to
+serve one (``pip install "trtinfer[triton]"``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trtinfer._cache import atomic_dir
+from trtinfer.errors import BackendUnavailableError, ConfigError, EngineLoadError, InputError
+from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.manifest import Manifest, read_manifest
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.pbtxt"
+ENGINE_FOLDER = "engine"  # the engine directory inside a decoder's version folder
+MODEL_SOURCE = Path(__file__).with_name("triton_model.py")  # written as the version folder's model.py
+
+#: A decoder's request tensors: name -> (Triton data type, dims); all optional except ``text_input``.
+DECODER_INPUTS: dict[str, tuple[str, list[int]]] = {
+    "text_input": ("TYPE_STRING", [1]),
+    "max_tokens": ("TYPE_INT32", [1]),
+    "min_tokens": ("TYPE_INT32", [1]),
+    "temperature": ("TYPE_FP32", [1]),
+    "top_p": ("TYPE_FP32", [1]),
+    "top_k": ("TYPE_INT32", [1]),
+    "min_p": ("TYPE_FP32", [1]),
+    "repetition_penalty": ("TYPE_FP32", [1]),
+    "presence_penalty": ("TYPE_FP32", [1]),
+    "frequency_penalty": ("TYPE_FP32", [1]),
+    "random_seed": ("TYPE_UINT64", [1]),
+    "stop_words": ("TYPE_STRING", [-1]),
+    "stream": ("TYPE_BOOL", [1]),
+    "sampling_parameters": ("TYPE_STRING", [1]),
+}
+INPUT_NAMES = tuple(DECODER_INPUTS)
+DECODER_OUTPUTS: dict[str, tuple[str, list[int]]] = {"text_output": ("TYPE_STRING", [-1])}
+
+# request tensor -> GenerationConfig field (the tensors not listed need more than a rename)
+_TENSOR_FIELDS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "top_p": "top_p", "top_k": "top_k",
+                  "min_p": "min_p", "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                  "frequency_penalty": "frequency_penalty", "random_seed": "seed"}
+# vLLM SamplingParams name -> GenerationConfig field
+_VLLM_FIELDS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "top_p": "top_p", "top_k": "top_k",
+                "min_p": "min_p", "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos",
+                "temperature": "temperature"}
+
+_TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "int8": "TYPE_INT8", "int16": "TYPE_INT16",
+                 "int32": "TYPE_INT32", "int64": "TYPE_INT64", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16",
+                 "float32": "TYPE_FP32", "float64": "TYPE_FP64", "string": "TYPE_STRING"}
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """How ``trtinfer triton`` lays out the model repository.
+
+    ``model_name``: the model's folder and name in Triton (default: the engine directory's name, with characters
+    other than letters, digits, ``_``, ``-`` and ``.`` replaced by ``_``). ``version``: the version folder.
+    ``link``: symlink the engine files instead of copying them (the repository then depends on the engine
+    directory staying where it is). ``instances``: Triton model instances (each loads the engine once).
+    ``provider``: the decoder's execution provider in Triton (default: ``cuda`` for engines built for CUDA, else
+    ``cpu``). ``max_queue_delay_us``: how long an encoder's dynamic batcher waits to fill a batch.
+    """
+
+    model_name: str | None = None
+    version: int = 1
+    link: bool = False
+    instances: int = 1
+    provider: str | None = None
+    max_queue_delay_us: int = 100
+
+    def __post_init__(self) -> None:
+        if self.model_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.model_name or ""):
+            raise ConfigError(f"model_name must be letters, digits, '_', '-' or '.', got {self.model_name!r}",
+                              field="model_name")
+        for name, low in (("version", 1), ("instances", 1), ("max_queue_delay_us", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}", field=name)
+        if self.provider is not None and self.provider not in ("cpu", "cuda", "tensorrt"):
+            raise ConfigError(f"provider must be one of cpu, cuda, tensorrt, got {self.provider!r}", field="provider")
+
+
+def _pb2() -> Any:
+    """tritonclient's ``model_config_pb2``, or a one-line error saying what to install."""
+    try:
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise BackendUnavailableError(
+            'writing a Triton model repository needs tritonclient: pip install "trtinfer[triton]"') from e
+    return model_config_pb2
+
+
+# --- config.pbtxt -----------------------------------------------------------------------------------------------
+def _tensor(pb2: Any, cls: str, name: str, dtype: str, dims: list[int], optional: bool = False) -> Any:
+    msg = getattr(pb2, cls)(name=name, data_type=pb2.DataType.Value(dtype), dims=dims)
+    if optional:
+        msg.optional = True
+    return msg
+
+
+def _triton_type(dtype: str, where: str) -> str:
+    if dtype not in _TRITON_TYPES:
+        raise EngineLoadError(f"{where} has element type {dtype!r}, which has no Triton type; known: "
+                              f"{', '.join(_TRITON_TYPES)}")
+    return _TRITON_TYPES[dtype]
+
+
+def _dims(shape: list[Any]) -> list[int]:
+    """Manifest dims (ints or names of dynamic axes) -> Triton dims (-1 for dynamic)."""
+    return [d if isinstance(d, int) and not isinstance(d, bool) and d >= 0 else -1 for d in shape]
+
+
+def _batched(io: dict[str, list[dict[str, Any]]]) -> bool:
+    """True if every input and output has a dynamic first axis (Triton's batch dimension)."""
+    specs = io["inputs"] + io["outputs"]
+    return bool(specs) and all(s["shape"] and _dims(s["shape"][:1]) == [-1] for s in specs)
+
+
+def decoder_config(manifest: Manifest, name: str, config: TritonConfig) -> Any:
+    """The ``ModelConfig`` of a decoder: Python backend, decoupled (one response per text delta), no batching."""
+    pb2 = _pb2()
+    provider = _provider(manifest, config)
+    gpu = provider != "cpu" or manifest.backend == "tensorrt"
+    msg = pb2.ModelConfig(name=name, backend="python", max_batch_size=0)
+    msg.model_transaction_policy.decoupled = True
+    for tname, (dtype, dims) in DECODER_INPUTS.items():
+        msg.input.append(_tensor(pb2, "ModelInput", tname, dtype, dims, optional=tname != "text_input"))
+    for tname, (dtype, dims) in DECODER_OUTPUTS.items():
+        msg.output.append(_tensor(pb2, "ModelOutput", tname, dtype, dims))
+    group = pb2.ModelInstanceGroup(count=config.instances)
+    group.kind = pb2.ModelInstanceGroup.Kind.Value("KIND_GPU" if gpu else "KIND_CPU")
+    msg.instance_group.append(group)
+    msg.parameters["provider"].string_value = provider
+    msg.parameters["engine_backend"].string_value = manifest.backend
+    return msg
+
+
+def _provider(manifest: Manifest, config: TritonConfig) -> str:
+    if config.provider is not None:
+        return config.provider
+    return "cuda" if manifest.backend == "onnxruntime" and manifest.raw.get("target") == "cuda" else "cpu"
+
+
+def _encoder_config(manifest: Manifest, name: str, config: TritonConfig, platform: str, filename: str) -> Any:
+    """An encoder's ``ModelConfig``: the graph served as is, inputs/outputs from the manifest's I/O listing."""
+    pb2 = _pb2()
+    io = manifest.raw["io"]
+    batched = _batched(io)
+    msg = pb2.ModelConfig(name=name, platform=platform, default_model_filename=filename,
+                          max_batch_size=manifest.max_batch_size if batched else 0)
+    for cls, key in (("ModelInput", "inputs"), ("ModelOutput", "outputs")):
+        for spec in io[key]:
+            dims = _dims(spec["shape"])[1:] if batched else _dims(spec["shape"])
+            dtype = _triton_type(spec["dtype"], f"the engine's {key[:-1]} {spec['name']}")
+            getattr(msg, "input" if key == "inputs" else "output").append(_tensor(pb2, cls, spec["name"], dtype, dims))
+    if batched:
+        msg.dynamic_batching.max_queue_delay_microseconds = config.max_queue_delay_us
+    group = pb2.ModelInstanceGroup(count=config.instances)
+    gpu = platform == "tensorrt_plan" or manifest.raw.get("target") == "cuda"
+    group.kind = pb2.ModelInstanceGroup.Kind.Value("KIND_GPU" if gpu else "KIND_CPU")
+    msg.instance_group.append(group)
+    return msg
+
+
+def config_text(msg: Any) -> str:
+    """``msg`` in protobuf text format, checked by parsing it back into a ``ModelConfig``."""
+    from google.protobuf import text_format
+
+    text = str(text_format.MessageToString(msg))
+    back = text_format.Parse(text, _pb2().ModelConfig())
+    if back != msg:  # cannot happen for a message built from the schema; a cheap guard against a broken writer
+        raise EngineLoadError(f"the config of model {msg.name} did not survive a text-format round trip")
+    return text
+
+
+# --- the models, one writer per engine kind and backend ----------------------------------------------------------
+def _place(src: Path, dst: Path, link: bool) -> None:
+    """Copy ``src`` (a file or folder) to ``dst``, or symlink it (absolute) with ``link``."""
+    if link:
+        dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=False)
+    else:
+        shutil.copy2(src, dst)
+
+
+def _python_model(engine_dir: Path, manifest: Manifest, name: str, config: TritonConfig, model_dir: Path) -> Any:
+    version = model_dir / str(config.version)
+    version.mkdir(parents=True)
+    shutil.copy2(MODEL_SOURCE, version / "model.py")
+    _place(engine_dir, version / ENGINE_FOLDER, config.link)
+    return decoder_config(manifest, name, config)
+
+
+def _graph_model(platform: str, filename: str, data_role: str | None) -> Callable[..., Any]:
+    def write(engine_dir: Path, manifest: Manifest, name: str, config: TritonConfig, model_dir: Path) -> Any:
+        version = model_dir / str(config.version)
+        version.mkdir(parents=True)
+        _place(engine_dir / manifest.files["encoder"], version / filename, config.link)
+        data = manifest.files.get(data_role) if data_role else None
+        if data:  # external weights: the graph refers to them by this file name, next to it
+            _place(engine_dir / data, version / data, config.link)
+        return _encoder_config(manifest, name, config, platform, filename)
+
+    return write
+
+
+#: (engine kind, engine backend) -> writer of the model folder; returns the model's ModelConfig.
+MODEL_FORMS: dict[tuple[str, str], Callable[..., Any]] = {
+    ("decoder", "onnxruntime"): _python_model,
+    ("decoder", "tensorrt"): _python_model,  # the trtinfer runtime drives TensorRT inside the Python backend
+    ("encoder", "onnxruntime"): _graph_model("onnxruntime_onnx", "model.onnx", "encoder_data"),
+    ("encoder", "tensorrt"): _graph_model("tensorrt_plan", "model.plan", None),
+}
+
+
+def default_model_name(engine_dir: Path) -> str:
+    """The engine directory's name as a Triton model name (other characters become ``_``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", Path(engine_dir).resolve().name) or "model"
+
+
+def write_repository(engine_dir: str | Path, repo_dir: str | Path, config: TritonConfig | None = None, *,
+                     overwrite: bool = False) -> Path:
+    """Write a Triton model repository serving ``engine_dir`` at ``repo_dir``; returns the model's folder.
+
+    The repository appears whole or not at all (written beside ``repo_dir``, renamed at the end); an existing
+    ``repo_dir`` is an error unless ``overwrite``.
+    """
+    config = config or TritonConfig()
+    engine_dir = Path(engine_dir)
+    _pb2()  # before any work: a missing tritonclient is the first thing to say
+    manifest = read_manifest(engine_dir)
+    form = (manifest.raw.get("kind", "decoder"), manifest.backend)
+    if form not in MODEL_FORMS:
+        known = ", ".join(f"{k} on {b}" for k, b in MODEL_FORMS)
+        raise EngineLoadError(f"{engine_dir} is a {form[0]} engine on {form[1]}; Triton repositories are written for: "
+                              f"{known}")
+    name = config.model_name or default_model_name(engine_dir)
+    repo = Path(repo_dir)
+    with atomic_dir(repo, overwrite=overwrite) as tmp:
+        msg = MODEL_FORMS[form](engine_dir, manifest, name, config, tmp / name)
+        (tmp / name / CONFIG_NAME).write_text(config_text(msg))
+    kind = "python backend, decoupled" if msg.backend == "python" else msg.platform
+    log.debug("wrote Triton model %s (%s) to %s", name, kind, repo)
+    return repo / name
+
+
+# --- request handling of the generated model.py -----------------------------------------------------------------
+@dataclass(frozen=True)
+class TritonRequest:
+    """One decoder request: the prompt, its generation settings and whether to stream the text."""
+
+    prompt: str
+    config: GenerationConfig
+    stream: bool = True
+
+
+def _scalar(name: str, value: np.ndarray) -> Any:
+    arr = np.asarray(value).reshape(-1)
+    if arr.size != 1:
+        raise InputError(f"input {name} should hold one value, found {arr.size}")
+    item = arr[0]
+    return item.decode("utf-8") if isinstance(item, bytes) else item.item() if hasattr(item, "item") else item
+
+
+def _strings(name: str, value: np.ndarray) -> tuple[str, ...]:
+    return tuple(v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in np.asarray(value).reshape(-1))
+
+
+def _temperature(fields: dict[str, Any], temperature: float) -> None:
+    """vLLM's and TensorRT-LLM's meaning: temperature 0 is greedy decoding; above 0, sampling at that temperature."""
+    if temperature > 0:
+        fields.update(do_sample=True, temperature=float(temperature))
+    else:
+        fields["do_sample"] = False
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig | None = None) -> TritonRequest:
+    """A decoder request's tensors (name -> numpy array, as Triton gives them) -> :class:`TritonRequest`.
+
+    Settings left out keep ``defaults`` (the engine's ``generation_config.json``); ``sampling_parameters`` (vLLM's
+    JSON) comes first and the single tensors override it. ``top_k`` <= 0 means no top-k; ``temperature`` 0 means
+    greedy, above 0 sampling. Bad values raise :class:`InputError` / :class:`ConfigError`.
+    """
+    unknown = sorted(set(inputs) - set(INPUT_NAMES))
+    if unknown:
+        raise InputError(f"unknown input(s) {unknown}; known: {list(INPUT_NAMES)}")
+    if "text_input" not in inputs:
+        raise InputError("input text_input is required (the prompt, a string)")
+    prompt = _scalar("text_input", inputs["text_input"])
+    if not isinstance(prompt, str):
+        raise InputError(f"input text_input should be a string, found {type(prompt).__name__}")
+    fields: dict[str, Any] = {}
+    if "sampling_parameters" in inputs:
+        raw = _scalar("sampling_parameters", inputs["sampling_parameters"])
+        try:
+            params = json.loads(raw)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"input sampling_parameters should be a JSON object, found {str(raw)[:60]!r}") from e
+        if not isinstance(params, dict):
+            raise InputError(f"input sampling_parameters should be a JSON object, found {type(params).__name__}")
+        bad = sorted(set(params) - set(_VLLM_FIELDS))
+        if bad:
+            raise InputError(f"unknown sampling_parameters {bad}; known: {sorted(_VLLM_FIELDS)}")
+        for key, value in params.items():
+            if key == "temperature":
+                _temperature(fields, value)
+            else:
+                fields[_VLLM_FIELDS[key]] = value
+    for tname, field in _TENSOR_FIELDS.items():
+        if tname in inputs:
+            fields[field] = _scalar(tname, inputs[tname])
+    if "temperature" in inputs:
+        _temperature(fields, _scalar("temperature", inputs["temperature"]))
+    if "stop_words" in inputs:
+        fields["stop"] = _strings("stop_words", inputs["stop_words"])
+    if isinstance(fields.get("top_k"), int) and fields["top_k"] < 0:
+        fields["top_k"] = 0  # vLLM's -1: no top-k
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = (fields["stop"],)
+    stream = bool(_scalar("stream", inputs["stream"])) if "stream" in inputs else True
+    return TritonRequest(prompt, dataclasses.replace(defaults or GenerationConfig(), **fields), stream)
+
+
+def response_texts(engine: Any, request: TritonRequest) -> Iterator[str]:
+    """The ``text_output`` of each response: every text delta when streaming, else the whole text once."""
+    deltas = engine.stream(request.prompt, config=request.config)
+    if request.stream:
+        yield from deltas
+    else:
+        yield "".join(deltas)
+
+
+def text_tensor(text: str) -> np.ndarray:
+    """A ``text_output`` value: one UTF-8 string, as Triton's TYPE_STRING tensors hold it."""
+    return np.array([text.encode("utf-8")], dtype=np.object_)
