@@ -21,7 +21,6 @@ PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "The three primary colors are",
 ]
 
 
@@ -46,20 +45,23 @@ def eager_score(model, prompt, tokens, length_penalty):
     return total / len(tokens) ** length_penalty
 
 
-@pytest.mark.parametrize("kw", [{"num_beams": 4, "num_return_sequences": 2},
-                                {"num_beams": 3, "length_penalty": 0.6, "early_stopping": True}],
-                         ids=["beams4-return2", "beams3-lp0.6-early"])
-def test_beam_search_equals_transformers(real, kw):
+#: one setting per model keeps the suite's time down (transformers' beam search over Gemma-3's 262k vocabulary is slow)
+SETTINGS = {"smollm2-135m": {"num_beams": 4, "num_return_sequences": 2},
+            "gemma-3-270m": {"num_beams": 3, "length_penalty": 0.6, "early_stopping": True, "num_return_sequences": 2}}
+
+
+def test_beam_search_equals_transformers(real):
     name, eng, model = real
+    kw = SETTINGS[name]
     eos = list(eng.tokenizer.eos_token_ids)
     nrs = kw.get("num_return_sequences", 1)
-    res = eng.generate(PROMPTS, max_new_tokens=16, **kw)
+    res = eng.generate(PROMPTS, max_new_tokens=12, do_sample=False, **kw)
     exact = 0
     for i, prompt in enumerate(PROMPTS):
         ids = eng.tokenizer.encode(prompt)
         t = torch.tensor([ids])
         with torch.inference_mode():
-            out = model.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=16, do_sample=False,
+            out = model.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=12, do_sample=False,
                                  eos_token_id=eos, pad_token_id=-1, output_scores=True,
                                  return_dict_in_generate=True, **kw)
         for j in range(nrs):
