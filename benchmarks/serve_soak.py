@@ -53,10 +53,10 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def start_server(engine: Path) -> tuple[subprocess.Popen[str], str]:
+def start_server(engine: Path, model_name: str = "soak") -> tuple[subprocess.Popen[str], str]:
     """``trtinfer serve ENGINE --port 0`` as a child; its base URL once /health answers 200."""
     proc = subprocess.Popen([sys.executable, "-m", "trtinfer.cli", "serve", str(engine), "--port", "0",
-                             "--model-name", "soak"], stderr=subprocess.PIPE, text=True)
+                             "--model-name", model_name], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stderr.readline())
     if not m:
