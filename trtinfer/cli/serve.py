@@ -21,6 +21,8 @@ log = logging.getLogger("trtinfer.serve")
 SERVE_FLAGS = {"host": "--host", "port": "--port", "api_key": "--api-key", "model_name": "--model-name",
                "max_queue": "--max-queue", "max_body_bytes": "--max-body-bytes", "prefill_chunk": "--prefill-chunk",
                "max_n": "--max-n", "provider": "--provider", "intra_op_threads": "--threads"}
+#: RayConfig field -> flag (``--ray`` itself chooses Ray Serve)
+RAY_FLAGS = {"replicas": "--replicas", "replica_cpus": "--replica-cpus", "address": "--ray-address"}
 #: where --api-key is read from when the flag is not given (a key on the command line shows in `ps`)
 API_KEY_ENV = "TRTINFER_API_KEY"
 
@@ -43,6 +45,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-n", type=int, default=None, help="the most choices (n) per request (default 16)")
     p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default=None, help="default cpu")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default 0: one per core)")
+    ray = p.add_argument_group("scale-out on Ray Serve (pip install 'trtinfer[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve as a Ray Serve deployment: one engine per replica, each with its own batcher")
+    ray.add_argument("--replicas", type=int, default=None, help="engines, one per Ray replica (default 1)")
+    ray.add_argument("--replica-cpus", type=float, default=None,
+                     help="CPUs Ray reserves per replica, also its ONNX Runtime threads unless --threads (default 1)")
+    ray.add_argument("--ray-address", default=None,
+                     help="join a running Ray cluster (auto, HOST:6379) instead of starting a private local one")
     p.set_defaults(func=run)
 
 
@@ -64,12 +74,34 @@ def run(args: argparse.Namespace) -> int:
     from trtinfer.runtime.manifest import read_manifest
 
     config = config_from_args(args)
+    ray_config = ray_config_from_args(args)
     path = Path(args.engine)
     manifest = read_manifest(path)  # a bad directory fails here, before anything listens
     if manifest.raw.get("kind", "decoder") != "decoder":
         raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
-    # scale-out hosts (Ray Serve) wrap the same create_app(path, config); this is the single-process host
+    if ray_config is not None:  # the same create_app in every Ray replica
+        from trtinfer.serving.ray_app import serve_ray
+
+        return serve_ray(path, config, ray_config)
     return serve_uvicorn(path, config)
+
+
+def ray_config_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`RayConfig` of ``--ray`` and its flags (None without ``--ray``); imports Ray, so a missing
+    ``[ray]`` extra is reported before anything else happens."""
+    from trtinfer.cli._flags import config_from_flags
+    from trtinfer.errors import ConfigError
+
+    chosen = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in RAY_FLAGS.items()}
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    if not args.ray:
+        if chosen:
+            flags = ", ".join(RAY_FLAGS[k] for k in chosen)
+            raise ConfigError(f"{flags} {'needs' if len(chosen) == 1 else 'need'} --ray", field=next(iter(chosen)))
+        return None
+    from trtinfer.serving.ray_app import RayConfig
+
+    return config_from_flags(RayConfig, RAY_FLAGS, **chosen)
 
 
 class _Stopped(Exception):
