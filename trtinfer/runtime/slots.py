@@ -16,6 +16,7 @@ logits are ignored.
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,12 @@ class SlotCache:
         self._row_bytes = kvh * capacity * hd * (4 if self._elem == 1 else 2)
         # zeros: a row never read past its length still holds finite values (0 * x, never NaN)
         self.values = [session._kv_value((slots, kvh, capacity, hd)) for _ in session.past_names]
+        self.nbytes = self._row_bytes * slots * len(self.values)
+        if session.device == "cpu":
+            # reserve the memory now: GroupQueryAttention touches a row's whole capacity on its first prefill, and
+            # faulting in ~190 MB (SmolLM2, 4096 positions) mid-request stalled that step by 0.5-1 s
+            for val in self.values:
+                ctypes.memset(val.data_ptr(), 0, self._row_bytes * slots)
         self.lengths = np.zeros(slots, dtype=np.int64)
         self._staging = session._new_staging()  # this cache's host input buffers (CUDA), reused step to step
 

@@ -102,7 +102,10 @@ class Service:
         try:
             t0 = time.perf_counter()
             engine = self._source if isinstance(self._source, Engine) else _load_engine(self._source, self.config)
-            scheduler = Scheduler(engine, max_queue=self.config.max_queue, prefill_chunk=self.config.prefill_chunk)
+            m = engine.manifest
+            scheduler = Scheduler(engine, max_queue=self.config.max_queue, prefill_chunk=self.config.prefill_chunk,
+                                  max_slots=self.config.slots_for(m.max_batch_size),
+                                  max_model_len=self.config.model_len_for(m.max_seq_len))
             scheduler.start()
         except Exception as e:  # reported through /health and on_failure, never lost
             if engine is not None and self._owns_engine:
@@ -120,8 +123,9 @@ class Service:
         if closing:  # the server stopped while the engine loaded
             self._shutdown()
             return
-        log.info("model %s ready in %.1f s (max batch %d, max sequence length %d)", self.model_name,
-                 time.perf_counter() - t0, engine.manifest.max_batch_size, engine.manifest.max_seq_len)
+        log.info("model %s ready in %.1f s (%d slots of %d positions, %.0f MiB of KV cache reserved)",
+                 self.model_name, time.perf_counter() - t0, scheduler.cache.slots, scheduler.max_seq_len,
+                 scheduler.cache.nbytes / 2**20)
 
     def close(self) -> None:
         """Stop the scheduler (its requests end) and close the engine when this service loaded it."""
@@ -328,7 +332,7 @@ class Handler:
         if extra:
             log.warning("ignoring unknown request field(s) %s", extra)
         prompts = await run_in_threadpool(_encode, engine, req)
-        max_seq_len = engine.manifest.max_seq_len
+        max_seq_len = self.service.scheduler.max_seq_len if self.service.scheduler else engine.manifest.max_seq_len
         cfgs = [P.generation_config(req, engine.generation_defaults, prompt_len=len(ids), max_seq_len=max_seq_len,
                                     default_max_tokens=None if chat else 16) for ids in prompts]
         submitted: list[Submitted] = []
@@ -542,8 +546,8 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
 
     @app.get("/v1/models")
     async def models() -> Response:
-        engine, _ = service.ready()
-        return JSONResponse(P.models_list(service.model_name, engine.manifest.max_seq_len, service.created))
+        _, scheduler = service.ready()
+        return JSONResponse(P.models_list(service.model_name, scheduler.max_seq_len, service.created))
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -19,6 +19,9 @@ there a moment before a slot takes it, so at least 1).
     ``max_body_bytes``: larger request bodies get 413. ``prefill_chunk``: prompt tokens per prefill pass (long
     prompts go in chunks between decode steps). ``max_n``: the most choices (``n``) one request may ask for.
     ``provider`` and ``intra_op_threads`` go to the engine's :class:`~trtinfer.runtime.config.RuntimeConfig`.
+    ``max_slots``: requests decoded at once (default: the engine's max batch size, at most 8); ``max_model_len``:
+    positions per request, prompt + output (default: the engine's max sequence length, at most 2048). Both size the
+    KV cache the server reserves when it starts (slots x positions; e.g. 754 MiB for SmolLM2-135M at 8 x 2048).
     """
 
     host: str = "127.0.0.1"
@@ -31,6 +34,8 @@ there a moment before a slot takes it, so at least 1).
     max_n: int = 16
     provider: str = "cpu"
     intra_op_threads: int = 0
+    max_slots: int | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.host, str) and self.host):
@@ -40,6 +45,10 @@ there a moment before a slot takes it, so at least 1).
             value = getattr(self, name)
             if not (_is_int(value) and value >= low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {_found(value)}", field=name)
+        for name, low in (("max_slots", 1), ("max_model_len", 2)):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value >= low):
+                raise ConfigError(f"{name} must be an integer >= {low} or None, got {_found(value)}", field=name)
         if self.port > 65535:
             raise ConfigError(f"port must be within 0..65535 (0: a free one), got {self.port}", field="port")
         for name in ("api_key", "model_name"):
@@ -53,3 +62,11 @@ there a moment before a slot takes it, so at least 1).
     def runtime(self) -> RuntimeConfig:
         """The engine's runtime settings."""
         return RuntimeConfig(provider=self.provider, intra_op_threads=self.intra_op_threads)
+
+    def slots_for(self, max_batch_size: int) -> int:
+        """Slots for an engine of this max batch size."""
+        return min(self.max_slots or 8, max_batch_size)
+
+    def model_len_for(self, max_seq_len: int) -> int:
+        """Positions per request for an engine of this max sequence length."""
+        return min(self.max_model_len or 2048, max_seq_len)

@@ -206,20 +206,27 @@ class Scheduler:
     (:meth:`start`) or the caller (:meth:`step`) runs them. Use as a context manager (starts and closes).
 
     ``max_slots`` (default: the engine's max batch size) is how many requests run at once, each holding one row of
-    a KV cache of the engine's max sequence length; up to ``max_queue`` more wait for a slot.
+    a KV cache of ``max_model_len`` positions (default: the engine's max sequence length), reserved when the
+    scheduler starts (CPU: ``slots * max_model_len * layers * 2 * kv_heads * head_dim * 4`` bytes, e.g. 754 MiB
+    for SmolLM2-135M at 8 x 2048); up to ``max_queue`` more wait for a slot. A request needs prompt +
+    ``max_new_tokens`` <= ``max_model_len``.
     """
 
     def __init__(self, engine: Any, max_queue: int = 64, prefill_chunk: int = 256,
-                 max_slots: int | None = None) -> None:
+                 max_slots: int | None = None, max_model_len: int | None = None) -> None:
         limit = int(engine.manifest.max_batch_size)
         slots = limit if max_slots is None else max_slots
         if not 1 <= slots <= limit:
             raise InputError(f"max_slots must be within 1..{limit} (the engine's max batch size), got {max_slots}")
+        engine_len = int(engine.manifest.max_seq_len)
+        if max_model_len is not None and not 2 <= max_model_len <= engine_len:
+            raise InputError(f"max_model_len must be within 2..{engine_len} (the engine's max sequence length), got "
+                             f"{max_model_len}")
         if max_queue < 0 or prefill_chunk < 1:
             raise InputError(f"max_queue must be >= 0 and prefill_chunk >= 1, got {max_queue} and {prefill_chunk}")
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.max_seq_len = int(engine.manifest.max_seq_len)
+        self.max_seq_len = engine_len if max_model_len is None else max_model_len  # a slot's positions
         self.vocab = int(engine.manifest.geometry["vocab_size"])
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.cache = SlotCache(engine.session, slots, self.max_seq_len)
@@ -305,7 +312,7 @@ class Scheduler:
         ids = check_prompts([prompt_ids], self.vocab, self.max_seq_len)[0]
         if len(ids) + cfg.max_new_tokens > self.max_seq_len:
             raise InputError(f"a prompt of {len(ids)} tokens + max_new_tokens {cfg.max_new_tokens} = "
-                             f"{len(ids) + cfg.max_new_tokens} exceeds the engine's max sequence length "
+                             f"{len(ids) + cfg.max_new_tokens} exceeds the model length "
                              f"{self.max_seq_len}; shorten the prompt or ask for fewer tokens")
         eos = eos_ids(cfg, self.tokenizer, self.vocab)
         with self._cond:
