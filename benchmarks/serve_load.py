@@ -5,8 +5,9 @@ usage: python benchmarks/serve_load.py [--engine DIR | --model smollm2-135m] [--
 
 Starts ``trtinfer serve`` as its own process on loopback, then for each concurrency level C runs C client threads,
 each sending ``--requests`` streamed chat requests in a row (ragged questions, greedy, ``ignore_eos`` so every
-request makes ``--max-tokens`` tokens). Per request: TTFT (send -> first content chunk) and inter-token latencies
-(gaps between content chunks); per level: p50/p99 of both, generated tokens/s and requests/s over the level's wall
+request makes ``--max-tokens`` tokens). Per request: TTFT (send -> first chunk with text; the role chunk before it
+is sent at once, even while the request waits for a slot) and inter-token latencies (gaps between chunks with text;
+a token whose text is held back, e.g. half a UTF-8 character, merges two gaps); tokens from the usage chunk; per level: p50/p99 of both, generated tokens/s and requests/s over the level's wall
 time, errors. Each streamed text is checked against the same request sent alone before the load (greedy: it must
 not depend on its batch neighbours). Prints a table, writes benchmarks/results/serve_load.json and .png.
 """
@@ -45,14 +46,18 @@ def stream_one(client: openai.OpenAI, question: str, max_tokens: int) -> dict[st
     times, parts = [], []
     stream = client.chat.completions.create(model="load", messages=[{"role": "user", "content": question}],
                                             max_tokens=max_tokens, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    tokens = 0
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content is not None:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        # text chunks only: the first chunk (the assistant role, empty text) comes before the request has a slot
+        if chunk.choices and chunk.choices[0].delta.content:
             times.append(time.perf_counter())
             parts.append(chunk.choices[0].delta.content)
     gaps = [b - a for a, b in itertools.pairwise(times)]
     return {"text": "".join(parts), "ttft": times[0] - t0 if times else float("nan"), "gaps": gaps,
-            "chunks": len(times), "end": time.perf_counter() - t0}
+            "chunks": tokens, "end": time.perf_counter() - t0}
 
 
 def run_level(client: openai.OpenAI, level: int, per_client: int, max_tokens: int,
