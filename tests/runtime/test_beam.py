@@ -104,6 +104,21 @@ def test_groups_beyond_the_batch_and_length_limit(tiny_engine, hf):
             eng.generate(input_ids=PROMPTS, num_beams=5)
 
 
+def test_beams_on_a_sampling_default_engine(tiny_engine, tmp_path, hf):
+    """A model whose generation_config.json samples (Gemma-3, Llama-3 ship do_sample=true): num_beams asks for beam
+    search, which does not sample."""
+    import json
+    import shutil
+
+    eng_dir = tmp_path / "engine"
+    shutil.copytree(tiny_engine("llama"), eng_dir)
+    cfg = json.loads((eng_dir / "generation_config.json").read_text())
+    (eng_dir / "generation_config.json").write_text(json.dumps({**cfg, "do_sample": True, "top_k": 5}))
+    with trtinfer.load(eng_dir) as eng:
+        r = eng.generate(input_ids=[PROMPTS[0]], max_new_tokens=6, num_beams=3, ignore_eos=True)[0]
+    assert r.token_ids == hf_beams(hf, PROMPTS[0], 6, [], num_beams=3)[0][0]
+
+
 def test_beam_hooks(engine):
     seen_shapes = []
 
@@ -145,3 +160,8 @@ def test_independent_samples_per_prompt(engine):
     assert [r.token_ids for r in again] == [r.token_ids for r in res]
     with pytest.raises(ConfigError, match="num_return_sequences > 1 needs beam search"):
         engine.generate(input_ids=PROMPTS[:1], num_return_sequences=2)
+    with pytest.raises(InputError, match="stream\\(\\) yields one sequence's text"):  # samples would interleave
+        list(engine.stream(input_ids=PROMPTS[0], do_sample=True, num_return_sequences=2))
+    rows = {ev.index for ev in engine.stream_batch(input_ids=PROMPTS[:2], do_sample=True, seed=7, max_new_tokens=3,
+                                                   num_return_sequences=2, ignore_eos=True)}
+    assert rows == {0, 1, 2, 3}  # prompt * n + sample

@@ -181,3 +181,6 @@ def test_contexts_of_one_batch_run_as_one_step(engine):
         engine.execute([c.forward().input([1]), c.forward().input([2])])
     with pytest.raises(InputError, match="contexts\\(n\\): n must be within"):
         engine.contexts(0)
+    small = engine.contexts(2, capacity=4)
+    with pytest.raises(InputError, match="a prompt of 10 tokens does not fit the contexts' capacity of 4"):
+        engine.execute([c.forward().input(IDS[:10]) for c in small])

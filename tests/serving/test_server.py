@@ -268,7 +268,8 @@ def test_n_and_seed(client, ref):
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert [c.text for c in first.choices] == [c.text for c in again.choices]
     for i, c in enumerate(first.choices):
-        want = ref.generate([PROMPTS[0]], max_new_tokens=10, do_sample=True, temperature=0.9, seed=7 + i)[0]
+        # top_k=0: the server applies no top-k the model's file does not set (vLLM's rule)
+        want = ref.generate([PROMPTS[0]], max_new_tokens=10, do_sample=True, temperature=0.9, top_k=0, seed=7 + i)[0]
         assert c.text == want.text
     streamed = client.completions.create(n=3, stream=True, **kw)
     texts = ["", "", ""]
@@ -277,7 +278,7 @@ def test_n_and_seed(client, ref):
             texts[c.index] += c.text
     assert texts == [c.text for c in first.choices]
     assert first.usage.completion_tokens == sum(len(ref.generate([PROMPTS[0]], max_new_tokens=10, do_sample=True,
-                                                                  temperature=0.9, seed=7 + i)[0].token_ids)
+                                                                  temperature=0.9, top_k=0, seed=7 + i)[0].token_ids)
                                                 for i in range(3))
     two = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, n=2)
     assert two.choices[0].text == two.choices[1].text == greedy(ref, PROMPTS[0], 6).text

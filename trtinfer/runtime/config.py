@@ -183,8 +183,8 @@ class GenerationConfig:
                 self.num_beams == 1 or self.num_return_sequences <= self.num_beams),
              f"num_return_sequences must be within 1..num_beams ({self.num_beams}), got {self.num_return_sequences}"),
             ("num_return_sequences", self.num_return_sequences == 1 or self.num_beams > 1 or self.do_sample,
-             "num_return_sequences > 1 needs beam search (num_beams > 1) or sampling (do_sample=True): greedy "
-             "decoding returns one sequence"),
+             ("num_return_sequences > 1 needs beam search (num_beams > 1) or sampling (do_sample=True): greedy "
+              "decoding returns one sequence")),
             ("max_matching_ngram_size", self.max_matching_ngram_size >= 1,
              f"max_matching_ngram_size must be >= 1, got {self.max_matching_ngram_size}"),
         ]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,12 +12,14 @@ from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 from trtinfer.runtime.forward import Context, Forward, Group, Output
 from trtinfer.runtime.forward import execute as execute_passes
-from trtinfer.runtime.gen_defaults import read_generation_defaults
+from trtinfer.runtime.gen_defaults import read_generation_defaults_and_keys
 from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent
 from trtinfer.runtime.manifest import Manifest, read_manifest
 from trtinfer.runtime.scoring import PerplexityResult, ScoreResult, check_ids, score_ids, windowed_perplexity
 from trtinfer.runtime.session import DecoderSession, open_session
 from trtinfer.runtime.tokenizer import EngineTokenizer, check_text
+
+log = logging.getLogger(__name__)
 
 _GEN_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)}
 #: keyword options of generate/stream that are callables: ``logits_processor(ids_per_row, logits) -> logits`` (after
@@ -36,7 +39,10 @@ class Engine:
         self.tokenizer = EngineTokenizer(self.path, self.manifest.raw.get("tokenizer", {}))
         self.session: DecoderSession = open_session(self.path, self.manifest, self.config)
         #: defaults of every generate/stream call: the model's generation_config.json over transformers' defaults
-        self.generation_defaults: GenerationConfig = read_generation_defaults(self.path)
+        self.generation_defaults: GenerationConfig
+        #: the fields the engine's generation_config.json itself set (the rest are transformers' defaults)
+        self.generation_defaults_set: frozenset[str]
+        self.generation_defaults, self.generation_defaults_set = read_generation_defaults_and_keys(self.path)
         self.closed = False
 
     def __enter__(self) -> Engine:  # noqa: PYI034
@@ -77,7 +83,7 @@ class Engine:
         return [self.tokenizer.encode(p) for p in prompts]
 
     def _generation(self, prompts: Any, input_ids: Any, chat: bool, config: GenerationConfig | None,
-                    kwargs: dict[str, Any], streaming: bool = False) -> Any:
+                    kwargs: dict[str, Any], streaming: str | None = None) -> Any:
         self._check_open()
         hooks = {k: kwargs.pop(k) for k in _HOOKS if k in kwargs}  # callables, not configuration
         unknown = set(kwargs) - _GEN_FIELDS
@@ -89,7 +95,15 @@ class Engine:
             kwargs["stop"] = ()
         # keyword options override the fields of ``config`` (default: the engine's generation_config.json);
         # GenerationConfig checks and normalizes them
-        cfg = dataclasses.replace(config if config is not None else self.generation_defaults, **kwargs)
+        base = config if config is not None else self.generation_defaults
+        if (config is None and base.do_sample and "do_sample" not in kwargs
+                and int(kwargs.get("num_beams", base.num_beams)) > 1):
+            # the model's generation_config.json samples by default (Gemma-3, Llama-3, Qwen ship do_sample=true);
+            # asking for beams asks for beam search, which does not sample here
+            log.info("num_beams > 1: decoding without sampling (the engine's generation_config.json sets "
+                     "do_sample=true; pass do_sample=False to silence this)")
+            kwargs["do_sample"] = False
+        cfg = dataclasses.replace(base, **kwargs)
         ids = self._prompt_ids(prompts, input_ids, chat)
         args = (self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size, self.manifest.max_seq_len)
         if cfg.num_beams > 1:
@@ -103,6 +117,10 @@ class Engine:
             from trtinfer.runtime.speculative import PromptLookupGeneration
 
             return PromptLookupGeneration(*args, **hooks)
+        if cfg.num_return_sequences > 1 and streaming == "one":
+            raise InputError("stream() yields one sequence's text; with num_return_sequences > 1 use stream_batch() "
+                             "(each event's index names its row: prompt * num_return_sequences + sample) or "
+                             "generate()")
         if cfg.num_return_sequences > 1:  # independent samples: each prompt repeated, each copy its own generator
             ids = [row for row in ids for _ in range(cfg.num_return_sequences)]
             args = (self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size, self.manifest.max_seq_len)
@@ -125,15 +143,17 @@ class Engine:
         """Generate for one prompt, yielding text deltas as tokens arrive; options as for :meth:`generate`."""
         rows = None if input_ids is None else [list(input_ids)]
         prompts = None if prompt is None else [prompt]
-        for ev in self._generation(prompts, rows, chat, config, kwargs, streaming=True).events():
+        for ev in self._generation(prompts, rows, chat, config, kwargs, streaming="one").events():
             if ev.text:
                 yield ev.text
 
     def stream_batch(self, prompts: Sequence[str] | None = None, *,
                      input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False,
                      config: GenerationConfig | None = None, **kwargs: Any) -> Iterator[StreamEvent]:
-        """Generate for a batch, yielding a :class:`StreamEvent` per prompt per step; options as for :meth:`generate`."""
-        yield from self._generation(prompts, input_ids, chat, config, kwargs, streaming=True).events()
+        """Generate for a batch, yielding a :class:`StreamEvent` per row per step; options as for :meth:`generate`.
+
+        ``event.index`` is the row: the prompt's index, or with ``num_return_sequences=n`` ``prompt * n + sample``."""
+        yield from self._generation(prompts, input_ids, chat, config, kwargs, streaming="batch").events()
 
     def score(self, prompts: Sequence[str] | str | None = None, *,
               input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False) -> list[ScoreResult]:

@@ -212,6 +212,11 @@ class Group:
         fresh = self.kv is None and all(not c.tokens for c in live)
         last_only = all(h.position == len(f.tokens) - 1 for f in ordered for h, _ in f._asks)
         if fresh and last_only:
+            too_long = [len(f.tokens) for f in ordered if len(f.tokens) > self.capacity]
+            if too_long:
+                raise InputError(f"a prompt of {too_long[0]} tokens does not fit the contexts' capacity of "
+                                 f"{self.capacity} (engine.contexts(n, capacity=...), up to the engine's max sequence "
+                                 f"length {self.session.manifest.max_seq_len})")
             self.rows = list(live)
             tokens = [f.tokens for f in ordered]
             greedy = all(f._greedy_only() for f in ordered)

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 from trtinfer.errors import ConfigError
 from trtinfer.runtime.config import GenerationConfig
@@ -26,6 +25,12 @@ FIELDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k
 
 def read_generation_defaults(engine_dir: Path) -> GenerationConfig:
     """The engine's defaults: :class:`GenerationConfig` with the fields its ``generation_config.json`` sets."""
+    return read_generation_defaults_and_keys(engine_dir)[0]
+
+
+def read_generation_defaults_and_keys(engine_dir: Path) -> tuple[GenerationConfig, frozenset[str]]:
+    """:func:`read_generation_defaults` and the names of the fields the file really set (servers that follow vLLM
+    apply only those, not transformers' own defaults such as ``top_k=50``)."""
     path = Path(engine_dir) / "generation_config.json"
     try:
         raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -36,18 +41,13 @@ def read_generation_defaults(engine_dir: Path) -> GenerationConfig:
         raw = {}
     chosen = {k: raw[k] for k in FIELDS if raw.get(k) is not None}
     cfg = GenerationConfig()
+    taken = set()
     for name, value in chosen.items():  # one at a time: a bad field costs only itself
         try:
             cfg = dataclasses.replace(cfg, **{name: value})
+            taken.add(name)
         except ConfigError as e:
             log.warning("ignoring %s=%r from %s: %s", name, value, path, e)
     if chosen:
         log.debug("generation defaults from %s: %s", path, chosen)
-    return cfg
-
-
-def defaults_dict(cfg: GenerationConfig) -> dict[str, Any]:
-    """The fields of ``cfg`` that differ from :class:`GenerationConfig`'s own defaults (for display)."""
-    base = GenerationConfig()
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if getattr(cfg, f.name) != getattr(base, f.name)}
+    return cfg, frozenset(taken)

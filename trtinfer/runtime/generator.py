@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -176,6 +177,11 @@ def check_hooks(logits_processor: LogitsProcessor | None, should_stop: Callable[
     return logits_processor, should_stop
 
 
+def user_hook(fn: LogitsProcessor, seen: list[np.ndarray], logits: np.ndarray) -> np.ndarray:
+    """:func:`run_logits_processor` with the arguments in ``partial``'s order (``select_next``'s ``hook``)."""
+    return run_logits_processor(fn, logits, seen)
+
+
 def run_logits_processor(fn: LogitsProcessor, logits: np.ndarray, seen: list[np.ndarray]) -> np.ndarray:
     """The user's logits processor applied to a copy, its result checked (same shape, a float array)."""
     out = np.asarray(fn([row.copy() for row in seen], logits.astype(np.float32, copy=True)))
@@ -269,10 +275,11 @@ class Generation:
         step = 0
         while True:
             if not greedy:
-                if self.logits_processor is not None:  # transformers' hook: after the model, before our processors
-                    logits = run_logits_processor(self.logits_processor, logits, [seen[i] for i in active])
-                tokens = select_next(logits, cfg, [seen[i] for i in active], step, self.eos,
-                                     [rngs[i] for i in active] if rngs else [])
+                rows_seen = [seen[i] for i in active]
+                # the user's processor runs after the built-in ones, before the warpers (transformers' order)
+                hook = None if self.logits_processor is None else partial(user_hook, self.logits_processor, rows_seen)
+                tokens = select_next(logits, cfg, rows_seen, step, self.eos, [rngs[i] for i in active] if rngs else [],
+                                     hook=hook)
                 if logprobs is not None:
                     for i, item in zip(active, token_logprobs(logits, tokens, cfg.top_logprobs)):
                         logprobs[i].append(item)

@@ -14,7 +14,7 @@ never on its batch neighbours, and a seed repeats its tokens run to run.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -361,14 +361,19 @@ def apply_processors(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[n
 
 def select_next(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[np.ndarray], n_generated: int,
                 eos_ids: Sequence[int], rngs: Sequence[np.random.Generator], *,
-                generated: Sequence[np.ndarray] | None = None) -> np.ndarray:
+                generated: Sequence[np.ndarray] | None = None,
+                hook: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Pick one token per row of ``logits [B, V]``; ``rngs`` holds one generator per row (sampling only).
 
     ``seen[r]`` holds row r's prompt and generated tokens (repetition penalty, no-repeat n-grams);
     ``generated[r]`` its generated tokens alone (presence/frequency penalties), by default the last ``n_generated``
-    of ``seen[r]``. Sampling takes exactly one uniform from each row's generator per call.
+    of ``seen[r]``. ``hook`` (the user's logits processor) runs after the built-in processors and before
+    temperature, top-k, top-p and min-p: transformers' order. Sampling takes exactly one uniform from each row's
+    generator per call.
     """
     x = apply_processors(logits, cfg, seen, n_generated, eos_ids, generated)
+    if hook is not None:
+        x = np.asarray(hook(x), dtype=np.float32)
     if not cfg.do_sample:
         return x.argmax(axis=-1).astype(np.int64)  # type: ignore[no-any-return]
     if cfg.temperature != 1.0:

@@ -4,8 +4,8 @@ verified by the model in one pass.
 Each step looks up the sequence's last ``n`` tokens (``n`` from ``max_matching_ngram_size`` down to 1) at their
 first earlier occurrence in prompt + output, takes up to ``prompt_lookup_num_tokens`` tokens that followed it as a
 draft, and feeds the last token and the draft in one pass, reading the logits at every position. The model's choice
-at each position is made exactly as plain decoding would make it there (the user's ``logits_processor``, then the
-penalties and min_new_tokens, then argmax or one draw from the row's generator); the draft's tokens are kept while
+at each position is made exactly as plain decoding would make it there (penalties and min_new_tokens, the user's
+``logits_processor``, then argmax or one draw from the row's generator); the draft's tokens are kept while
 they equal those choices, and the first choice that differs ends the step (it is the model's own next token, as
 transformers' "bonus" token). Rejected draft tokens are rolled back from the KV cache. Where nothing matches, a step
 is a plain one-token decode.
@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Generator as PyGenerator
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -41,8 +42,8 @@ from trtinfer.runtime.generator import (
     StreamEvent,
     Timings,
     TokenLogprob,
-    run_logits_processor,
     token_logprobs,
+    user_hook,
 )
 from trtinfer.runtime.probes import Argmax, Logits
 from trtinfer.runtime.sampling import banned_ngram_tokens, is_plain_greedy, select_next
@@ -270,9 +271,10 @@ class PromptLookupGeneration(Generation):
         for j, h in enumerate(probes):
             logits = out.logits(h)[None, :]
             seen = [np.asarray(seq + draft[:j], dtype=np.int64)]
-            if self.logits_processor is not None:  # transformers' hook: after the model, before our processors
-                logits = run_logits_processor(self.logits_processor, logits, seen)
-            tok = int(select_next(logits, cfg, seen, n_generated + j, self.eos, [rng] if rng is not None else [])[0])
+            # the user's processor runs after the built-in ones, before the warpers (transformers' order)
+            hook = None if self.logits_processor is None else partial(user_hook, self.logits_processor, seen)
+            tok = int(select_next(logits, cfg, seen, n_generated + j, self.eos, [rng] if rng is not None else [],
+                                  hook=hook)[0])
             tokens.append(tok)
             if cfg.logprobs:
                 items.extend(token_logprobs(logits, np.array([tok]), cfg.top_logprobs))

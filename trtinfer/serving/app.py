@@ -334,7 +334,8 @@ class Handler:
         prompts = await run_in_threadpool(_encode, engine, req)
         max_seq_len = self.service.scheduler.max_seq_len if self.service.scheduler else engine.manifest.max_seq_len
         cfgs = [P.generation_config(req, engine.generation_defaults, prompt_len=len(ids), max_seq_len=max_seq_len,
-                                    default_max_tokens=None if chat else 16) for ids in prompts]
+                                    default_max_tokens=None if chat else 16,
+                                    defaults_set=engine.generation_defaults_set) for ids in prompts]
         submitted: list[Submitted] = []
         try:
             for ids, cfg in zip(prompts, cfgs):

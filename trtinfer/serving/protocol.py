@@ -182,14 +182,16 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len: int, max_seq_len: int,
-                      default_max_tokens: int | None) -> GenerationConfig:
+                      default_max_tokens: int | None, defaults_set: frozenset[str] = frozenset()) -> GenerationConfig:
     """The request's sampling settings over the engine's defaults (the model's generation_config.json).
 
     Left out: ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` take the model's
     defaults (as vLLM does), and so does greedy vs sampling (``trtinfer generate``'s rule: the model's
     ``do_sample``, greedy where it says nothing); ``temperature`` 0 is greedy and > 0 samples; ``top_p``, ``top_k``
     or ``min_p`` given without ``temperature`` sample at the model's temperature. ``max_tokens`` left out is
-    ``default_max_tokens`` (None: the rest of the context), capped at what the context holds.
+    ``default_max_tokens`` (None: the rest of the context), capped at what the context holds. ``top_k`` applies only
+    where the model's file (``defaults_set`` names the fields it set) or the request sets it, as in vLLM; not
+    transformers' own default of 50.
     """
     room = max_seq_len - prompt_len
     if room < 1:
@@ -208,7 +210,8 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
                          code="context_length_exceeded")
     fields: dict[str, Any] = {
         "max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens, "do_sample": defaults.do_sample,
-        "temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k,
+        "temperature": defaults.temperature, "top_p": defaults.top_p,
+        "top_k": defaults.top_k if "top_k" in defaults_set else 0,
         "min_p": defaults.min_p, "repetition_penalty": defaults.repetition_penalty,
         "no_repeat_ngram_size": defaults.no_repeat_ngram_size, "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty, "seed": req.seed, "ignore_eos": req.ignore_eos,

@@ -303,7 +303,8 @@ def _temperature(fields: dict[str, Any], temperature: float) -> None:
         fields["do_sample"] = False
 
 
-def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig | None = None) -> TritonRequest:
+def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig | None = None,
+                  defaults_set: frozenset[str] = frozenset()) -> TritonRequest:
     """A decoder request's tensors (name -> numpy array, as Triton gives them) -> :class:`TritonRequest`.
 
     Settings left out keep ``defaults`` (the engine's ``generation_config.json``); ``sampling_parameters`` (vLLM's
@@ -346,8 +347,15 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
         fields["top_k"] = 0  # vLLM's -1: no top-k
     if isinstance(fields.get("stop"), str):
         fields["stop"] = (fields["stop"],)
+    if "do_sample" not in fields and any(k in fields for k in ("top_p", "top_k", "min_p")):
+        fields["do_sample"] = True  # as the OpenAI server: a sampling knob without a temperature samples
     stream = bool(_scalar("stream", inputs["stream"])) if "stream" in inputs else True
-    return TritonRequest(prompt, dataclasses.replace(defaults or GenerationConfig(), **fields), stream)
+    base = defaults or GenerationConfig()
+    # one streamed sequence per request; top-k only where the model's generation_config.json (``defaults_set``) or
+    # the request sets it (vLLM's rule; transformers' own default of 50 is not applied)
+    base = dataclasses.replace(base, num_beams=1, num_return_sequences=1,
+                               top_k=base.top_k if "top_k" in defaults_set else 0)
+    return TritonRequest(prompt, dataclasses.replace(base, **fields), stream)
 
 
 def response_texts(engine: Any, request: TritonRequest) -> Iterator[str]:

@@ -39,7 +39,8 @@ class TritonPythonModel:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
-                parsed = parse_request(inputs, self.engine.generation_defaults)
+                parsed = parse_request(inputs, self.engine.generation_defaults,
+                                       self.engine.generation_defaults_set)
                 for text in response_texts(self.engine, parsed):
                     out = pb_utils.Tensor("text_output", text_tensor(text))
                     sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
