@@ -147,10 +147,7 @@ class BeamSearch:
                     tokens.extend(toks)
             elapsed = (time.perf_counter() - t0) * 1000.0
             for i in active:
-                if step == 0:
-                    timings[i].prefill_ms = elapsed
-                else:
-                    timings[i].decode_ms.append(elapsed)
+                timings[i].add_step(step, elapsed)
             step += 1
             active = [i for i in active if not states[i].done]
             if not active:

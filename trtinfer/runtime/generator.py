@@ -49,6 +49,13 @@ class Timings:
     prefill_ms: float = 0.0  # time to first token (prefill of the whole batch + first selection)
     decode_ms: list[float] = field(default_factory=list)  # one entry per decode step this row took part in
 
+    def add_step(self, step: int, ms: float) -> None:
+        """Record step ``step`` of this row: step 0 is the prefill (time to first token), later ones decode steps."""
+        if step == 0:
+            self.prefill_ms = ms
+        else:
+            self.decode_ms.append(ms)
+
     @property
     def decode_tokens_per_s(self) -> float:
         """Decode speed of this row (tokens after the first / their time)."""
@@ -285,10 +292,7 @@ class Generation:
                         logprobs[i].append(item)
             elapsed = (time.perf_counter() - t0) * 1000.0
             for i in active:
-                if step == 0:
-                    timings[i].prefill_ms = elapsed
-                else:
-                    timings[i].decode_ms.append(elapsed)
+                timings[i].add_step(step, elapsed)
             step += 1
             # out of time (max_time) or cancelled (should_stop): every active row ends with the token it just got
             halt = ("length" if deadline is not None and time.perf_counter() > deadline else
