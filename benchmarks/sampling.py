@@ -83,8 +83,10 @@ def old_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def old_select_next(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[np.ndarray], n_generated: int,
-                eos_ids: Sequence[int], rngs: Sequence[np.random.Generator]) -> np.ndarray:
-    """Pick one token per row of ``logits [B, V]``; ``rngs`` holds one generator per row (sampling only)."""
+                eos_ids: Sequence[int], rngs: Sequence[np.random.Generator], hook: Any = None) -> np.ndarray:
+    """Pick one token per row of ``logits [B, V]``; ``rngs`` holds one generator per row (sampling only).
+
+    (``hook``, the user's logits processor of today's signature, is never set by this benchmark.)"""
     logits = logits.astype(np.float32, copy=True)
     old_apply_repetition_penalty(logits, seen, cfg.repetition_penalty)
     if n_generated < cfg.min_new_tokens and eos_ids:
