@@ -260,19 +260,20 @@ def stop(ray_config: RayConfig | None = None) -> None:
 
 def serve_ray(engine_dir: str | Path, config: ServeConfig, ray_config: RayConfig) -> int:
     """``trtinfer serve DIR --ray``: deploy, then serve until Ctrl-C/SIGTERM (0); a failed deployment raises."""
-    stopping = threading.Event()
+    stopping = [False]  # a plain flag: a handler that takes a lock (Event.set) deadlocks when a second signal
+    # arrives while the first one's handler holds it (Ctrl-C twice, or timeout(1) forwarding its own signal)
     url = start(engine_dir, config, ray_config)
     try:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets handlers of its own
-                signal.signal(sig, lambda *_: stopping.set())
+                signal.signal(sig, lambda *_: stopping.__setitem__(0, True))
         log.info("serving %s at %s/v1 on Ray Serve (%d replica(s); Ctrl-C stops)", engine_dir, url,
                  ray_config.replicas)
         if config.api_key is None and config.host not in ("127.0.0.1", "::1", "localhost"):
             log.warning("listening on %s without --api-key: anyone who reaches this port can use the model",
                         config.host)
-        while not stopping.wait(0.5):
-            pass
+        while not stopping[0]:
+            time.sleep(0.2)
     finally:
         log.info("stopping (requests in flight finish first)")
         stop(ray_config)
