@@ -354,14 +354,16 @@ class Handler:
             return _EventStream(body, lambda: self._cancel(submitted))
         collect = asyncio.ensure_future(self._collect(submitted))
         gone = asyncio.ensure_future(_disconnected(request.receive))
+        left = False
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not collect.done():  # the client left: its requests free their slots
-                collect.cancel()
+                left = True
+                collect.cancel()  # (cancel() only asks: the task is not done yet, and has no result to read)
             self._cancel(submitted)
-        if collect.cancelled():
+        if left or collect.cancelled():
             log.info("client disconnected; %d request(s) cancelled", len(submitted))
             return Response(status_code=499)
         streamed = collect.result()
