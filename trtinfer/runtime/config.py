@@ -46,7 +46,8 @@ class RuntimeConfig:
     ``provider``: ``"cpu"``; ``"cuda"`` (ONNX Runtime's CUDA EP: KV on the device, host inputs through pinned
     buffers); ``"tensorrt"`` (ONNX Runtime's TensorRT EP, with the CUDA EP and the CPU as fallbacks for the nodes
     TensorRT does not take; KV and host inputs as for ``"cuda"``). ``device_id`` picks the GPU of both.
-    ``intra_op_threads=0`` lets ONNX Runtime choose (one per physical core).
+    ``intra_op_threads=0`` lets ONNX Runtime choose (one per physical core), or one per CPU the process may use when
+    that is fewer (``taskset``, a container's cpuset).
 
     The ``trt_*`` fields matter for ``provider="tensorrt"`` only. TensorRT compiles its engines when a session first
     runs (minutes for a real model) and keeps them in ``trt_cache_dir`` for the next load. ``None`` picks

@@ -15,6 +15,7 @@ import importlib
 import importlib.metadata
 import io as _io
 import logging
+import os
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -414,6 +415,17 @@ def _make_dirs(folders: Sequence[Path]) -> None:
             raise err from e
 
 
+def _cpus_allowed() -> int:
+    """The CPUs this process may run on when that is fewer than the machine has (``taskset``, a container's cpuset),
+    else 0 (ONNX Runtime's default: one thread per physical core of the machine, which would oversubscribe the
+    allowed CPUs)."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return 0
+    return allowed if allowed < (os.cpu_count() or allowed) else 0
+
+
 def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> Any:
     """An ``onnxruntime.InferenceSession`` on ``model`` for ``config.provider``, or one line saying what is missing.
 
@@ -426,7 +438,7 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = config.intra_op_threads
+    so.intra_op_num_threads = config.intra_op_threads or _cpus_allowed()
     so.log_severity_level = 3
     if config.provider != "cpu":
         _preload_cuda_libraries(ort)
