@@ -1,0 +1,13 @@
+#!/bin/bash
+# The peers' venvs for benchmarks/vs_peers.py, under ${1:-$HOME/.cache/trtinfer/peer-venvs}:
+#   oga      onnxruntime-genai 0.18 on this environment's onnxruntime (system site packages; its builder uses our
+#            torch/transformers/onnx)
+#   optimum  optimum-onnx 0.1.0 (its own transformers < 4.58) on torch 2.13.0, the CPU wheel
+#   lcpp     llama-cpp-python 0.3.36 (compiles llama.cpp for this CPU: ~10 min on 2 cores)
+set -euo pipefail
+D=${1:-$HOME/.cache/trtinfer/peer-venvs}
+mkdir -p "$D"
+[ -x "$D/oga/bin/python" ] || { python -m venv --system-site-packages "$D/oga" && "$D/oga/bin/pip" install -q --no-deps onnxruntime-genai==0.18.0; }
+[ -x "$D/optimum/bin/optimum-cli" ] || { python -m venv "$D/optimum" && "$D/optimum/bin/pip" install -q torch==2.13.0 && "$D/optimum/bin/pip" install -q "optimum-onnx[onnxruntime]==0.1.0"; }
+[ -x "$D/lcpp/bin/python" ] && "$D/lcpp/bin/python" -c "import llama_cpp" 2>/dev/null || { python -m venv "$D/lcpp" && "$D/lcpp/bin/pip" install -q llama-cpp-python==0.3.36; }
+echo "python benchmarks/vs_peers.py --oga-python $D/oga/bin/python --optimum-python $D/optimum/bin/python --llama-cpp-python $D/lcpp/bin/python"
