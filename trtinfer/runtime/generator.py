@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -198,6 +198,30 @@ def run_logits_processor(fn: LogitsProcessor, logits: np.ndarray, seen: list[np.
     return out
 
 
+def row_finish(tok: int, dec: IncrementalDecoder | None, eos: Collection[int], generated: int, total: int,
+               max_new_tokens: int, max_seq_len: int, halt: str | None = None) -> tuple[str | None, str | int | None]:
+    """How a row ends on ``tok``, its ``generated``-th new token (``total`` with the prompt), as ``(finish_reason,
+    stop_reason)``, or ``(None, None)`` while it goes on. First rule that holds: a stop string (``dec`` saw it), an
+    EOS id, the length budget (``max_new_tokens``, or the engine's max sequence length), else ``halt`` (``"length"``
+    past ``max_time``, ``"cancelled"``). The one order :class:`Generation` and the server's scheduler follow."""
+    if dec is not None and dec.stopped:
+        return "stop", dec.stop_string
+    if tok in eos:
+        return "stop", tok
+    if generated >= max_new_tokens or total >= max_seq_len:
+        return "length", None
+    return halt, None
+
+
+def settle(dec: IncrementalDecoder | None, finish: str, stop: str | int | None) -> tuple[str, str, str | int | None]:
+    """A finished row's last text (what the decoder held back) and its final reasons: ``finish()`` settles which stop
+    string cut the text, which the steps may not have seen yet."""
+    if dec is None:
+        return "", finish, stop
+    tail = dec.finish()
+    return (tail, "stop", dec.stop_string) if dec.stopped else (tail, finish, stop)
+
+
 class Generation:
     """One batched generation. Iterate :meth:`events` for streaming, or call :meth:`run`; read :attr:`results` after.
 
@@ -304,21 +328,13 @@ class Generation:
                 seen[i] = np.append(seen[i], tok)
                 dec = decoders[i]
                 delta = dec.add(tok) if dec is not None else ""
-                if dec is not None and dec.stopped:
-                    finish[i], stop_reason[i] = "stop", dec.stop_string
-                elif tok in eos:
-                    finish[i], stop_reason[i] = "stop", tok
-                elif (len(generated[i]) >= cfg.max_new_tokens
-                      or len(self.prompts[i]) + len(generated[i]) >= self.max_seq_len):
-                    finish[i] = "length"
-                elif halt is not None:
-                    finish[i] = halt
-                if finish[i] is None:
+                end, why = row_finish(tok, dec, eos, len(generated[i]), len(self.prompts[i]) + len(generated[i]),
+                                      cfg.max_new_tokens, self.max_seq_len, halt)
+                if end is None:
                     keep.append(row)
-                elif dec is not None:
-                    delta += dec.finish()
-                    if dec.stopped:  # finish() settles which stop string cut the text (the steps found it first)
-                        finish[i], stop_reason[i] = "stop", dec.stop_string
+                else:
+                    tail, finish[i], stop_reason[i] = settle(dec, end, why)
+                    delta += tail
                 if deltas:
                     yield StreamEvent(i, delta, tok, finish[i])
             if not keep:

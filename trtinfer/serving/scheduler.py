@@ -32,7 +32,16 @@ import numpy as np
 
 from trtinfer.errors import InputError, QueueFullError, ServingError
 from trtinfer.runtime.config import GenerationConfig
-from trtinfer.runtime.generator import GenerationResult, Timings, TokenLogprob, check_prompts, eos_ids, token_logprobs
+from trtinfer.runtime.generator import (
+    GenerationResult,
+    Timings,
+    TokenLogprob,
+    check_prompts,
+    eos_ids,
+    row_finish,
+    settle,
+    token_logprobs,
+)
 from trtinfer.runtime.sampling import select_next
 from trtinfer.runtime.slots import SlotCache
 from trtinfer.runtime.tokenizer import IncrementalDecoder
@@ -435,24 +444,15 @@ class Scheduler:
             self._generation_tokens += 1
         dec = req._decoder
         delta = dec.add(tok)
-        finish: str | None = None
-        stop: str | int | None = None
-        if dec.stopped:
-            finish, stop = "stop", dec.stop_string
-        elif tok in req.eos:
-            finish, stop = "stop", tok
-        elif (len(req.generated) >= cfg.max_new_tokens
-              or len(req.prompt_ids) + len(req.generated) >= self.max_seq_len
-              or (req._deadline is not None and now > req._deadline)):  # max_time: as Generation, "length"
-            finish = "length"
-        if finish is None:
+        halt = "length" if req._deadline is not None and now > req._deadline else None  # max_time, as Generation
+        end, why = row_finish(tok, dec, req.eos, len(req.generated), len(req.prompt_ids) + len(req.generated),
+                              cfg.max_new_tokens, self.max_seq_len, halt)
+        if end is None:
             req.next_token = tok
             req._push(Event(tok, delta, lp, None, None, now))
             return
-        delta += dec.finish()
-        if dec.stopped:  # finish() settles which stop string cut the text
-            finish, stop = "stop", dec.stop_string
-        self._finish(req, finish, stop, Event(tok, delta, lp, finish, stop, now))
+        tail, finish, stop = settle(dec, end, why)
+        self._finish(req, finish, stop, Event(tok, delta + tail, lp, finish, stop, now))
 
     # --- endings ------------------------------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
