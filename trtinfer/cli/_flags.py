@@ -18,7 +18,7 @@ GENERATION_FLAGS = {
     "stop": "--stop", "num_beams": "--num-beams", "length_penalty": "--length-penalty",
     "early_stopping": "--early-stopping", "num_return_sequences": "--num-return-sequences",
     "prompt_lookup_num_tokens": "--prompt-lookup-num-tokens", "logprobs": "--logprobs",
-    "top_logprobs": "--top-logprobs",
+    "top_logprobs": "--top-logprobs", "num_assistant_tokens": "--num-assistant-tokens",
 }
 RUNTIME_FLAGS = {"provider": "--provider"}
 

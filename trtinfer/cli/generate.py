@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -43,6 +44,11 @@ def add_parser(sub: Any) -> None:
                    help="results per prompt (best beams, or independent samples)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
                    help="speculative decoding: draft up to this many tokens from earlier text and verify them at once")
+    p.add_argument("--assistant", metavar="ENGINE_DIR", default=None,
+                   help="speculative decoding with a draft engine of the same tokenizer (e.g. an int4 build of the "
+                        "same model): it drafts, this engine verifies; greedy output stays this engine's")
+    p.add_argument("--num-assistant-tokens", type=int, default=None,
+                   help="tokens the assistant drafts per step to start with (default 20; adapted as transformers')")
     p.add_argument("--logprobs", action="store_true", default=None,
                    help="per-token log-probabilities in --json output")
     p.add_argument("--top-logprobs", type=int, default=None, help="with --logprobs: this many alternatives per token")
@@ -86,18 +92,23 @@ def run(args: argparse.Namespace) -> int:
         if e.field not in _COMBINED:  # a rule that involves the engine's defaults is checked once they are known
             raise
     runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider)
-    with trtinfer.load(args.engine, config=runtime) as engine:
+    if args.assistant is None and "num_assistant_tokens" in chosen:
+        raise InputError("--num-assistant-tokens needs --assistant ENGINE_DIR")
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(trtinfer.load(args.engine, config=runtime))
+        extra = {} if args.assistant is None else {
+            "assistant": stack.enter_context(trtinfer.load(args.assistant, config=runtime))}
         # the flags over the engine's defaults (its generation_config.json), checked together (after loading: which
         # flags combine depends on those defaults, e.g. --num-return-sequences with the file's num_beams)
         cfg = config_from_flags(lambda **kw: dataclasses.replace(engine.generation_defaults, **kw), GENERATION_FLAGS,
                                 **chosen)
         if args.stream:
-            for delta in engine.stream(args.prompt[0], chat=args.chat, config=cfg):
+            for delta in engine.stream(args.prompt[0], chat=args.chat, config=cfg, **extra):
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             sys.stdout.write("\n")
             return 0
-        results = engine.generate(args.prompt, chat=args.chat, config=cfg)
+        results = engine.generate(args.prompt, chat=args.chat, config=cfg, **extra)
     per_prompt = len(results) // len(args.prompt)  # num_return_sequences results per prompt, prompt by prompt
     if args.json:
         print(json.dumps([_as_json(args.prompt[i // per_prompt], r) for i, r in enumerate(results)], indent=2))

@@ -109,7 +109,11 @@ class GenerationConfig:
     search); ``num_return_sequences`` best hypotheses are returned per prompt (with sampling and one beam: that many
     independent samples per prompt). ``prompt_lookup_num_tokens=K`` drafts up to K tokens from the last
     ``max_matching_ngram_size`` tokens' earlier occurrence in the sequence and verifies them in one pass (greedy:
-    the same tokens as plain greedy decoding).
+    the same tokens as plain greedy decoding). With ``generate(..., assistant=draft_engine)`` (assisted decoding) a
+    smaller or quantized engine of the same vocabulary drafts ``num_assistant_tokens`` tokens greedily per step;
+    ``num_assistant_tokens_schedule`` ``"heuristic"`` (transformers') adds 2 after a fully accepted draft and takes
+    1 away otherwise, starting again from ``num_assistant_tokens`` at each call (transformers'
+    ``"heuristic_transient"``, accepted as a synonym); ``"constant"`` keeps it.
 
     An engine's ``generation_config.json`` (the model's) supplies the defaults of these fields where it sets them;
     anything passed to ``generate`` overrides it. With neither, the defaults are transformers' (``top_k`` 50).
@@ -139,6 +143,8 @@ class GenerationConfig:
     num_return_sequences: int = 1
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int = 2
+    num_assistant_tokens: int = 20
+    num_assistant_tokens_schedule: str = "heuristic"
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
@@ -148,7 +154,11 @@ class GenerationConfig:
                             "frequency_penalty": "number", "no_repeat_ngram_size": "int", "ignore_eos": "bool",
                             "logprobs": "bool", "top_logprobs": "int", "num_beams": "int",
                             "length_penalty": "number", "num_return_sequences": "int",
-                            "max_matching_ngram_size": "int"})
+                            "max_matching_ngram_size": "int", "num_assistant_tokens": "int"})
+        if self.num_assistant_tokens_schedule not in ("heuristic", "heuristic_transient", "constant"):
+            raise ConfigError("num_assistant_tokens_schedule must be \"heuristic\", \"heuristic_transient\" or "
+                              "\"constant\", got "
+                              f"{_found(self.num_assistant_tokens_schedule)}", field="num_assistant_tokens_schedule")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ConfigError(f"early_stopping must be True, False or \"never\", got {_found(self.early_stopping)}",
                               field="early_stopping")
@@ -188,6 +198,8 @@ class GenerationConfig:
               "decoding returns one sequence")),
             ("max_matching_ngram_size", self.max_matching_ngram_size >= 1,
              f"max_matching_ngram_size must be >= 1, got {self.max_matching_ngram_size}"),
+            ("num_assistant_tokens", self.num_assistant_tokens >= 1,
+             f"num_assistant_tokens must be >= 1, got {self.num_assistant_tokens}"),
         ]
         self._check_combinations()
         for name, ok, msg in checks:

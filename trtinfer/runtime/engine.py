@@ -86,9 +86,11 @@ class Engine:
                     kwargs: dict[str, Any], streaming: str | None = None) -> Any:
         self._check_open()
         hooks = {k: kwargs.pop(k) for k in _HOOKS if k in kwargs}  # callables, not configuration
+        assistant = kwargs.pop("assistant", None)  # an engine, not configuration
         unknown = set(kwargs) - _GEN_FIELDS
         if unknown:
-            raise InputError(f"unknown generation option(s) {sorted(unknown)}; known: {sorted(_GEN_FIELDS | _HOOKS)}")
+            raise InputError(f"unknown generation option(s) {sorted(unknown)}; known: "
+                             f"{sorted(_GEN_FIELDS | _HOOKS | {'assistant'})}")
         if config is not None and not isinstance(config, GenerationConfig):
             raise InputError(f"config must be a GenerationConfig, got {type(config).__name__}")
         if "stop" in kwargs and kwargs["stop"] is None:  # stop=None means no stop strings
@@ -106,6 +108,13 @@ class Engine:
         cfg = dataclasses.replace(base, **kwargs)
         ids = self._prompt_ids(prompts, input_ids, chat)
         args = (self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size, self.manifest.max_seq_len)
+        if assistant is not None:
+            if cfg.num_beams > 1 or cfg.num_return_sequences > 1:
+                raise InputError("assistant drafts for one sequence per prompt: it does not combine with num_beams > 1 "
+                                 "or num_return_sequences > 1")
+            from trtinfer.runtime.assisted import AssistedGeneration
+
+            return AssistedGeneration(*args, assistant=assistant, **hooks)
         if cfg.num_beams > 1:
             if streaming:
                 raise InputError("beam search cannot stream: the best hypothesis is known only at the end; use "

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 #: generation_config.json key -> GenerationConfig field (same name unless said)
 FIELDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
           "repetition_penalty", "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping",
-          "num_return_sequences", "prompt_lookup_num_tokens", "max_matching_ngram_size")
+          "num_return_sequences", "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens",
+          "num_assistant_tokens_schedule")
 
 
 def read_generation_defaults(engine_dir: Path) -> GenerationConfig:

@@ -126,20 +126,25 @@ class PromptLookupGeneration(Generation):
     def __init__(self, session: DecoderSession, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
                  cfg: GenerationConfig, max_batch_size: int, max_seq_len: int, *,
                  logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
-        if cfg.prompt_lookup_num_tokens is None:
-            raise ConfigError("PromptLookupGeneration needs prompt_lookup_num_tokens (a positive integer); use "
-                              "Generation for plain decoding", field="prompt_lookup_num_tokens")
+        self._check_drafting(cfg)
         super().__init__(session, tokenizer, prompts, cfg, max_batch_size, max_seq_len,
                          logits_processor=logits_processor, should_stop=should_stop)
         try:
             session.check_can_score()
         except InputError as e:
-            raise InputError("prompt_lookup_num_tokens needs logits at several positions per pass, but this engine's "
-                             "graph computes them at the last position only (no logits_positions input: an older "
-                             "trtinfer build or that pass disabled); rebuild the engine, or generate without "
-                             "prompt_lookup_num_tokens") from e
+            raise InputError(f"{self.drafting} needs logits at several positions per pass, but this engine's graph "
+                             "computes them at the last position only (no logits_positions input: an older trtinfer "
+                             f"build or that pass disabled); rebuild the engine, or generate without {self.drafting}"
+                             ) from e
         self.stats: list[LookupStats] = []
         self._halt: str | None = None
+
+    drafting = "prompt_lookup_num_tokens"  # what drafts, as error messages name it
+
+    def _check_drafting(self, cfg: GenerationConfig) -> None:
+        if cfg.prompt_lookup_num_tokens is None:
+            raise ConfigError("PromptLookupGeneration needs prompt_lookup_num_tokens (a positive integer); use "
+                              "Generation for plain decoding", field="prompt_lookup_num_tokens")
 
     def _steps(self, deltas: bool) -> Iterator[StreamEvent]:
         """Each prompt in turn: prefill, then draft-and-verify passes; one event per kept token when ``deltas``."""
@@ -234,7 +239,10 @@ class PromptLookupGeneration(Generation):
         """The next draft: the lookup, cut so the step's tokens stay within ``limit``, before the first EOS and
         before the first token no_repeat_ngram_size bans (those drafts could only be rejected)."""
         seq = index.tokens
-        draft = index.draft(min(k, limit - len(seq) - 1))  # the step adds the draft + one token of the model's
+        return self._trim(index.draft(min(k, limit - len(seq) - 1)), seq)  # + one token of the model's: <= limit
+
+    def _trim(self, draft: list[int], seq: list[int]) -> list[int]:
+        """``draft`` up to its first EOS id or first token no_repeat_ngram_size bans after ``seq``."""
         for j, t in enumerate(draft):
             if t in self.eos:
                 draft = draft[:j]
