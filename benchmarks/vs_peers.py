@@ -30,6 +30,7 @@ from typing import Any
 
 from trtinfer.bench import _prompt_ids, measure_eager, measure_engine
 from trtinfer.builder import BuildConfig, build
+from trtinfer.errors import TrtInferError
 from trtinfer.export.sources import ALIASES
 from trtinfer.runtime.manifest import read_manifest
 
@@ -179,8 +180,8 @@ def main() -> None:
                         continue
                     try:
                         r = fn(bs, args.new_tokens)
-                    except RuntimeError as e:
-                        r = str(e)
+                    except (RuntimeError, TrtInferError, ValueError) as e:  # a system that fails is a row saying so
+                        r = f"failed: {e}"
                     prev = best.get(name)
                     if isinstance(r, str):
                         best.setdefault(name, r)
@@ -195,7 +196,8 @@ def main() -> None:
                           + (got if isinstance(got, str) else
                              f"{got['decode_tok_s']:.1f} tok/s, TTFT {got['ttft_ms']:.0f} ms"), flush=True)
             eager = best["PyTorch eager fp32"]
-            assert isinstance(eager, dict), eager
+            if not isinstance(eager, dict):
+                sys.exit(f"{model} bs{bs}: PyTorch eager, the baseline of every ratio, did not run: {eager}")
             for name, r in best.items():
                 row: dict[str, Any] = {"model": model, "batch_size": bs, "system": name}
                 if isinstance(r, str):

@@ -30,6 +30,18 @@ def args() -> argparse.Namespace:
     return a
 
 
+def peak_mib() -> float:
+    """This process's peak RSS: VmHWM (ru_maxrss would carry the parent's peak over into a child it started)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def measure(system: str, version: str, a: argparse.Namespace, gen: Gen, **extra: Any) -> dict[str, Any]:
     """The figures of ``gen`` under the rule above, as the dict ``trtinfer.bench.BenchResult`` holds."""
     gen(4)  # warm-up
@@ -42,7 +54,7 @@ def measure(system: str, version: str, a: argparse.Namespace, gen: Gen, **extra:
         first = toks[:8]
     return {"system": system, "version": version, "batch_size": a.bs, "prompt_len": len(a.prompt),
             "new_tokens": a.new_tokens, "ttft_ms": min(ones) * 1000.0, "decode_tok_s": max(rates),
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+            "peak_rss_mib": peak_mib(),
             "first_tokens": [int(t) for t in first], **extra}
 
 

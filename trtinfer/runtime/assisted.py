@@ -15,13 +15,13 @@ fp32 engine of ``M``, whose output stays the fp32 engine's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from trtinfer.errors import InputError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.forward import Context
-from trtinfer.runtime.generator import LogitsProcessor
+from trtinfer.runtime.generator import LogitsProcessor, StreamEvent
 from trtinfer.runtime.probes import Argmax
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.speculative import NgramIndex, PromptLookupGeneration
@@ -30,19 +30,28 @@ from trtinfer.runtime.tokenizer import EngineTokenizer
 log = logging.getLogger(__name__)
 
 
-def check_assistant(assistant: Any, tokenizer: EngineTokenizer) -> None:
+def check_assistant(assistant: Any, tokenizer: EngineTokenizer, vocab_size: int) -> None:
     """One line unless ``assistant`` is an open decoder engine whose tokenizer maps tokens to the same ids."""
     session = getattr(assistant, "session", None)
     if not isinstance(session, DecoderSession) or not hasattr(assistant, "tokenizer"):
         raise InputError(f"assistant must be a decoder Engine (trtinfer.load(DIR)), got {type(assistant).__name__}")
     if getattr(assistant, "closed", False):
         raise InputError("the assistant engine is closed; load it again with trtinfer.load()")
+    try:
+        session.check_can_score()
+    except InputError as e:
+        raise InputError("the assistant engine computes logits at the last position only (built by an older trtinfer "
+                         "or with that pass disabled); rebuild it with `trtinfer build`") from e
     mine = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
     theirs = assistant.tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
     if mine != theirs:
         raise InputError(f"the assistant's vocabulary differs from this engine's ({len(theirs)} vs {len(mine)} "
                          "tokens, or other ids): assisted decoding needs an engine of the same tokenizer, e.g. a "
                          "quantized build of the same model")
+    size = int(session.manifest.geometry["vocab_size"])
+    if size != vocab_size:
+        raise InputError(f"the assistant's model has {size} output ids and this engine's {vocab_size}: assisted "
+                         "decoding needs the same vocabulary, e.g. a quantized build of the same model")
 
 
 class AssistedGeneration(PromptLookupGeneration):
@@ -57,7 +66,7 @@ class AssistedGeneration(PromptLookupGeneration):
     def __init__(self, session: DecoderSession, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
                  cfg: GenerationConfig, max_batch_size: int, max_seq_len: int, *, assistant: Any,
                  logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
-        check_assistant(assistant, tokenizer)
+        check_assistant(assistant, tokenizer, int(session.manifest.geometry["vocab_size"]))
         super().__init__(session, tokenizer, prompts, cfg, max_batch_size, max_seq_len,
                          logits_processor=logits_processor, should_stop=should_stop)
         self.assistant = assistant
@@ -66,6 +75,14 @@ class AssistedGeneration(PromptLookupGeneration):
         self._fed: list[int] = []  # the tokens in the assistant's KV
         self._last: tuple[int, list[int]] = (0, [])  # the previous draft and the sequence length it followed
         self._k = cfg.num_assistant_tokens
+
+    def _steps(self, deltas: bool) -> Iterator[StreamEvent]:
+        try:
+            yield from super()._steps(deltas)
+        finally:  # the assistant's KV buffers go with the generation (on a GPU: device memory)
+            if self._ctx is not None:
+                self._ctx.release()
+            self._ctx, self._index = None, None
 
     def _check_drafting(self, cfg: GenerationConfig) -> None:
         if cfg.prompt_lookup_num_tokens is not None:

@@ -112,7 +112,7 @@ class GenerationConfig:
     the same tokens as plain greedy decoding). With ``generate(..., assistant=draft_engine)`` (assisted decoding) a
     smaller or quantized engine of the same vocabulary drafts ``num_assistant_tokens`` tokens greedily per step;
     ``num_assistant_tokens_schedule`` ``"heuristic"`` (transformers') adds 2 after a fully accepted draft and takes
-    1 away otherwise, starting again from ``num_assistant_tokens`` at each call (transformers'
+    1 away otherwise, starting again from ``num_assistant_tokens`` for each prompt (transformers'
     ``"heuristic_transient"``, accepted as a synonym); ``"constant"`` keeps it.
 
     An engine's ``generation_config.json`` (the model's) supplies the defaults of these fields where it sets them;

@@ -416,14 +416,23 @@ def _make_dirs(folders: Sequence[Path]) -> None:
 
 
 def _cpus_allowed() -> int:
-    """The CPUs this process may run on when that is fewer than the machine has (``taskset``, a container's cpuset),
-    else 0 (ONNX Runtime's default: one thread per physical core of the machine, which would oversubscribe the
-    allowed CPUs)."""
+    """The physical cores this process may run on when that is fewer than the machine's (``taskset``, a container's
+    cpuset), else 0: ONNX Runtime's default of one thread per physical core of the machine, which would
+    oversubscribe the allowed CPUs. Hyper-threads of one core count once, as ONNX Runtime counts them."""
     try:
-        allowed = len(os.sched_getaffinity(0))
+        allowed = os.sched_getaffinity(0)
     except (AttributeError, OSError):  # not on Linux
         return 0
-    return allowed if allowed < (os.cpu_count() or allowed) else 0
+    if len(allowed) >= (os.cpu_count() or len(allowed)):
+        return 0
+    cores = set()
+    for cpu in allowed:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topo / "physical_package_id").read_text().strip() + ":" + (topo / "core_id").read_text().strip())
+        except OSError:
+            cores.add(f"cpu{cpu}")  # no topology: count the CPU itself
+    return len(cores)
 
 
 def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> Any:

@@ -42,6 +42,8 @@ from trtinfer.runtime.generator import (
     StreamEvent,
     Timings,
     TokenLogprob,
+    row_finish,
+    settle,
     token_logprobs,
     user_hook,
 )
@@ -200,18 +202,12 @@ class PromptLookupGeneration(Generation):
                 if logprobs is not None:
                     logprobs.append(items[j])
                 delta = dec.add(tok) if dec is not None else ""
-                if dec is not None and dec.stopped:
-                    finish, stop_reason = "stop", dec.stop_string
-                elif tok in self.eos:
-                    finish, stop_reason = "stop", tok
-                elif len(seq) >= limit:
-                    finish = "length"
-                elif halt is not None and j == len(chosen) - 1:
-                    finish = halt
-                if finish is not None and dec is not None:
-                    delta += dec.finish()
-                    if dec.stopped:  # finish() settles which stop string cut the text
-                        finish, stop_reason = "stop", dec.stop_string
+                # limit = min(prompt + max_new_tokens, max_seq_len): the length rule of row_finish, in one number
+                finish, stop_reason = row_finish(tok, dec, self.eos, len(seq), len(seq), limit, limit,
+                                                 halt if j == len(chosen) - 1 else None)
+                if finish is not None:
+                    tail, finish, stop_reason = settle(dec, finish, stop_reason)
+                    delta += tail
                 if deltas:
                     yield StreamEvent(i, delta, tok, finish)
                 if finish is not None:
@@ -230,6 +226,7 @@ class PromptLookupGeneration(Generation):
                 ctx.truncate(len(seq) - 1)
             draft = self._draft(index, k, limit)
             fed = [seq[-1], *draft]
+        ctx.release()  # its KV buffers go now, not with the generation object
         log.debug("prompt lookup, prompt %d: %d passes, %d draft tokens, %d accepted, %d generated", i,
                   stats.passes, stats.drafted, stats.accepted, len(generated))
         text = dec.text if dec is not None else self.tok.decode(generated)
