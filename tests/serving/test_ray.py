@@ -23,7 +23,6 @@ import httpx
 import openai
 import pytest
 
-import trtinfer
 from trtinfer.errors import ConfigError
 
 pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'trtinfer[ray]'")
@@ -76,18 +75,6 @@ class RayServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return self.proc.returncode
-
-
-@pytest.fixture(scope="module")
-def engine_dir(tiny_engine) -> Path:
-    return tiny_engine("llama")
-
-
-@pytest.fixture(scope="module")
-def ref(engine_dir):
-    """The same engine loaded here: the answers' reference (``generate`` of each prompt alone)."""
-    with trtinfer.load(engine_dir) as eng:
-        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -68,18 +67,6 @@ class Live:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
-
-
-@pytest.fixture(scope="module")
-def engine_dir(tiny_engine) -> Path:
-    return tiny_engine("llama")
-
-
-@pytest.fixture(scope="module")
-def ref(engine_dir):
-    """The same engine loaded here: the answers' reference (``generate`` of each prompt alone)."""
-    with trtinfer.load(engine_dir) as eng:
-        yield eng
 
 
 @pytest.fixture(scope="module")
