@@ -71,8 +71,7 @@ class AssistedGeneration(PromptLookupGeneration):
                          logits_processor=logits_processor, should_stop=should_stop)
         self.assistant = assistant
         self._index: NgramIndex | None = None  # the row being drafted for
-        self._ctx: Context | None = None  # the assistant's KV of that row
-        self._fed: list[int] = []  # the tokens in the assistant's KV
+        self._ctx: Context | None = None  # the assistant's KV of that row (ctx.tokens: the tokens it holds)
         self._last: tuple[int, list[int]] = (0, [])  # the previous draft and the sequence length it followed
         self._k = cfg.num_assistant_tokens
 
@@ -91,7 +90,7 @@ class AssistedGeneration(PromptLookupGeneration):
     def _draft(self, index: NgramIndex, k: int, limit: int) -> list[int]:
         seq = index.tokens
         if index is not self._index:  # a new prompt: a fresh assistant cache, the draft length from the config
-            self._index, self._fed, self._last, self._k = index, [], (0, []), self.cfg.num_assistant_tokens
+            self._index, self._last, self._k = index, (0, []), self.cfg.num_assistant_tokens
             if self._ctx is not None:
                 self._ctx.release()
             a_max = self.assistant.session.manifest.max_seq_len
@@ -100,13 +99,13 @@ class AssistedGeneration(PromptLookupGeneration):
             self._adapt(seq)
         ctx = self._ctx
         assert ctx is not None
+        held = ctx.tokens
         keep = 0  # the assistant's tokens still in the sequence
-        while keep < min(len(self._fed), len(seq)) and self._fed[keep] == seq[keep]:
+        while keep < min(len(held), len(seq)) and held[keep] == seq[keep]:
             keep += 1
         keep = min(keep, len(seq) - 1)  # at least the last token is fed, to read the next one's logits
         if len(ctx) > keep:
             ctx.truncate(keep)
-        self._fed = self._fed[:keep]
         want = min(self._k, limit - len(seq) - 1, ctx.capacity - len(seq))  # the engine adds its own token after
         draft: list[int] = []
         pending = seq[keep:]
@@ -114,7 +113,6 @@ class AssistedGeneration(PromptLookupGeneration):
             fwd = ctx.forward().input(pending)
             handle = fwd.sample(len(pending) - 1, Argmax())[0]  # the last fed token's next
             tok = fwd.execute().token(handle)
-            self._fed += pending
             draft.append(tok)
             if tok in self.eos:
                 break

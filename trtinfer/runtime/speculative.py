@@ -125,6 +125,8 @@ class PromptLookupGeneration(Generation):
     ``logits_positions`` input); every KV layout works (rejected tokens are rolled back with ``truncate_cache``).
     """
 
+    drafting = "prompt_lookup_num_tokens"  # what drafts, as error messages name it
+
     def __init__(self, session: DecoderSession, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
                  cfg: GenerationConfig, max_batch_size: int, max_seq_len: int, *,
                  logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
@@ -140,8 +142,6 @@ class PromptLookupGeneration(Generation):
                              ) from e
         self.stats: list[LookupStats] = []
         self._halt: str | None = None
-
-    drafting = "prompt_lookup_num_tokens"  # what drafts, as error messages name it
 
     def _check_drafting(self, cfg: GenerationConfig) -> None:
         if cfg.prompt_lookup_num_tokens is None:
