@@ -123,9 +123,11 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
     validation = None
     if config.validate:
+        from trtinfer.export.quiet import quiet_third_party
         from trtinfer.export.validate import validate_decoder
 
-        report = validate_decoder(folder / ONNX_NAME, hf, geometry, config.atol, config.logits == "last")
+        with quiet_third_party():  # the eager model warns about its own past_key_values argument
+            report = validate_decoder(folder / ONNX_NAME, hf, geometry, config.atol, config.logits == "last")
         validation = report.to_dict()
         if not report.passed:
             raise ValidationError(

@@ -20,6 +20,7 @@ from pathlib import Path
 from trtinfer._cache import cache_root, cached_dir, key_of, sha256_dir, sha256_file
 from trtinfer.errors import ModelSourceError
 from trtinfer.export.chat_templates import builtin_chat_template
+from trtinfer.export.quiet import quiet_third_party
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +188,9 @@ def _dequantize_gguf(gguf: Path, out: Path) -> None:
 
     log.info("dequantizing %s to fp32 (once; cached)", gguf.name)
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with quiet_third_party():  # transformers' own conversion bar; ours is the log line above
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for unreadable files
         raise ModelSourceError(f"could not load GGUF {gguf}: {e}; is it a complete GGUF of a supported model?") from e
     config = model.config
