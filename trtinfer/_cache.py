@@ -53,7 +53,13 @@ def _root_path() -> Path:
 def cache_root() -> Path:
     """Return the cache root, creating it if needed."""
     root = _root_path()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:  # a file where the cache or a folder above it should be
+        check_output_dir(root, overwrite=True, alternative=_CHANGE_CACHE)
+        err = OutputError(f"cannot create the trtinfer cache {root}: it is a file; {_CHANGE_CACHE}")
+        err.path = str(root)
+        raise err from e
     return root
 
 
@@ -439,6 +445,23 @@ def _commit(tmp: Path, final: Path, overwrite: bool) -> None:
     raise FileExistsError(errno.EEXIST, "kept being replaced by another process", str(final))
 
 
+def check_output_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
+                     alternative: str = _CHANGE_OUTPUT) -> None:
+    """Raise :class:`OutputError` now if ``final`` cannot become a new directory: it exists (unless ``overwrite``)
+    or a path above it is a file. Call it before long work whose result goes to ``final``."""
+    final = Path(final)
+    if not overwrite and os.path.lexists(final):
+        raise _exists_error(final)
+    for above in final.parents:  # nearest first: the first one there must be a folder
+        if os.path.isdir(above):
+            return
+        if os.path.lexists(above):
+            what = "a file" if os.path.isfile(above) else "not a folder"
+            err = OutputError(f"cannot create {final}: {above} is {what}; {alternative}")
+            err.path = str(final)
+            raise err
+
+
 @contextmanager
 def atomic_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
                alternative: str = _CHANGE_OUTPUT) -> Iterator[Path]:
@@ -450,8 +473,7 @@ def atomic_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
     or full location raises :class:`OutputError` naming ``final`` and suggesting ``alternative``.
     """
     final = Path(final)
-    if not overwrite and os.path.lexists(final):  # say so before the work, not after it
-        raise _exists_error(final)
+    check_output_dir(final, overwrite=overwrite, alternative=alternative)  # say so before the work, not after it
     tmp: Path | None = None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)

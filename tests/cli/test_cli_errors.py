@@ -102,3 +102,26 @@ def test_corrupt_tokenizer(engine, tmp_path):
     (eng / "tokenizer.json").write_bytes(text[: len(text) // 3])
     line = error_line(cli("generate", eng, "-p", "hi"))
     assert f"{eng / 'tokenizer.json'} is not a readable tokenizer (" in line and line.endswith("rebuild the engine")
+
+
+# --- an output path that cannot become a folder ------------------------------------------------------------------
+@pytest.mark.parametrize("verb,below", [("build", "engine"), ("export", "sub/out")])
+def test_output_under_a_file(verb, below, tiny_model_dir, tmp_path):
+    blocker = tmp_path / "SOMEFILE"
+    blocker.write_text("not a folder")
+    out = blocker / below
+    line = error_line(cli(verb, tiny_model_dir("llama"), "-o", out))
+    assert line == f"trtinfer {verb}: error: cannot create {out}: {blocker} is a file; choose another -o"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["SOMEFILE"]  # nothing half-written beside it
+    assert blocker.read_text() == "not a folder"
+
+
+def test_cache_under_a_file(tiny_model_dir, tmp_path):
+    blocker = tmp_path / "SOMEFILE"
+    blocker.write_text("")
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TRTINFER_CACHE": str(blocker / "cache")}
+    p = subprocess.run([sys.executable, "-m", "trtinfer", "build", str(tiny_model_dir("llama")), "-o",
+                        str(tmp_path / "engine")], check=False, capture_output=True, text=True, env=env)
+    assert error_line(p) == (f"trtinfer build: error: cannot create {blocker / 'cache'}: {blocker} is a file; "
+                             "point TRTINFER_CACHE at another folder")
+    assert not (tmp_path / "engine").exists()
