@@ -1,4 +1,5 @@
-"""Engine check at build time: the finished engine, driven by the runtime, against the exported graph.
+"""Engine checks at build time: the finished engine, driven by the runtime, against the exported graph; and, for a
+quantized engine, its accuracy on held-out text against the fp32 graph (:func:`check_accuracy`).
 
 The exported graph was validated against PyTorch eager (``export.validation``); this checks that what the passes,
 the precision conversion and ONNX Runtime's optimizer made of it still computes the same logits, through the real
@@ -101,3 +102,23 @@ def check_engine(engine_dir: Path, manifest: Manifest, reference: Path, precisio
                          tuple(len(p) for p in prompts), steps, diff, scale, tol, top1, diff <= tol * scale)
     log.debug("%s", result.summary())
     return result
+
+
+def check_accuracy(engine_dir: Path, manifest: Manifest, heldout: Path, provider: str = "cpu") -> dict[str, Any]:
+    """Score the engine on the held-out ids the fp32 graph scored in the quantize stage (``heldout``); compare.
+
+    The engine runs the kernels its users get, so a kernel path that breaks the quantized arithmetic (which its own
+    quantize-stage graph, run unfused, cannot show) moves this figure. Returns
+    :func:`~trtinfer.quantization.accuracy.compare_scores`' report; the build judges it against the bound.
+    """
+    from trtinfer.quantization.accuracy import compare_scores
+    from trtinfer.runtime.config import RuntimeConfig
+    from trtinfer.runtime.scoring import score_ids
+    from trtinfer.runtime.session import open_session
+
+    ref = np.load(heldout)
+    with open_session(engine_dir, manifest, RuntimeConfig(provider=provider)) as sess:
+        got = score_ids(sess, ref["ids"].tolist(), what="the held-out text")
+    report = compare_scores(ref["logprobs"], ref["argmax"], got.logprobs, got.argmax)
+    log.debug("engine accuracy: %s", report)
+    return report

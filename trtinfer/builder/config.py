@@ -35,6 +35,10 @@ class BuildConfig:
     ``workspace_mib`` caps the builder's scratch memory (default 4096); ``timing_cache`` is the timing cache file
     reused across builds (default: one per TensorRT version and GPU under the trtinfer cache). Precisions: fp32,
     fp16, bf16 (strongly typed from the graph), int8-static and int4 (Q/DQ graphs).
+
+    ``max_perplexity_ratio``: a quantized engine's perplexity on the held-out text over the fp32 graph's, above which
+    the build fails (None: the precision's bound, :data:`trtinfer.quantization.accuracy.PERPLEXITY_BOUNDS`); the
+    manifest records the bound and who set it.
     """
 
     backend: str = "onnxruntime"
@@ -51,8 +55,17 @@ class BuildConfig:
     opt_seq_len: int | None = None
     workspace_mib: int | None = None
     timing_cache: str | None = None
+    max_perplexity_ratio: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_perplexity_ratio is not None:
+            if isinstance(self.max_perplexity_ratio, bool) or not isinstance(self.max_perplexity_ratio, (int, float)) \
+                    or not self.max_perplexity_ratio >= 1.0:
+                raise ConfigError(f"--max-perplexity-ratio must be a number >= 1 (engine perplexity / fp32 "
+                                  f"perplexity), got {self.max_perplexity_ratio!r}", field="max_perplexity_ratio")
+            if self.precision not in QUANT_PRECISIONS:
+                raise ConfigError(f"--max-perplexity-ratio bounds quantized engines ({', '.join(QUANT_PRECISIONS)}); "
+                                  f"a {self.precision} build has no accuracy check to bound", field="max_perplexity_ratio")
         if self.backend == "tensorrt":
             if self.target == "cpu":  # the default: TensorRT engines run on the GPU, whatever was left unsaid
                 object.__setattr__(self, "target", "cuda")

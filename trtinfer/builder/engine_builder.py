@@ -20,17 +20,18 @@ from typing import Any
 
 from trtinfer._cache import atomic_dir, cached_dir, key_of
 from trtinfer.builder.backends import BuildBackend, fused_op_counts, get_build_backend, op_histogram
-from trtinfer.builder.check import EngineCheck, check_engine
+from trtinfer.builder.check import EngineCheck, check_accuracy, check_engine
 from trtinfer.builder.config import BuildConfig
 from trtinfer.builder.progress import StageProgress
-from trtinfer.errors import BuildError, ConfigError
+from trtinfer.errors import BuildError, ConfigError, InputError
 from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest
 from trtinfer.stages import TOKENIZER_FILES, StageDir, graph_io, is_stage_dir, package_versions, read_stage
 
 log = logging.getLogger(__name__)
 
-ENGINE_FORMAT = 2  # bump when what a backend writes or the engine check does changes (invalidates cached engines)
+ENGINE_FORMAT = 3  # bump when what a backend writes or the engine check does changes (invalidates cached engines)
 CHECK_NAME = "engine_check.json"
+ACCURACY_NAME = "accuracy_check.json"  # a quantized engine's held-out scores vs fp32 (judged per build, not cached)
 
 
 def engine_versions() -> dict[str, str]:
@@ -90,8 +91,9 @@ def _from_stage(stage: StageDir, config: BuildConfig) -> tuple[BuildConfig, int]
 
 
 def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_seq: int,
-             rec: dict[str, Any]) -> tuple[Path, dict[str, str], EngineCheck | None]:
-    """Backend compilation + engine check, cached by the optimized graph's content and the backend settings."""
+             rec: dict[str, Any]) -> tuple[Path, dict[str, str], EngineCheck | None, dict[str, Any] | None]:
+    """Backend compilation + engine check (+ a quantized engine's held-out accuracy), cached by the optimized graph's
+    content and the backend settings."""
     key = key_of([ENGINE_FORMAT, stage.content_key(), config.backend, config.target, engine_versions(),
                   backend.versions(), config.max_batch_size, max_seq, config.opt_batch_size, config.opt_seq_len,
                   config.workspace_mib])
@@ -114,6 +116,15 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
                    "try --keep-fp32 with more groups, or --disable-pass to find the pass at fault"))
         (tmp / CHECK_NAME).write_text(json.dumps(check.to_dict()))
         made["check"] = check
+        from trtinfer.quantization.accuracy import HELDOUT_NAME
+
+        if stage.stage == "quantize" and HELDOUT_NAME in stage.info["files"]:
+            try:
+                acc = check_accuracy(tmp, Manifest(manifest), stage.path / HELDOUT_NAME, provider=config.target)
+            except InputError as e:  # e.g. the logits_positions pass disabled: the engine cannot score a sequence
+                log.warning("the engine's accuracy is not checked: %s", e)
+            else:
+                (tmp / ACCURACY_NAME).write_text(json.dumps(acc))
 
     if stage.reference_path is None:  # said on every build, cached or not
         log.warning("%s has no engine-check reference (exported with --logits all): the engine is not checked",
@@ -125,7 +136,8 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     if (path / CHECK_NAME).is_file():
         saved = json.loads((path / CHECK_NAME).read_text())
         check = made.get("check") or EngineCheck(**{**saved, "prompt_lengths": tuple(saved["prompt_lengths"])})
-    return path, files, check
+    accuracy = json.loads((path / ACCURACY_NAME).read_text()) if (path / ACCURACY_NAME).is_file() else None
+    return path, files, check, accuracy
 
 
 def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None = None, *,
@@ -195,7 +207,13 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
             with bar.stage("quantize") as rec:
                 stage = quantize_cached(stage, config.quantization, stats=rec, progress=progress)
         with bar.stage("compile + check") as rec:
-            compiled, files, check = _compile(stage, config, backend, max_seq, rec)
+            compiled, files, check, accuracy = _compile(stage, config, backend, max_seq, rec)
+        if accuracy is not None:
+            from trtinfer.quantization.accuracy import accuracy_verdict, verdict_error
+
+            accuracy = accuracy_verdict(accuracy, config.precision, config.max_perplexity_ratio)
+            if not accuracy["passed"]:
+                raise BuildError(verdict_error(accuracy, config.precision))
         with bar.stage("package") as rec, atomic_dir(out, overwrite=overwrite) as tmp:
             for name in files.values():
                 shutil.copyfile(compiled / name, tmp / name)
@@ -203,6 +221,7 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
             manifest = _manifest(config, stage, files, tmp, max_seq)
             if check is not None:
                 manifest["engine_check"] = check.to_dict()
+            manifest["accuracy_check"] = accuracy
             manifest["stages"] = bar.records
             manifest["build_seconds"] = round(time.perf_counter() - t_start, 2)
             (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))

@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         from trtinfer.quantization.accuracy import accuracy_text
 
         print(f"quantized    {quant_summary(q)}")
-        print(f"accuracy     {accuracy_text(q.get('accuracy')).removeprefix('accuracy ')}")
+        acc = m.get("accuracy_check") or q.get("accuracy")  # the engine's own check; older engines: the stage's
+        print(f"accuracy     {accuracy_text(acc).removeprefix('accuracy ')}")
     c = m.get("engine_check")
     if c:
         print(f"engine check vs {c.get('reference', 'export')}: max|diff| {c['max_abs_diff']:.2e} (tol {c['tolerance']:g} x "

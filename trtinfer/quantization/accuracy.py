@@ -3,6 +3,11 @@
 Both graphs score the same tokens (the first ``EVAL_TOKENS`` of the GNU GPL v3 text shipped with the package, a
 real English text the default calibration set does not contain), one sequence, through the runtime's scoring
 path. ``top1_agreement`` is the share of positions where both graphs predict the same next token.
+
+The fp32 graph's scores are kept in the quantize stage (``HELDOUT_NAME``), so the build scores the compiled engine
+itself against them (:func:`trtinfer.builder.check.check_accuracy`): the engine runs the kernels users get (ONNX
+Runtime's fused integer paths, which the quantize stage's unfused graph does not), and its perplexity ratio must stay
+within the precision's bound (``PERPLEXITY_BOUNDS``) or the build fails.
 """
 from __future__ import annotations
 
@@ -12,12 +17,32 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trtinfer.stages import StageDir, graph_io
 
 log = logging.getLogger(__name__)
 
 EVAL_TEXT = "gpl-3.0"
 EVAL_TOKENS = 1024
+#: the fp32 graph's scores of the held-out ids, written into the quantize stage for the build's accuracy check
+HELDOUT_NAME = "heldout_fp32.npz"
+#: the largest perplexity ratio (quantized / fp32 on the held-out text) a build accepts, per precision; measured
+#: (README, benchmarks/results): int8 0.997-1.006, gguf 1.001-1.002, int4 (GPTQ) 1.066-1.091 on SmolLM2 / Gemma-3
+PERPLEXITY_BOUNDS = {"int8": 1.05, "int8-static": 1.05, "gguf": 1.02, "int4": 1.15}
+#: The bound holds both ways (ratio within [1/bound, bound]): quantization noise does not make a model much *better*
+#: on text it never saw, while a broken graph can: a random-weight tiny Llama with one block-scale tensor x100 scored
+#: x0.77 with 2.8% top-1 agreement. Hence also a floor on top-1 agreement, far below any sound engine's (tiny random
+#: models 73-96%, SmolLM2 int8-static 76-90%), that only a graph computing something else falls under.
+MIN_TOP1_AGREEMENT = 0.5
+#: what to try when a precision misses its bound
+BOUND_HINTS = {
+    "int8": "leave the LM head in fp32 (--keep-fp32 lm_head)",
+    "int8-static": "try --calibrator percentile or entropy, more --calibration-samples, or --keep-fp32 for the layers "
+                   "at fault",
+    "gguf": "use a GGUF of higher precision (Q8_0, Q6_K) or --precision int8",
+    "int4": "try --method gptq, --lm-head-bits 8 or --block-size 32",
+}
 
 
 def held_out_ids(tokenizer_json: Path, max_tokens: int) -> list[int]:
@@ -44,19 +69,63 @@ def accuracy_report(fp32: StageDir, quantized_folder: Path, *, tokens: int = EVA
         with open_stage_session(stage) as sess:
             results.append(score_ids(sess, ids, what="the held-out text"))
     ref, got = results
-    agree = float((ref.argmax == got.argmax).mean())
-    report = {"text": f"builtin:{EVAL_TEXT}", "tokens": len(ids), "perplexity": round(got.perplexity, 4),
-              "perplexity_fp32": round(ref.perplexity, 4), "ratio": round(got.perplexity / ref.perplexity, 4),
-              "top1_agreement": round(agree, 4), "seconds": round(time.perf_counter() - t0, 2)}
+    np.savez(quantized_folder / HELDOUT_NAME, ids=np.asarray(ids, np.int64), logprobs=ref.logprobs, argmax=ref.argmax)
+    report = compare_scores(ref.logprobs, ref.argmax, got.logprobs, got.argmax)
+    report["seconds"] = round(time.perf_counter() - t0, 2)
     if not math.isfinite(got.perplexity):
         log.warning("the quantized graph's perplexity is not finite")
     log.debug("accuracy: %s", report)
     return report
 
 
+def compare_scores(ref_logprobs: np.ndarray, ref_argmax: np.ndarray, logprobs: np.ndarray,
+                   argmax: np.ndarray) -> dict[str, Any]:
+    """Perplexities, their ratio and top-1 agreement of a quantized model's scores against the fp32 model's."""
+    def ppl(lp: np.ndarray) -> float:
+        mean = float(np.asarray(lp, np.float64).mean())
+        return math.exp(-mean) if math.isfinite(mean) else math.inf
+
+    ours, theirs = ppl(logprobs), ppl(ref_logprobs)
+    return {"text": f"builtin:{EVAL_TEXT}", "tokens": len(ref_logprobs) + 1, "perplexity": round(ours, 4),
+            "perplexity_fp32": round(theirs, 4), "ratio": round(ours / theirs, 4) if math.isfinite(ours) else math.inf,
+            "top1_agreement": round(float((np.asarray(argmax) == np.asarray(ref_argmax)).mean()), 4)}
+
+
+def accuracy_verdict(acc: dict[str, Any], precision: str, bound: float | None) -> dict[str, Any]:
+    """``acc`` (an engine's :func:`compare_scores`) judged: perplexity ratio within ``[1/B, B]`` for the precision's
+    bound ``B`` and top-1 agreement at least ``MIN_TOP1_AGREEMENT``; an explicit ``bound`` (the user's
+    ``--max-perplexity-ratio``) replaces both with ``[1/bound, bound]`` alone."""
+    limit = PERPLEXITY_BOUNDS[precision] if bound is None else float(bound)
+    floor = MIN_TOP1_AGREEMENT if bound is None else 0.0
+    ratio = float(acc["ratio"])
+    passed = math.isfinite(ratio) and 1 / limit <= ratio <= limit and acc["top1_agreement"] >= floor
+    return {**acc, "bound": limit, "bound_set_by": "default" if bound is None else "--max-perplexity-ratio",
+            "min_top1_agreement": floor, "passed": passed}
+
+
+def verdict_error(acc: dict[str, Any], precision: str) -> str:
+    """The one line a build that failed :func:`accuracy_verdict` stops with: the figures and what to try."""
+    ratio = float(acc["ratio"])
+    if not math.isfinite(ratio):
+        return (f"the {precision} engine's perplexity on the held-out text is not finite: the quantized graph is "
+                f"broken; {BOUND_HINTS[precision]}")
+    figures = accuracy_text({k: v for k, v in acc.items() if k != "bound"}).removeprefix("accuracy ")
+    accept = f"--max-perplexity-ratio {math.ceil(max(ratio, 1 / ratio) * 100) / 100:g}"
+    if acc["top1_agreement"] < acc["min_top1_agreement"]:
+        return (f"the {precision} engine computes something else than the fp32 graph: {figures}, under the "
+                f"{acc['min_top1_agreement']:.0%} top-1 agreement any sound quantization keeps; find the layer at "
+                f"fault with --keep-fp32, or accept it with {accept}")
+    return (f"the {precision} engine misses its accuracy bound: {figures}, outside x{1 / acc['bound']:.3g}..x"
+            f"{acc['bound']:g}; {BOUND_HINTS[precision]}, or accept it with {accept}")
+
+
 def accuracy_text(acc: dict[str, Any] | None) -> str:
-    """One line for a person."""
+    """One line for a person (with the bound and verdict when ``acc`` is an engine's judged check)."""
     if not acc:
         return "accuracy: not measured"
-    return (f"accuracy on {acc['tokens']} held-out tokens ({acc['text']}): perplexity {acc['perplexity']:.3f} vs "
+    line = (f"accuracy on {acc['tokens']} held-out tokens ({acc['text']}): perplexity {acc['perplexity']:.3f} vs "
             f"fp32 {acc['perplexity_fp32']:.3f} (x{acc['ratio']:.3f}), top-1 agreement {acc['top1_agreement']:.1%}")
+    if "bound" in acc:
+        by = "" if acc["bound_set_by"] == "default" else f", set by {acc['bound_set_by']}"
+        line += f"; bound x{acc['bound']:g}{by}: {'passed' if acc['passed'] else 'FAILED'}"
+    return line

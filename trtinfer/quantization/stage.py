@@ -35,7 +35,7 @@ from trtinfer.stages import (
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_FORMAT = 2  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
+QUANTIZE_FORMAT = 3  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
 CALIBRATION_FILES = ("calibration.json", "calibration.cache")
 
 

@@ -1,0 +1,118 @@
+"""A quantized build's verdict includes its accuracy: the compiled engine scored on held-out text against the fp32
+graph, within the precision's perplexity bound or the build fails in one line (and leaves no engine)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from trtinfer.builder import BuildConfig, build
+from trtinfer.errors import BuildError, ConfigError
+from trtinfer.passes.optimize import save_model
+from trtinfer.quantization import QuantConfig, quantize_stage
+from trtinfer.quantization.accuracy import HELDOUT_NAME, PERPLEXITY_BOUNDS, accuracy_verdict, verdict_error
+from trtinfer.stages import ONNX_NAME, read_stage, write_stage
+
+
+def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.run([sys.executable, "-m", "trtinfer", *map(str, args)], check=False, capture_output=True,
+                          text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def optimized(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny Llama's optimized fp32 stage (``trtinfer optimize``)."""
+    from trtinfer.export import export
+    from trtinfer.passes import PassConfig
+    from trtinfer.passes.optimize import optimize_stage
+
+    work = tmp_path_factory.mktemp("verdict")
+    exported = export(tiny_model_dir("llama"), work / "export")
+    return optimize_stage(exported, work / "opt", PassConfig(max_seq_len=256)).path
+
+
+@pytest.fixture(scope="module")
+def broken(optimized, tmp_path_factory) -> Path:
+    """An int8 quantize stage whose first MatMulNBits has its block scales x100 (re-recorded, so it reads as valid)."""
+    stage = quantize_stage(optimized, tmp_path_factory.mktemp("q") / "int8", QuantConfig(precision="int8"),
+                           progress=False)
+    model = ir.load(str(stage.onnx_path))
+    node = next(n for n in model.graph if n.op_type == "MatMulNBits")
+    scales = node.inputs[2]
+    scales.const_value = ir.tensor(scales.const_value.numpy() * np.float32(100), name=scales.name)
+    side = stage.path / "side"
+    side.mkdir()
+    save_model(model, side / ONNX_NAME)
+    for f in side.iterdir():
+        f.replace(stage.path / f.name)
+    side.rmdir()
+    info = {k: v for k, v in stage.info.items() if k not in ("files", "format")}
+    write_stage(stage.path, info)
+    return stage.path
+
+
+def test_quantize_stage_keeps_the_fp32_scores(broken):
+    stage = read_stage(broken)
+    ref = np.load(stage.path / HELDOUT_NAME)
+    assert len(ref["ids"]) == len(ref["logprobs"]) + 1 == len(ref["argmax"]) + 1 > 100
+    assert np.isfinite(ref["logprobs"]).all() and (ref["logprobs"] < 0).all()
+
+
+def test_broken_scale_fails_the_build(broken, tmp_path):
+    out = tmp_path / "engine"
+    # random weights: the broken graph's perplexity moves little (either way), its predictions move completely
+    with pytest.raises(BuildError, match=r"the int8 engine computes something else than the fp32 graph: on \d+ "
+                                         r"held-out tokens .* top-1 agreement .* under the 50% .* accept it with "
+                                         r"--max-perplexity-ratio \d"):
+        build(broken, out, BuildConfig(precision="int8"), progress=False)
+    assert not out.exists()
+    p = cli("build", broken, "-o", out, "--precision", "int8", "-q")
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("trtinfer")]
+    assert len(lines) == 1 and "computes something else" in lines[0] and "perplexity" in lines[0], p.stderr
+    assert not out.exists()
+
+
+def test_explicit_bound_accepts_and_is_recorded(broken, tmp_path):
+    out = build(broken, tmp_path / "engine", BuildConfig(precision="int8", max_perplexity_ratio=1e6), progress=False)
+    acc = json.loads((out / "manifest.json").read_text())["accuracy_check"]
+    assert acc["bound"] == 1e6 and acc["bound_set_by"] == "--max-perplexity-ratio" and acc["passed"]
+    assert acc["top1_agreement"] < 0.5  # the broken scale really changed the model
+
+
+def test_verdict_is_two_sided_and_floors_top1():
+    acc = {"text": "builtin:gpl-3.0", "tokens": 1024, "perplexity": 20.0, "perplexity_fp32": 19.0, "top1_agreement": 0.9}
+    assert accuracy_verdict({**acc, "ratio": 1.04}, "int8", None)["passed"]
+    for ratio, top1 in ((1.06, 0.9), (0.94, 0.9), (1.0, 0.3), (math.inf, 0.9)):
+        judged = accuracy_verdict({**acc, "ratio": ratio, "top1_agreement": top1}, "int8", None)
+        assert not judged["passed"], (ratio, top1)
+        line = verdict_error(judged, "int8")
+        assert "\n" not in line and ("x1.05" in line or "50%" in line or "not finite" in line), line
+    assert accuracy_verdict({**acc, "ratio": 1.3, "top1_agreement": 0.3}, "int4", 1.31)["passed"]
+    assert not accuracy_verdict({**acc, "ratio": 1.3}, "int4", None)["passed"]  # int4's default is x1.15
+    assert accuracy_verdict({**acc, "ratio": 1.019}, "gguf", None)["passed"]
+
+
+@pytest.mark.parametrize("precision", ["int8", "int8-static"])
+def test_sound_build_passes_with_the_default_bound(optimized, tmp_path, precision):
+    out = build(optimized, tmp_path / "engine", BuildConfig(precision=precision), progress=False)
+    acc = json.loads((out / "manifest.json").read_text())["accuracy_check"]
+    assert acc["passed"] and acc["bound"] == PERPLEXITY_BOUNDS[precision] and acc["bound_set_by"] == "default"
+    assert acc["ratio"] <= PERPLEXITY_BOUNDS[precision] and acc["top1_agreement"] > 0.5 and acc["tokens"] > 100
+    p = cli("inspect", out)
+    assert p.returncode == 0 and f"bound x{PERPLEXITY_BOUNDS[precision]:g}: passed" in p.stdout, p.stdout
+
+
+def test_bound_flag_is_checked():
+    with pytest.raises(ConfigError, match="must be a number >= 1"):
+        BuildConfig(precision="int4", max_perplexity_ratio=0.9)
+    with pytest.raises(ConfigError, match="bounds quantized engines"):
+        BuildConfig(precision="fp32", max_perplexity_ratio=1.2)
