@@ -13,7 +13,7 @@ from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 from trtinfer.runtime.forward import Context, Forward, Group, Output
 from trtinfer.runtime.forward import execute as execute_passes
 from trtinfer.runtime.gen_defaults import read_generation_defaults_and_keys
-from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent
+from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent, warn_length_budget
 from trtinfer.runtime.manifest import Manifest, read_manifest
 from trtinfer.runtime.scoring import PerplexityResult, ScoreResult, check_ids, score_ids, windowed_perplexity
 from trtinfer.runtime.session import DecoderSession, open_session
@@ -107,6 +107,7 @@ class Engine:
             kwargs["do_sample"] = False
         cfg = dataclasses.replace(base, **kwargs)
         ids = self._prompt_ids(prompts, input_ids, chat)
+        warn_length_budget(ids, cfg.max_new_tokens, self.manifest.max_seq_len)
         args = (self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size, self.manifest.max_seq_len)
         if assistant is not None:
             if cfg.num_beams > 1 or cfg.num_return_sequences > 1:

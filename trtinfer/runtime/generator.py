@@ -222,6 +222,22 @@ def settle(dec: IncrementalDecoder | None, finish: str, stop: str | int | None) 
     return (tail, "stop", dec.stop_string) if dec.stopped else (tail, finish, stop)
 
 
+def warn_length_budget(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int) -> None:
+    """Log one warning when a prompt leaves room for fewer than ``max_new_tokens`` below ``max_seq_len``.
+
+    Such a row still runs and ends with ``finish_reason="length"``; without the warning a prompt that nearly fills
+    the engine reads as a model that stopped at once. Prompts that do not fit at all are :func:`check_prompts`' job.
+    """
+    short = [(i, len(p)) for i, p in enumerate(prompts) if max_seq_len - max_new_tokens < len(p) < max_seq_len]
+    if not short:
+        return
+    i, n = max(short, key=lambda s: s[1])
+    more = f" ({len(short) - 1} other prompt(s) are cut short too)" if len(short) > 1 else ""
+    log.warning("prompt %d has %d tokens, which leaves room for only %d of the %d requested new tokens within the "
+                "engine's max sequence length %d%s; shorten the prompt or rebuild the engine with a larger "
+                "--max-seq-len", i, n, max_seq_len - n, max_new_tokens, max_seq_len, more)
+
+
 class Generation:
     """One batched generation. Iterate :meth:`events` for streaming, or call :meth:`run`; read :attr:`results` after.
 
