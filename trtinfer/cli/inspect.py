@@ -84,6 +84,7 @@ def _shape(t: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
+    from trtinfer.cli.summary import fused_text
     from trtinfer.runtime.manifest import read_manifest
 
     if args.target:
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     g, lim = m["geometry"], m["limits"]
     if m.get("kind") == "encoder":
-        fused = ", ".join(f"{k} {c['count']}/{c['expected']}" for k, c in m.get("fused_ops", {}).items())
+        fused = fused_text(m.get("fused_ops", {}))
         print(f"engine       {args.engine} (encoder)")
         print(f"model        {m['architecture']} from {m['source']['model']} sha256 {m['source']['sha256'][:16]}")
         print(f"geometry     {g['num_layers']} layers, {g['num_attention_heads']} heads, hidden {g['hidden_size']}")
@@ -148,11 +149,7 @@ def run(args: argparse.Namespace) -> int:
     fused_ops: dict[str, Any] = m.get("fused_ops") or {}
     if fused_ops:
         print(f"kv layout    {m.get('kv_layout', 'concat')}")
-        parts = []
-        for fam, c in fused_ops.items():
-            exp = c.get("expected")
-            parts.append(f"{fam} {c['count']}" + (f"/{exp}" if exp is not None else ""))
-        print("fused ops    " + ", ".join(parts))
+        print("fused ops    " + fused_text(fused_ops))  # the same line as `trtinfer build` prints
         rep = m.get("fusion_report") or {}
         fired = [f"{n} {r['fired']}" + (f"/{r['expected']}" if r.get("expected") is not None else "")
                  for n, r in rep.get("fusions", {}).items() if r["kind"] == "fusion"]

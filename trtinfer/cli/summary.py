@@ -15,9 +15,18 @@ def validation_text(v: dict[str, Any] | None) -> str:
 
 
 def fused_text(fused: dict[str, Any]) -> str:
-    """``attention 30/30, rotary 60/60, norm 61/61``."""
-    return ", ".join(f"{k} {c['count']}" + (f"/{c['expected']}" if c.get("expected") is not None else "")
-                     for k, c in fused.items() if c["count"] or c.get("expected"))
+    """A manifest's ``fused_ops`` in one line, as ``build`` and ``inspect`` print it: ``attention 30/30, rotary
+    60/60, norm 61/61``; a family the passes fused but the engine graph holds differently says so:
+    ``gelu 0/18 (the passes fused 18; the backend expanded them again)``."""
+    parts = []
+    for k, c in fused.items():
+        if not (c["count"] or c.get("expected") or c.get("by_passes")):
+            continue
+        text = f"{k} {c['count']}" + (f"/{c['expected']}" if c.get("expected") is not None else "")
+        if c.get("by_passes") is not None and c["by_passes"] > c["count"]:
+            text += f" (the passes fused {c['by_passes']}; the backend expanded them again)"
+        parts.append(text)
+    return ", ".join(parts)
 
 
 def stage_summary(stage: Any) -> str:
