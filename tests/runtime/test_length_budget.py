@@ -38,10 +38,10 @@ def test_prompt_near_max_seq_len_warns_once(engine_dir, caplog):
 
         caplog.clear()
         list(eng.stream_batch(input_ids=[short, long], max_new_tokens=21))  # one warning per call, naming the worst row
-        assert _warnings(caplog) == [
+        assert _warnings(caplog) == [(
             "prompt 1 has 20 tokens, which leaves room for only 4 of the 21 requested new tokens within the engine's "
             "max sequence length 24 (1 other prompt(s) are cut short too); shorten the prompt or rebuild the engine "
-            "with a larger --max-seq-len"]
+            "with a larger --max-seq-len")]
 
 
 def test_cli_shows_the_warning_without_verbose(engine_dir):

@@ -14,6 +14,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 #: transformers' deprecation of the ``past_key_values`` argument (the message starts with the quoted name)
 PAST_KEY_VALUES_WARNING = r"`?past_key_values`? is deprecated"
@@ -33,9 +34,9 @@ def quiet_third_party() -> Iterator[None]:
     if third_party_verbose():
         yield
         return
-    patched = []
+    patched: list[tuple[Any, Any]] = []
     for name in _PLAIN_TQDM_MODULES:
-        module = sys.modules.get(name)
+        module: Any = sys.modules.get(name)
         if module is None:  # import it now so the patch is in place before transformers uses it
             try:
                 module = __import__(name, fromlist=["tqdm"])
