@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -196,11 +195,9 @@ def test_gguf_source(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
 
 # --- real models (slow): the packaged GGUF files into their cached optimized fp32 graphs -----------------------
 
-USER_CACHE = Path(os.environ.get("TRTINFER_CACHE_USER", Path.home() / ".cache" / "trtinfer"))
-
-
-def _cached_optimized(model: str) -> Path | None:
-    for stage_json in sorted((USER_CACHE / "optimized").glob("*/stage.json")):
+def _cached_optimized(cache: Path, model: str) -> Path | None:
+    """An optimized fp32 ONNX Runtime CPU stage of ``model`` in the trtinfer cache at ``cache``, if there is one."""
+    for stage_json in sorted((cache / "optimized").glob("*/stage.json")):
         info = json.loads(stage_json.read_text())
         cfg = info.get("history", {}).get("optimize", {}).get("config", {})
         if info.get("source", {}).get("model") == model and cfg.get("precision") == "fp32" \
@@ -239,12 +236,13 @@ def _time_decode(sess: ort.InferenceSession, feeds: dict[str, np.ndarray], reps:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("alias,layers", [("smollm2-135m", 30), ("gemma-3-270m", 18)])
-def test_real_gguf_import(tmp_path: Path, alias: str, layers: int) -> None:
+def test_real_gguf_import(tmp_path: Path, alias: str, layers: int, real_engine, in_user_cache) -> None:
     from trtinfer.stages import ONNX_NAME, read_stage
 
-    src = _cached_optimized(alias)
-    if src is None:
-        pytest.skip(f"no cached optimized fp32 stage of {alias} under {USER_CACHE}/optimized")
+    real_engine(alias)  # its build leaves the optimized fp32 stage in the user's cache (reused when already there)
+    with in_user_cache() as cache:
+        src = _cached_optimized(cache, alias)
+    assert src is not None, f"building {alias} left no optimized fp32 onnxruntime-cpu stage under {cache}/optimized"
     work = tmp_path / "stage"
     shutil.copytree(src, work)  # never modify the cache
     stage = read_stage(work, verify=False)
