@@ -110,8 +110,10 @@ def test_output_under_a_file(verb, below, tiny_model_dir, tmp_path):
     blocker = tmp_path / "SOMEFILE"
     blocker.write_text("not a folder")
     out = blocker / below
-    line = error_line(cli(verb, tiny_model_dir("llama"), "-o", out))
+    p = cli(verb, tiny_model_dir("llama"), "-o", out)
+    line = error_line(p)
     assert line == f"trtinfer {verb}: error: cannot create {out}: {blocker} is a file; choose another -o"
+    assert "traced" not in p.stderr + p.stdout  # refused before the export ran, not after the whole build
     assert sorted(p.name for p in tmp_path.iterdir()) == ["SOMEFILE"]  # nothing half-written beside it
     assert blocker.read_text() == "not a folder"
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trtinfer._cache import atomic_dir, cached_dir, key_of
+from trtinfer._cache import atomic_dir, cached_dir, check_output_dir, key_of
 from trtinfer.builder.backends import BuildBackend, fused_op_counts, get_build_backend, op_histogram
 from trtinfer.builder.check import EngineCheck, check_accuracy, check_engine
 from trtinfer.builder.config import BuildConfig
@@ -151,6 +151,7 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
     out = Path(output_dir)
     if out.exists() and not overwrite:
         raise BuildError(f"{out} already exists; choose another -o or pass --force to replace it")
+    check_output_dir(out, overwrite=overwrite)  # a file above -o fails now, not after the whole build
     t_start = time.perf_counter()
     if config.precision in ("fp16", "bf16") and config.target == "cpu":
         log.warning("%s on the CPU provider is for checking numerics: ONNX Runtime's CPU fp16 kernels are ~3x slower "
