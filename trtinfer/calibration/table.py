@@ -3,7 +3,12 @@
 ``calibration.json``::
 
     {"format": 1, "kind": "trtinfer-calibration", "method": "entropy", "graph_hash": "<sha256>",
-     "dataset_hash": "<sha256>", "settings": {...}, "tensors": {"<name>": {"min": .., "max": .., "amax": ..}}}
+     "dataset_hash": "<sha256>", "settings": {...}, "tensors": {"<name>": {"min": .., "max": .., "amax": ..}},
+     "smoothing": {"alpha": 0.5, "tensors": {"<fp32 name>": "<smoothed name>"}, "factors": {"<fp32 name>": [..]}}}
+
+``smoothing`` (optional) is there when the ranges are those of SmoothQuant's smoothed activations ``x / s``: the
+ranges are then keyed by the smoothed tensors' names (what the written graph quantizes), and the per-channel
+factors ``s`` of each fp32 tensor are kept so a reuse rebuilds the same graph. A TensorRT table cannot hold them.
 
 ``calibration.cache`` is TensorRT's text calibration table, which ONNX Runtime's TensorRT execution provider
 (``trt_int8_use_native_calibration_table``) and NVIDIA ModelOpt read::
@@ -94,12 +99,16 @@ class CalibrationTable:
     graph_hash: str = ""
     dataset_hash: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
+    smoothing: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The ``calibration.json`` content."""
-        return {"format": TABLE_FORMAT, "kind": "trtinfer-calibration", "method": self.method,
-                "graph_hash": self.graph_hash, "dataset_hash": self.dataset_hash, "settings": self.settings,
-                "tensors": {n: r.to_dict() for n, r in self.ranges.items()}}
+        d = {"format": TABLE_FORMAT, "kind": "trtinfer-calibration", "method": self.method,
+             "graph_hash": self.graph_hash, "dataset_hash": self.dataset_hash, "settings": self.settings,
+             "tensors": {n: r.to_dict() for n, r in self.ranges.items()}}
+        if self.smoothing is not None:
+            d["smoothing"] = self.smoothing
+        return d
 
     def to_trt(self, trt_version: int = TRT_VERSION) -> str:
         """The ``calibration.cache`` text (TensorRT's calibration table)."""
@@ -148,8 +157,12 @@ def _read_json(path: Path, text: str) -> CalibrationTable:
             raise CalibrationError(f"{path} has format {d.get('format')}, this trtinfer reads {TABLE_FORMAT}; "
                                    "calibrate again")
         ranges = {n: TensorRange(float(r["min"]), float(r["max"]), float(r["amax"])) for n, r in d["tensors"].items()}
+        smoothing = d.get("smoothing")
+        if smoothing is not None and not (isinstance(smoothing.get("factors"), dict)
+                                          and isinstance(smoothing.get("tensors"), dict)):
+            raise ValueError("its smoothing entry lacks factors or tensors")
         return CalibrationTable(ranges, str(d["method"]), str(d["graph_hash"]), str(d["dataset_hash"]),
-                                dict(d.get("settings", {})))
+                                dict(d.get("settings", {})), smoothing)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         if isinstance(e, CalibrationError):
             raise
