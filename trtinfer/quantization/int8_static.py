@@ -7,7 +7,8 @@ int8-static, for each selected MatMul with a constant ``[K, N]`` weight::
                           W_q int8 [K,N] ──DequantizeLinear(s_w [N], 0, axis=1)──MatMul── y
 
 Weights are symmetric per output channel (``s_w[n] = max|W[:, n]| / 127``, codes in -127..127, zero point 0).
-Activations are symmetric per tensor (``s_x = amax / 127``, zero point 0) with ``amax`` from calibration on real
+Activations are symmetric per tensor (``s_x = amax / 127``, zero point 0), SmoothQuant-smoothed (below), with
+``amax`` from calibration on real
 prefill and decode feeds (:func:`trtinfer.calibration.calibrate_stage`: ``minmax``, ``percentile`` or
 ``entropy``), or from a saved table (``CalibrationConfig.cache_file``: its graph hash and tensor names are
 checked, and no calibration runs). One Q/DQ pair serves each distinct activation tensor (q/k/v read the same
@@ -34,18 +35,55 @@ other block), default opset raised to 21 (blocked DequantizeLinear and INT4 are 
 ``axes`` attribute of the Reduce ops that changed at opset 18 into an input and refuses ops whose meaning changed
 between the graph's opset and 21 (see :func:`upgrade_opset`).
 
-Accuracy on ONNX Runtime CPU, which fuses DQ+MatMul itself (blocked int4 DQ -> ``MatMulNBits`` at accuracy level 4;
-int8 QDQ MatMuls -> ``MatMulIntegerToFloat`` where the Q/DQ pair has one reader, float DQ+MatMul where it is
-shared: q/k/v and gate/up; separate pairs per reader do not help, ORT's common-subexpression pass merges them). On a QDQ graph
-ORT's output equals the numpy fake-quant of the same graph (relative 1e-4), so the distance to fp32 is the
-quantization's own. Measured on the tests' tiny random llama (last-position logits of 12 prefill+decode feeds of
-held-out text; ``||q - fp32|| / ||fp32||`` and top-1 agreement): int8-static minmax 0.092 / 0.83 (entropy 0.10,
-percentile 0.11; weight-only int8 MatMulNBits 0.02 for comparison: per-tensor activations cost the most), TensorRT
-int4 block 64 0.26 / 0.50 (ORT int4 block 32: 0.21 / 0.56). Tolerances in ``tests/quantization/test_int8_static.py``:
-int8-static < 0.15 and >= 0.75, int4 < 0.35 and >= 0.5 (random tiny weights). Real SmolLM2-135M (slow test, 8
-calibration windows of the GFDL, 12 held-out positions): int8-static with every MatMul quantized 0.34 / 0.58, with
-``--keep-fp32 down_proj`` 0.16 / 1.00 (the down_proj input, SiLU(gate) * up, holds outliers one per-tensor int8
-scale cannot cover; entropy clipping makes it worse, 0.76 / 0.33); TensorRT int4 block 64 0.32 / 0.75.
+SmoothQuant (``QuantConfig.smooth_alpha``, default 0.7; :mod:`trtinfer.quantization.smoothquant`) runs first: per
+input channel ``s_j = max|X_j|^alpha / max|W_j,:|^(1-alpha)``, ``X / s`` (folded into the RMSNorm gamma, into the
+producing up_proj's columns, or an explicit ``Mul``) and ``diag(s) W``; one ``s`` per Q/DQ pair (q/k/v and gate/up
+share it). The per-tensor ``amax`` is then that of ``X / s``. Perplexity on 1,024 held-out tokens (the build's
+accuracy line; minmax, 16 calibration windows), ratio to fp32:
+
+=================  ========  =====  =====  =====  =====  =====  =====  =====
+alpha              none      0.5    0.6    0.65   0.7    0.75   0.8    0.9
+=================  ========  =====  =====  =====  =====  =====  =====  =====
+SmolLM2-135M       2.462     1.166  1.147  1.037  1.011  1.043  1.059  1.090
+Gemma-3-270M       1.487     1.140  1.136         1.049  1.069  1.054
+=================  ========  =====  =====  =====  =====  =====  =====  =====
+
+(top-1 agreement at 0.7: 85.0% / 87.8%; without smoothing 48.0% / 67.7%). The massive activations (SmolLM2's
+layer-11 down_proj input reaches 3414 where typical values are ~10) sit on a few channels *and* tokens; per-channel
+smoothing removes the channel part. A per-layer alpha chosen by each GEMM's fake-quant output error on calibration
+rows (ModelOpt's auto-alpha) picked 0.8-0.9 nearly everywhere and measured 1.045 / 1.052: worse than one alpha,
+and 60 s slower; not kept.
+
+What ONNX Runtime's CPU provider does with this graph (source: onnxruntime ``core/optimizer/
+graph_transformer_utils.cc``, ``qdq_transformer/qdq_s8_to_u8.cc``, ``core/mlas/lib/qgemm.h``, ``platform.cpp``):
+
+- On x86 ``QDQIsInt8Allowed()`` is false, so ``QDQS8ToU8Transformer`` rewrites each int8 activation Q/DQ pair to
+  uint8 with zero point 128 (codes ``q + 128`` in 1..255); weights stay int8. A Q/DQ pair with one MatMul reader
+  becomes ``MatMulIntegerToFloat`` (u8 activations, s8 weights, per-column scales, int32 accumulate, float out); a
+  pair shared by q/k/v or gate/up stays ``QuantizeLinear -> DequantizeLinear -> MatMul`` in float (separate pairs
+  per reader do not help: ORT's common-subexpression pass merges them). SmolLM2: 61 ``MatMulIntegerToFloat``
+  (30 o_proj, 30 down_proj, the LM head), 150 float DQ+MatMul.
+- ``MlasGemmQuantGetDispatch(AIsSigned=false, BIsSigned=true)`` -> ``GemmU8S8Dispatch``, whose kernel is chosen by
+  instruction set: AVX2 ``MlasGemmU8S8KernelAvx2`` and AVX-512 BW without VNNI ``MlasGemmU8S8KernelAvx512Core``
+  multiply with ``vpmaddubsw``, which adds each pair of adjacent-K u8*s8 products into **int16 with saturation**
+  (then ``vpmaddwd`` to int32): with u8 up to 255 and s8 up to 127 a pair reaches 64770 and clips at 32767.
+  AVX-VNNI (``MlasGemmU8S8KernelAvxVnni``), AVX-512 VNNI (``MlasGemmU8S8KernelAvx512Vnni``, ``vpdpbusds``) and AMX
+  (``MlasGemmU8S8DispatchAmx``, ``tdpbusd``) add the four products straight into int32: exact. (S8S8 on x86 would
+  take the portable ``MlasGemmQuantDispatchDefault``; it is not reached here.)
+- Emulating ``vpmaddubsw`` on 64 sampled calibration rows per GEMM of smoothed SmolLM2 (alpha 0.7): 1e-5 of the
+  pairs saturate, but 189 of 211 GEMMs see at least one, the worst (layers.5 o_proj) off by 46% of its largest
+  accumulator. So on an AVX2-only or AVX-512-without-VNNI CPU the fused int8-static engine is wrong. ORT's own
+  remedy is the session option ``session.x64quantprecision=1`` (``Avx2WeightS8ToU8Transformer``: weights to u8,
+  exact U8U8 kernels, slower), which counts only where ``MlasPlatformU8S8Overflow()``; 7-bit weights (-63..63,
+  "reduce range": 2*255*63 = 32130 fits int16) would avoid it in the graph at a cost in accuracy on every CPU.
+  ``tests/quantization/test_int8_static.py::test_ort_integer_kernel_is_exact_at_full_range`` fails on a CPU whose
+  kernel saturates. This CPU (AMD EPYC Zen 4, AVX-512 VNNI) passes; it was not run on an AVX2-only CPU.
+
+On a QDQ graph ORT's output equals the numpy fake-quant of the same graph (relative 1e-4): the distance to fp32 is
+the quantization's own. Tiny random llama of the tests (last-position logits of 12 prefill+decode feeds of held-out
+text; ``||q - fp32|| / ||fp32||`` and top-1 agreement): int8-static minmax 0.092 / 0.83 without smoothing, 0.152
+with alpha 0.7 (random weights have no outlier channels: smoothing only moves range into the weights); TensorRT
+int4 block 64 0.26 / 0.50 (ORT int4 block 32: 0.21 / 0.56).
 """
 from __future__ import annotations
 
@@ -58,10 +96,17 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
+from trtinfer.calibration.calibrators import ChannelRange
 from trtinfer.errors import ConfigError
 from trtinfer.passes.opset import upgrade_opset
 from trtinfer.quantization.config import QuantConfig
 from trtinfer.quantization.registry import QuantContext, register_precision
+from trtinfer.quantization.smoothquant import (
+    fold_place,
+    group_by_input,
+    smooth,
+    smoothing_factors,
+)
 from trtinfer.quantization.weights import WeightSite, add_initializer, select_sites, weight_sites
 
 log = logging.getLogger(__name__)
@@ -141,61 +186,82 @@ def insert_activation_qdq(graph: ir.Graph, x: ir.Value, scale: np.float32, consu
 
 # --- calibration --------------------------------------------------------------------------------------------------
 
-def activation_ranges(ctx: QuantContext, tensors: Sequence[str]) -> tuple[dict[str, float], dict[str, Any]]:
-    """``amax`` of each of ``tensors``, computed on the stage's graph or read from ``calibration.cache_file``
-    (checked against the graph; no calibration runs), and the calibration record for the report.
+def activation_ranges(ctx: QuantContext, tensors: Sequence[str], smoothing: Any = None,
+                      smoothed_names: dict[str, str] | None = None,
+                      ) -> tuple[dict[str, float], dict[str, Any], dict[str, np.ndarray]]:
+    """``amax`` of each of ``tensors`` (of ``x / s`` with ``smoothing``, see
+    :func:`trtinfer.calibration.calibrate_stage`), computed on the stage's graph or read from
+    ``calibration.cache_file`` (checked against the graph; no calibration runs), the calibration record for the
+    report, and the smoothing factors (empty without smoothing).
 
     The table is saved as ``calibration.json`` + ``calibration.cache`` in ``ctx.folder`` either way, so the stage
-    carries the scales it used.
+    carries the scales it used; its tensor names are those the written graph quantizes (``smoothed_names``).
     """
     from trtinfer.calibration import calibrate_stage
 
     cal = ctx.config.calibration
-    table = calibrate_stage(ctx.stage, cal, tensors=tensors, progress=ctx.progress)
+    table = calibrate_stage(ctx.stage, cal, tensors=tensors, progress=ctx.progress, smoothing=smoothing,
+                            smoothed_names=smoothed_names, smoothing_info={"alpha": ctx.config.smooth_alpha})
     reused = cal.cache_file is not None
     table.save(ctx.folder)
     record = {"source": f"file {cal.cache_file}" if reused else "computed", "reused": reused,
               "method": table.method, "dataset_hash": table.dataset_hash, "graph_hash": table.graph_hash,
               "tensors": len(tensors), "settings": table.settings}
-    return {t: float(table.ranges[t].amax) for t in tensors}, record
+    names = {t: (smoothed_names or {}).get(t, t) if smoothing else t for t in tensors}
+    factors = ({t: np.asarray(table.smoothing["factors"][t], np.float32) for t in tensors}
+               if smoothing and table.smoothing else {})
+    return {t: float(table.ranges[names[t]].amax) for t in tensors}, record, factors
 
 
 # --- int8-static --------------------------------------------------------------------------------------------------
 
 def quantize_int8_static(model: ir.Model, config: QuantConfig, vocab_size: int,
-                         amax: dict[str, float] | None = None, ranges_for: Any = None) -> dict[str, Any]:
+                         amax: dict[str, float] | None = None, ranges_for: Any = None,
+                         channels: dict[str, ChannelRange] | None = None) -> dict[str, Any]:
     """Rewrite ``model`` in place to explicit QDQ int8 (see the module docstring); returns the report.
 
-    The activation ranges come from ``amax`` (tensor -> amax) or from ``ranges_for(tensor_names) -> (amax,
-    record)`` called once with the distinct activation inputs of the selected MatMuls.
+    The activation ranges come from ``amax`` (tensor -> amax of the fp32 tensor) or from
+    ``ranges_for(tensor_names, smoothing, smoothed_names) -> (amax, record, factors)`` called once with the
+    distinct activation inputs of the selected MatMuls (:func:`activation_ranges`). With ``config.smooth_alpha``
+    the activations are smoothed first (:mod:`trtinfer.quantization.smoothquant`); given ranges then need
+    ``channels`` (tensor -> per-channel range), from which the smoothed ``amax`` follows (minmax).
     """
     graph = model.graph
     sites = weight_sites(graph, vocab_size)
     chosen, kept = select_sites(sites, config)
-    readers: dict[str, list[tuple[ir.Node, int]]] = {}
-    values: dict[str, ir.Value] = {}
-    for s in chosen:
-        x = s.node.inputs[0]
-        assert x is not None
-        if not x.name:
-            raise ConfigError(f"the activation input of {s.name} has no name; int8-static needs named tensors to "
-                              "calibrate")
-        readers.setdefault(x.name, []).append((s.node, 0))
-        values[x.name] = x
-    record: dict[str, Any] = {"source": "given", "reused": False, "tensors": len(readers)}
+    groups = group_by_input(chosen)
+    alpha = config.smooth_alpha
+    producers = {id(s.node): s for s in sites}
+    places = {n: fold_place(g, producers) for n, g in groups.items()} if alpha is not None else {}
+    smoothed_names = {n: f"{n}_smoothed" if places.get(n) == "mul" else n for n in groups}
+
+    def factors_for(ch: dict[str, ChannelRange]) -> dict[str, np.ndarray]:
+        assert alpha is not None
+        return {n: smoothing_factors(ch[n].amax, g.weight_row_amax(), alpha) for n, g in groups.items()}
+
+    factors: dict[str, np.ndarray] = {}
+    record: dict[str, Any] = {"source": "given", "reused": False, "tensors": len(groups)}
     if amax is None:
-        amax, record = ranges_for(list(readers))
-    missing = [t for t in readers if t not in amax]
+        amax, record, factors = ranges_for(list(groups), factors_for if alpha is not None else None,
+                                           smoothed_names)
+    elif alpha is not None:
+        if channels is None:
+            raise ConfigError("smoothing (smooth_alpha) needs the per-channel ranges of the MatMul inputs; give "
+                              "channels= or set smooth_alpha=None", field="smooth_alpha")
+        factors = factors_for(channels)
+        amax = {n: channels[n].divided(factors[n]).amax for n in groups}
+    missing = [t for t in groups if t not in amax]
     if missing:
         raise ConfigError(f"no activation range for {len(missing)} MatMul input(s): {', '.join(missing[:3])}; "
                           "calibrate this graph")
     fp32_bytes = sum(s.array().nbytes for s in sites)
     stored = sum(s.array().nbytes for s in sites if s not in chosen)
+    quantized_input, folds = smooth(graph, groups, factors, sites)
     scales: dict[str, float] = {}
-    for name, consumers in readers.items():
+    for name, group in groups.items():
         scale = activation_scale(amax[name])
-        insert_activation_qdq(graph, values[name], scale, consumers)
-        scales[name] = float(scale)
+        insert_activation_qdq(graph, quantized_input[name], scale, [(g.node, 0) for g in group.gemms])
+        scales[smoothed_names[name]] = float(scale)
     for s in chosen:
         codes, w_scale = per_channel_int8(s.array())
         base = (s.weight.name or s.name).replace("/", "_").strip("_")
@@ -206,9 +272,14 @@ def quantize_int8_static(model: ir.Model, config: QuantConfig, vocab_size: int,
         _weight_dq(graph, s, [q, sc, zp], {"axis": 1}, "DequantizeLinear")
         stored += codes.nbytes + w_scale.nbytes + w_scale.size
     ir.passes.common.RemoveUnusedNodesPass()(model)
-    return {"quantized": len(chosen), "matmuls": len(sites), "kept": kept, "activation_qdq": len(readers),
+    smoothing = None
+    if factors:
+        top = max(factors, key=lambda n: float(factors[n].max()))
+        smoothing = {"alpha": alpha, "folded": folds, "max_factor": round(float(factors[top].max()), 3),
+                     "max_factor_tensor": top}
+    return {"quantized": len(chosen), "matmuls": len(sites), "kept": kept, "activation_qdq": len(groups),
             "weights": "int8 per output channel, symmetric (zero point 0)",
-            "activations": "int8 per tensor, symmetric (zero point 0)",
+            "activations": "int8 per tensor, symmetric (zero point 0)", "smoothing": smoothing,
             "calibration": record, "activation_scales": scales,
             "weight_bytes_fp32": fp32_bytes, "weight_bytes": stored}
 
@@ -217,7 +288,7 @@ def quantize_int8_static(model: ir.Model, config: QuantConfig, vocab_size: int,
 def int8_static(model: ir.Model, ctx: QuantContext) -> dict[str, Any]:
     """Explicit QDQ: per-channel int8 weights, per-tensor int8 activations from calibration (TensorRT's form)."""
     report = quantize_int8_static(model, ctx.config, int(ctx.geometry["vocab_size"]),
-                                  ranges_for=lambda names: activation_ranges(ctx, names))
+                                  ranges_for=lambda *a: activation_ranges(ctx, *a))
     report["target"] = ctx.target
     return report
 
