@@ -15,7 +15,18 @@ CALIBRATION_FLAGS = {"method": "--calibrator", "percentile": "--percentile", "so
                      "num_samples": "--calibration-samples", "seq_len": "--calibration-seq-len",
                      "decode_steps": "--calibration-decode-steps", "cache_file": "--calibration-cache"}
 QUANT_FLAGS = {"method": "--method", "block_size": "--block-size", "lm_head_bits": "--lm-head-bits",
-               "keep_fp32": "--keep-fp32", "include": "--include", "exclude": "--exclude"}
+               "keep_fp32": "--keep-fp32", "include": "--include", "exclude": "--exclude",
+               "smooth_alpha": "--smooth-alpha"}
+
+
+def smooth_alpha(text: str) -> float | None:
+    """``--smooth-alpha``: a number, or ``none`` for no smoothing."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1] or 'none', got {text!r}") from None
 
 
 def add_quant_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +45,8 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration-data", default=None, metavar="FILE",
                    help="text or JSONL (one {\"text\": ...} per line) file; default: a built-in text")
     g.add_argument("--calibrator", default="minmax", help="int8-static: minmax, percentile or entropy")
+    g.add_argument("--smooth-alpha", type=smooth_alpha, default=0.7, metavar="A|none",
+                   help="int8-static: SmoothQuant migration strength (default 0.7; 'none' turns smoothing off)")
     g.add_argument("--percentile", type=float, default=99.99, help="percentile calibrator's percentile")
     g.add_argument("--calibration-samples", type=int, default=16, help="windows of calibration text")
     g.add_argument("--calibration-seq-len", type=int, default=128, help="tokens per calibration window")
@@ -54,7 +67,7 @@ def quant_config(args: argparse.Namespace, precision: str, keep_fp32: tuple[str,
     return config_from_flags(QuantConfig, QUANT_FLAGS, precision=precision, method=args.method,
                              block_size=args.block_size, symmetric=not args.asymmetric,
                              lm_head_bits=args.lm_head_bits, keep_fp32=keep_fp32, include=tuple(args.include),
-                             exclude=tuple(args.exclude), calibration=cal)
+                             exclude=tuple(args.exclude), calibration=cal, smooth_alpha=args.smooth_alpha)
 
 
 def add_parser(sub: Any) -> None:

@@ -32,9 +32,10 @@ HELDOUT_NAME = "heldout_fp32.npz"
 PERPLEXITY_BOUNDS = {"int8": 1.05, "int8-static": 1.05, "gguf": 1.02, "int4": 1.15}
 #: The bound holds both ways (ratio within [1/bound, bound]): quantization noise does not make a model much *better*
 #: on text it never saw, while a broken graph can: a random-weight tiny Llama with one block-scale tensor x100 scored
-#: x0.77 with 2.8% top-1 agreement. Hence also a floor on top-1 agreement, far below any sound engine's (tiny random
-#: models 73-96%, SmolLM2 int8-static 76-90%), that only a graph computing something else falls under.
-MIN_TOP1_AGREEMENT = 0.5
+#: x0.77 with 2.8% top-1 agreement. Hence also a floor on top-1 agreement, below any sound engine's (tiny random
+#: models, whose near-flat predictions flip easily: int4 round-to-nearest 45%, GPTQ 73%, int8 96%; SmolLM2
+#: int8-static 85%), that only a graph computing something else falls under.
+MIN_TOP1_AGREEMENT = 0.25
 #: what to try when a precision misses its bound
 BOUND_HINTS = {
     "int8": "leave the LM head in fp32 (--keep-fp32 lm_head)",
