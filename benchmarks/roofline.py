@@ -1,0 +1,292 @@
+"""The physical limit, measured: the memory bandwidth ONNX Runtime's own thread pool can pull, and how much of it
+each engine's decode step uses.
+
+usage: python benchmarks/roofline.py ENGINE_DIR [ENGINE_DIR ...] [--batch-sizes 1 8] [--buffer-mib 1024]
+                                     [--threads N] [--prompt-len 128] [--new-tokens 64] [--out FILE.json]
+
+1. Probe: STREAM-style kernels run as one-node ONNX Runtime graphs with ``intra_op_num_threads`` set as the engine
+   sets it (``trtinfer.runtime.session._cpus_allowed``: the allowed physical cores, 0 = ONNX Runtime's own default),
+   over arrays of ``--buffer-mib`` each (far past the caches), inputs and outputs bound once (no allocation, no page
+   faults in the timed call), best of ``--repeats``. Bytes as STREAM counts them: read = 1 array (``ReduceMax`` over
+   rows, which ONNX Runtime splits over its threads; a full reduction to one scalar runs on one thread), copy = 2
+   (``y = x * 1``, an element-wise op ONNX Runtime splits; ``Identity`` is one memcpy on one thread), add = 3
+   (``y = a + b``: STREAM's add, the same traffic as its triad).
+2. Bytes one decode step reads (:func:`decode_bytes`), from the decoder graph (``onnx.load(load_external_data=False)``,
+   sizes from the initializers and their external-data lengths): every initializer a node uses is read whole, except
+   tables that are only gathered from (``Gather`` data, ``GatherBlockQuantized`` data/scales/zero points): one slice
+   per token of the batch. So an untied embedding table costs one row, and a table the LM head also reads (tied and
+   shared, as in int4 engines) is read whole. Plus the KV cache read at the step's mean length (sliding layers capped
+   at their window): layers x 2 x kv_heads x head_dim x length x dtype bytes x batch.
+3. Decode step time: ``trtinfer.bench.measure_engine`` (its own process, greedy, the benchmark prompt, best of 3);
+   step ms = batch / decode tok/s. Achieved GB/s = bytes per step / step time, and its fraction of the probe's read
+   and copy bandwidth.
+
+Writes benchmarks/results/roofline_<cpukind>_<date>.json (machine, load average before/after, git commit, probe,
+rows) and .png. Weights ONNX Runtime prepacks at load (MatMul B, MatMulNBits blocks) are counted at their stored size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import machine_info
+
+HERE = Path(__file__).parent
+GATHER_INPUTS = {"Gather": (0,), "GatherBlockQuantized": (0, 2, 3)}  # inputs read one slice per index
+PROBE_KERNELS = {"read": 1, "copy": 2, "add": 3}  # kernel -> arrays moved (STREAM's byte count)
+PROBE_OPS = {"read": "ReduceMax(axis 1) over [1024, n]", "copy": "Mul(x, 1)", "add": "Add(a, b)"}
+
+
+def engine_threads() -> int:
+    """``intra_op_num_threads`` as the engine's session sets it by default (0: ONNX Runtime's default)."""
+    from trtinfer.runtime.session import _cpus_allowed
+
+    return _cpus_allowed()
+
+
+def _physical_cores() -> int:
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topo / "physical_package_id").read_text().strip() + ":" + (topo / "core_id").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return len(cores)
+
+
+def _kernel_graph(kernel: str, rows: int, cols: int) -> bytes:
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    x = [helper.make_tensor_value_info(n, f, [rows, cols]) for n in ("a", "b")[:max(1, PROBE_KERNELS[kernel] - 1)]]
+    y = helper.make_tensor_value_info("y", f, None)
+    inits = []
+    if kernel == "read":
+        node = helper.make_node("ReduceMax", ["a"], ["y"], axes=[1], keepdims=0)
+    elif kernel == "copy":
+        node = helper.make_node("Mul", ["a", "one"], ["y"])
+        inits = [helper.make_tensor("one", f, [], [1.0])]
+    else:
+        node = helper.make_node("Add", ["a", "b"], ["y"])
+    graph = helper.make_graph([node], kernel, x, [y], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+
+
+def probe_bandwidth(buffer_mib: float = 1024, threads: int | None = None, repeats: int = 5) -> dict[str, Any]:
+    """GB/s of each of :data:`PROBE_KERNELS` through ONNX Runtime with ``threads`` intra-op threads (None: the
+    engine's default), arrays of ``buffer_mib`` MiB each; best of ``repeats`` timed calls after one warm-up."""
+    import onnxruntime as ort
+
+    threads = engine_threads() if threads is None else threads
+    rows = 1024  # rows to split over the threads; columns carry the size
+    cols = max(1, int(buffer_mib * 2**20) // 4 // rows)
+    n = rows * cols
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    arrays = [np.full((rows, cols), 1.0, np.float32), np.full((rows, cols), 2.0, np.float32)]
+    out = np.zeros((rows, cols), np.float32)  # written once here, so its pages exist before the clock runs
+    kernels = {}
+    for kernel, moved in PROBE_KERNELS.items():
+        sess = ort.InferenceSession(_kernel_graph(kernel, rows, cols), so, providers=["CPUExecutionProvider"])
+        io = sess.io_binding()
+        for name, arr in zip(("a", "b"), arrays[:max(1, moved - 1)]):
+            io.bind_cpu_input(name, arr)
+        y = np.zeros(rows, np.float32) if kernel == "read" else out
+        io.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_numpy(y))
+        sess.run_with_iobinding(io)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sess.run_with_iobinding(io)
+            times.append(time.perf_counter() - t0)
+        expect = {"read": 1.0, "copy": 1.0, "add": 3.0}[kernel]
+        if not np.all(y[:4] == expect):  # the result landed in our buffer: no hidden copy elsewhere
+            raise RuntimeError(f"probe kernel {kernel} wrote {y[:4]}, expected {expect}")
+        nbytes = moved * n * 4
+        kernels[kernel] = {"op": PROBE_OPS[kernel], "bytes": nbytes,
+                           "best_s": min(times), "gb_s": nbytes / min(times) / 1e9,
+                           "all_gb_s": [round(nbytes / t / 1e9, 2) for t in times]}
+        del sess, io
+    return {"threads": threads, "threads_effective": threads or _physical_cores(), "buffer_bytes": n * 4,
+            "repeats": repeats, "kernels": kernels}
+
+
+def _nbytes(t: Any) -> int:
+    """Stored size of an initializer: its external-data length, raw bytes, or element count x element size."""
+    from onnx import helper
+
+    for kv in t.external_data:
+        if kv.key == "length":
+            return int(kv.value)
+    if t.raw_data:
+        return len(t.raw_data)
+    count = math.prod(t.dims)
+    return count * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+
+
+def decode_bytes(engine_dir: str | Path, batch_size: int = 1, kv_len: float = 0.0) -> dict[str, Any]:
+    """Bytes one decode step of ``batch_size`` rows reads: weights (see the module docstring), gathered slices and
+    the KV cache at ``kv_len`` entries per row. Returns the parts and the ``total``."""
+    import onnx
+
+    from trtinfer.runtime.manifest import kv_dtype, read_manifest
+
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    model = onnx.load(str(engine_dir / manifest.files["decoder"]), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    uses: dict[str, list[tuple[Any, int]]] = {}
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name in inits:
+                uses.setdefault(name, []).append((node, i))
+    whole, gathered, tables = 0, 0, []
+    for name, used in uses.items():
+        size = _nbytes(inits[name])
+        if all(i in GATHER_INPUTS.get(node.op_type, ()) for node, i in used):
+            axis = max({_gather_axis(node) for node, _ in used})
+            dims = list(inits[name].dims)
+            part = size // dims[axis] * batch_size if dims else size
+            gathered += part
+            tables.append({"name": name, "table_bytes": size, "read_bytes": part})
+        else:
+            whole += size
+    geo = manifest.geometry
+    itemsize = np.dtype({"bfloat16": "float16"}.get(kv_dtype(manifest.raw["io"]), kv_dtype(manifest.raw["io"]))).itemsize
+    types = geo.get("layer_types") or ["full_attention"] * geo["num_layers"]
+    window = geo.get("sliding_window")
+    lengths = [min(kv_len, window) if window and t == "sliding_attention" else kv_len for t in types]
+    kv = batch_size * 2 * geo["num_kv_heads"] * geo["head_dim"] * itemsize * sum(lengths)
+    return {"weights_bytes": whole, "gathered_bytes": gathered, "gathered_tables": tables, "kv_bytes": kv,
+            "kv_len": kv_len, "kv_dtype": kv_dtype(manifest.raw["io"]), "total": whole + gathered + kv}
+
+
+def _gather_axis(node: Any) -> int:
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name in ("axis", "gather_axis"):
+            return int(helper.get_attribute_value(a))
+    return 0
+
+
+def roofline_row(engine_dir: Path, batch_size: int, prompt_len: int, new_tokens: int,
+                 probe: dict[str, Any]) -> dict[str, Any]:
+    """Measure one engine at one batch size and relate its decode step to the probe."""
+    from trtinfer.bench import measure_engine
+    from trtinfer.runtime.manifest import read_manifest
+
+    res = measure_engine(engine_dir, batch_size, prompt_len, new_tokens)
+    step_s = batch_size / res.decode_tok_s
+    counted = decode_bytes(engine_dir, batch_size, prompt_len + new_tokens / 2)  # steps 1..N-1 hold prompt+k
+    achieved = counted["total"] / step_s / 1e9
+    raw = read_manifest(engine_dir).raw
+    k = probe["kernels"]
+    return {"engine": engine_dir.name, "path": str(engine_dir), "model": raw["source"].get("model"),
+            "precision": raw.get("precision"), "kv_layout": raw.get("kv_layout"), "batch_size": batch_size,
+            "decode_tok_s": res.decode_tok_s, "step_ms": step_s * 1000, "bytes_per_step": counted["total"],
+            "counted": counted, "achieved_gb_s": achieved, "fraction_of_read": achieved / k["read"]["gb_s"],
+            "fraction_of_copy": achieved / k["copy"]["gb_s"], "first_tokens": res.first_tokens}
+
+
+def cpu_kind(machine: dict[str, Any]) -> str:
+    """Short name of the CPU for file names: vendor word + widest vector ISA (``amd-epyc-avx512``)."""
+    words = re.sub(r"\(r\)|\(tm\)|cpu|processor|@.*", "", machine["cpu"].lower()).split()[:2]
+    isa = "avx512" if "avx512f" in machine["cpu_flags"] else "avx2" if "avx2" in machine["cpu_flags"] else "base"
+    return "-".join(re.sub(r"[^a-z0-9]", "", w) for w in [*words, isa] if w)
+
+
+def _git_commit() -> str:
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
+                         check=False)
+    return out.stdout.strip() or "unknown"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Markdown tables: the probe, then one row per engine and batch size."""
+    p = report["probe"]
+    lines = [f"probe: {p['threads_effective']} threads, {p['buffer_bytes'] / 2**20:.0f} MiB arrays, best of "
+             f"{p['repeats']}: " + ", ".join(f"{k} {v['gb_s']:.1f} GB/s" for k, v in p["kernels"].items()),
+             "", "| engine | bs | decode tok/s | step ms | MiB/step (weights + gathered + KV) | GB/s | of read | of copy |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        c = r["counted"]
+        lines.append(f"| {r['engine']} | {r['batch_size']} | {r['decode_tok_s']:.1f} | {r['step_ms']:.2f} | "
+                     f"{r['bytes_per_step'] / 2**20:.1f} ({c['weights_bytes'] / 2**20:.1f} + "
+                     f"{c['gathered_bytes'] / 2**20:.2f} + {c['kv_bytes'] / 2**20:.1f}) | {r['achieved_gb_s']:.1f} | "
+                     f"{r['fraction_of_read']:.0%} | {r['fraction_of_copy']:.0%} |")
+    return "\n".join(lines)
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    """Bars: each engine's achieved GB/s per decode step; lines: the probe's read and copy bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5))
+    bars = ax.bar(range(len(rows)), [r["achieved_gb_s"] for r in rows], color="tab:blue")
+    ax.bar_label(bars, labels=[f"{r['achieved_gb_s']:.1f}\n{r['fraction_of_read']:.0%}" for r in rows], fontsize=7)
+    for (kernel, v), color in zip(report["probe"]["kernels"].items(), ("tab:red", "tab:orange", "tab:green")):
+        ax.axhline(v["gb_s"], color=color, ls="--", lw=1, label=f"probe {kernel} {v['gb_s']:.1f} GB/s")
+    ax.set_xticks(range(len(rows)), [f"{r['engine']}\nbs{r['batch_size']}" for r in rows], fontsize=7)
+    ax.set_ylabel("GB/s read per decode step")
+    ax.set_title(f"decode vs measured memory bandwidth ({report['machine']['cpu']}, "
+                 f"{report['probe']['threads_effective']} threads)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the probe, measure every engine at every batch size, print the table, write the JSON and the chart."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("engines", nargs="+", type=Path, help="engine directories")
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--buffer-mib", type=float, default=1024, help="size of each probe array")
+    ap.add_argument("--repeats", type=int, default=5, help="probe repetitions (best is kept)")
+    ap.add_argument("--threads", type=int, default=None, help="probe threads (default: the engine's)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    load_before = os.getloadavg()
+    machine = machine_info()
+    probe = probe_bandwidth(args.buffer_mib, args.threads, args.repeats)
+    rows = [roofline_row(e, bs, args.prompt_len, args.new_tokens, probe) for e in args.engines
+            for bs in args.batch_sizes]
+    probe_after = probe_bandwidth(args.buffer_mib, args.threads, args.repeats)  # drift check: probe again
+    date = time.strftime("%Y-%m-%d")
+    report = {"machine": machine, "date": date, "git_commit": _git_commit(),
+              "load_average": {"before": load_before, "after": os.getloadavg()},
+              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "probe": probe,
+              "probe_after": {k: round(v["gb_s"], 2) for k, v in probe_after["kernels"].items()}, "rows": rows}
+    print(format_table(report))
+    out = args.out or HERE / "results" / f"roofline_{cpu_kind(machine)}_{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    chart(report, out.with_suffix(".png"))
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

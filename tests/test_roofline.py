@@ -1,0 +1,100 @@
+"""benchmarks/roofline.py: the bytes a decode step reads, counted from the graph, equal an independent count from
+the loaded tensors (untied fp32 and int4, tied int4 whose LM head and gather share one packed table); the
+bandwidth probe runs through ONNX Runtime on a small buffer; main() on a tiny engine writes the report."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script() -> Any:
+    spec = importlib.util.spec_from_file_location("roofline", ROOT / "benchmarks" / "roofline.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+roofline = _load_script()
+
+
+def _independent_weight_bytes(engine: Path, batch: int) -> tuple[int, int]:
+    """(whole, gathered): every initializer's loaded array size, tables named ``embed_tokens`` cut to ``batch``
+    rows. Tied int4 engines share the LM head's packed table with the gather under the head's name: read whole."""
+    model = onnx.load(str(engine / "model.onnx"), load_external_data=True)
+    used = {i for n in model.graph.node for i in n.input}
+    whole = gathered = 0
+    for t in model.graph.initializer:
+        if t.name not in used:
+            continue
+        arr = numpy_helper.to_array(t)
+        if "embed_tokens" in t.name and arr.ndim >= 2:
+            gathered += arr.nbytes // arr.shape[0] * batch
+        else:
+            whole += arr.nbytes
+    return whole, gathered
+
+
+@pytest.mark.parametrize(("arch", "precision"), [("llama", "fp32"), ("llama", "int4"), ("gemma3", "int4")])
+def test_decode_bytes_equal_an_independent_count(tiny_engine, arch, precision):
+    engine = tiny_engine(arch, precision=precision)
+    for batch in (1, 3):
+        counted = roofline.decode_bytes(engine, batch, kv_len=0)
+        whole, gathered = _independent_weight_bytes(engine, batch)
+        assert (counted["weights_bytes"], counted["gathered_bytes"]) == (whole, gathered)
+        assert counted["total"] == whole + gathered and counted["kv_bytes"] == 0
+    one = roofline.decode_bytes(engine, 1)
+    hidden = 64
+    if precision == "fp32":  # one fp32 row of the embedding table per token
+        assert one["gathered_bytes"] == hidden * 4
+    if arch == "gemma3" and precision == "int4":  # tied: the head reads the shared packed table whole
+        assert [t["name"] for t in one["gathered_tables"]] == ["model.model.embed_tokens.weight_gather_scales"]
+        assert one["gathered_bytes"] == hidden // 32 * 4  # one row of block scales
+    if arch == "llama":  # untied: the table is only gathered from
+        assert [t["name"] for t in one["gathered_tables"]] == ["model.model.embed_tokens.weight"]
+
+
+def test_kv_bytes_cap_sliding_layers_at_their_window(tiny_engine):
+    # tiny Gemma-3: layers sliding, sliding, full; window 5; 2 KV heads of 16; fp32 KV (int4 weights)
+    counted = roofline.decode_bytes(tiny_engine("gemma3", precision="int4"), batch_size=2, kv_len=10.5)
+    assert counted["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * (5 + 5 + 10.5)
+    counted = roofline.decode_bytes(tiny_engine("llama", precision="fp32"), batch_size=1, kv_len=7)
+    assert counted["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * 7  # 2 layers x (K, V) x 2 heads x 16 x fp32 x 7
+
+
+def test_probe_on_a_small_buffer():
+    p = roofline.probe_bandwidth(buffer_mib=4, threads=1, repeats=2)
+    assert p["threads"] == 1 and p["buffer_bytes"] == 4 * 2**20
+    assert {k: v["bytes"] for k, v in p["kernels"].items()} == {"read": 4 * 2**20, "copy": 8 * 2**20,
+                                                                "add": 12 * 2**20}
+    for v in p["kernels"].values():
+        assert math.isfinite(v["gb_s"]) and v["gb_s"] > 0
+        assert v["gb_s"] == pytest.approx(v["bytes"] / v["best_s"] / 1e9)
+
+
+def test_main_on_a_tiny_engine(tiny_engine, tmp_path):
+    engine = tiny_engine("llama", precision="fp32")
+    out = tmp_path / "roofline.json"
+    roofline.main([str(engine), "--batch-sizes", "1", "2", "--prompt-len", "8", "--new-tokens", "4",
+                   "--buffer-mib", "4", "--repeats", "2", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report) >= {"machine", "date", "git_commit", "load_average", "prompt_len", "new_tokens", "probe",
+                           "probe_after", "rows"}
+    assert {"cpu", "cores", "cpu_flags"} <= set(report["machine"])
+    assert [r["batch_size"] for r in report["rows"]] == [1, 2]
+    for r in report["rows"]:
+        assert r["bytes_per_step"] == roofline.decode_bytes(engine, r["batch_size"], 8 + 4 / 2)["total"]
+        assert r["achieved_gb_s"] == pytest.approx(r["bytes_per_step"] / (r["step_ms"] / 1000) / 1e9)
+        assert r["fraction_of_read"] == pytest.approx(r["achieved_gb_s"] / report["probe"]["kernels"]["read"]["gb_s"])
+        assert np.isfinite(r["fraction_of_copy"]) and r["fraction_of_copy"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
