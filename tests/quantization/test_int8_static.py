@@ -4,7 +4,7 @@ saved calibration."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import onnx
@@ -22,6 +22,9 @@ from trtinfer.quantization.int8_static import (
     upgrade_opset,
 )
 from trtinfer.quantization.registry import QuantContext, get_precision
+
+if TYPE_CHECKING:
+    import onnxruntime as ort_types
 
 GRAPH = """
 <ir_version: 8, opset_import: ["" : 17]>
@@ -307,17 +310,10 @@ def test_smoothing_needs_channel_ranges(small):
 
 # --- ONNX Runtime's integer kernels --------------------------------------------------------------------------------
 
-def test_ort_integer_kernel_is_exact_at_full_range(tmp_path):
-    """The fused integer path (ORT_ENABLE_ALL: Q/DQ + MatMul -> MatMulIntegerToFloat) against the same QDQ graph
-    run as written (ORT_DISABLE_ALL: exact fake quant in fp32), with every code at the ends of its range.
-
-    On x86 ONNX Runtime turns int8 activations into uint8 with zero point 128 (QDQS8ToU8Transformer), so codes
-    reach 255 x 127: a CPU whose U8S8 kernel adds pairs of u8*s8 products in int16 (vpmaddubsw: AVX2 and
-    AVX-512 without VNNI) saturates at 32767 and fails here by tens of percent; the VNNI/AMX kernels accumulate in
-    int32 and agree to float rounding.
-    """
-    import onnxruntime as ort
-
+def full_range_case(weight_type: str) -> tuple[ir.Model, np.ndarray, np.ndarray, np.ndarray, float]:
+    """A ``[16, 1024] x [1024, 64]`` int8-static MatMul whose codes sit at the ends of their ranges: the weight
+    codes are +-127 (column 0 all +127), activation rows 0 and 1 all +127 and all -127 (u8 255 and 1 once ONNX
+    Runtime shifts them), the rest mixed; returns (model, x, weight codes, exact float output, activation scale)."""
     k, n = 1024, 64
     rng = np.random.default_rng(0)
     codes = rng.choice(np.array([-127, 127], np.int8), size=(k, n))
@@ -329,22 +325,96 @@ def test_ort_integer_kernel_is_exact_at_full_range(tmp_path):
     proto.graph.initializer.append(onnx.numpy_helper.from_array(w, "W"))
     model = ir.from_proto(proto)
     amax = 4.0
-    quantize_int8_static(model, PLAIN, 0, amax={"x": amax})
+    quantize_int8_static(model, PLAIN, 0, amax={"x": amax}, weight_type=weight_type)
     x = rng.choice(np.array([-amax, amax], np.float32), size=(16, k))
     x[0], x[1] = amax, -amax  # all +127 (u8 255), all -127 (u8 1)
     x[2:8] *= rng.uniform(0, 1, size=(6, k)).astype(np.float32)
-    qdq = ir.to_proto(model).SerializeToString()
+    sx = amax / 127
+    exact = (np.clip(np.rint(x / np.float32(sx)), -127, 127).astype(np.int64) @ codes.astype(np.int64)
+             ).astype(np.float64) * sx * 0.01
+    return model, x, codes, exact, sx
+
+
+def ort_fused(model: ir.Model, path: Path) -> tuple[ort_types.InferenceSession, onnx.ModelProto]:
+    """ONNX Runtime's offline optimization of ``model`` as the build does it (EXTENDED, CPU): the session and the
+    optimized graph it saved."""
+    import onnxruntime as ort
+
     so = ort.SessionOptions()
-    so.optimized_model_filepath = str(tmp_path / "fused.onnx")
-    fused = ort.InferenceSession(qdq, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    ops = [nd.op_type for nd in onnx.load(str(tmp_path / "fused.onnx")).graph.node]
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(path)
+    sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess, onnx.load(str(path))
+
+
+def test_ort_integer_kernel_is_exact_at_full_range(tmp_path):
+    """The engine form of the onnxruntime-cpu target (uint8 weights, zero point 128), fused by ONNX Runtime
+    (Q/DQ + MatMul -> MatMulIntegerToFloat) and run on this CPU's kernels, against the exact integer product at
+    full-range codes; the QDQ graph as written (ORT_DISABLE_ALL) is exact fake quant.
+
+    ONNX Runtime shifts int8 activations to uint8 (zero point 128), so with uint8 weights the product takes the
+    U8U8 kernels (int16 operands, int32 pair sums: exact on AVX2, AVX-512, AVX-VNNI-INT8); int8 weights would take
+    U8S8, whose AVX2 and AVX-512-without-VNNI kernels saturate (see ``test_written_form_is_exact_under_avx2``).
+    """
+    model, x, _, exact, _ = full_range_case("uint8")
+    sess, fused = ort_fused(model, tmp_path / "fused.onnx")
+    ops = [nd.op_type for nd in fused.graph.node]
     assert "MatMulIntegerToFloat" in ops, ops
     plain = ort_run(model, {"x": x}, optimize=False)
-    exact = (np.clip(np.rint(x / np.float32(amax / 127)), -127, 127).astype(np.int64) @ codes.astype(np.int64)
-             ).astype(np.float64) * (amax / 127) * 0.01
     assert np.abs(plain - exact).max() <= 1e-5 * np.abs(exact).max()
     # int32 accumulation is exact: only the final float scaling rounds
-    assert np.abs(fused - exact).max() <= 1e-5 * np.abs(exact).max(), np.abs(fused - exact).max(axis=1)
+    got = sess.run(None, {"x": x})[0]
+    assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max(), np.abs(got - exact).max(axis=1)
+
+
+def u8s8_vpmaddubsw(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a [M,K] u8 @ b [K,N] s8`` as MLAS's AVX2 / AVX-512BW U8S8 kernels add it: ``vpmaddubsw`` sums each pair
+    of adjacent-K products into int16 with saturation, ``vpmaddwd`` (by 1) and the adds go on in int32."""
+    prod = a.astype(np.int32)[:, :, None] * b.astype(np.int32)[None]
+    pairs = np.clip(prod[:, 0::2] + prod[:, 1::2], -32768, 32767)
+    return pairs.sum(axis=1)
+
+
+def u8u8_vpmaddwd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a [M,K] u8 @ b [K,N] u8`` as MLAS's AVX2 / AVX-512BW U8U8 kernels add it: both widened to int16,
+    ``vpmaddwd`` sums each pair of products into int32 (at most 2 * 255 * 255), then int32 adds."""
+    prod = a.astype(np.int64)[:, :, None] * b.astype(np.int64)[None]
+    pairs = prod[:, 0::2] + prod[:, 1::2]
+    assert np.abs(pairs).max() < 2**31
+    return pairs.sum(axis=1)
+
+
+@pytest.mark.parametrize(("target", "exact_on_avx2"), [("onnxruntime-cpu", True), ("tensorrt", False)])
+def test_written_form_is_exact_under_avx2(target, exact_on_avx2, tmp_path):
+    """Whatever CPU runs this: the weight form each target writes, fused by ONNX Runtime as the build does, then
+    multiplied in numpy the way the AVX2 (and AVX-512 without VNNI) kernel for its operand types adds.
+
+    The onnxruntime-cpu form (uint8 weights) takes U8U8 and equals the exact product; the int8 form (TensorRT's,
+    zero point 0) would take U8S8 on ONNX Runtime CPU, where ``vpmaddubsw`` saturates at these codes.
+    """
+    from trtinfer.quantization.int8_static import WEIGHT_TYPE_BY_TARGET
+
+    model, x, codes, _, sx = full_range_case(WEIGHT_TYPE_BY_TARGET.get(target, "int8"))
+    _, fused = ort_fused(model, tmp_path / "fused.onnx")
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in fused.graph.initializer}
+    (node,) = [nd for nd in fused.graph.node if nd.op_type == "MatMulIntegerToFloat"]
+    (q,) = [nd for nd in fused.graph.node if nd.op_type == "QuantizeLinear" and nd.output[0] == node.input[0]]
+    a_scale, a_zero = inits[q.input[1]], inits[q.input[2]]
+    assert a_zero.dtype == np.uint8 and int(a_zero) == 128 and np.isclose(a_scale, sx)  # ORT's S8 -> U8 shift
+    a = np.clip(np.rint(x / a_scale) + 128, 0, 255).astype(np.uint8)
+    b, b_zero = inits[node.input[1]], inits[node.input[5]].astype(np.int64)
+    assert np.array_equal(b.astype(np.int64) - b_zero, codes.astype(np.int64))  # same values in either form
+    exact = (a.astype(np.int64) - 128) @ (b.astype(np.int64) - b_zero)
+    kernel = u8u8_vpmaddwd if b.dtype == np.uint8 else u8s8_vpmaddubsw
+    k = a.shape[1]
+    # MLAS's zero-point terms: sum (a - za)(b - zb) = sum ab - za colsum(b) - zb rowsum(a) + K za zb (int32)
+    emulated = (kernel(a, b) - 128 * b.astype(np.int64).sum(0) - a.astype(np.int64).sum(1, keepdims=True) * b_zero
+                + k * 128 * b_zero)
+    assert (b.dtype == np.uint8) == exact_on_avx2
+    assert np.array_equal(emulated, exact) == exact_on_avx2
+    if not exact_on_avx2:
+        assert np.abs(emulated - exact).max() > 0.2 * np.abs(exact).max()  # tens of percent, not rounding
 
 
 # --- int4 for TensorRT --------------------------------------------------------------------------------------------

@@ -56,30 +56,60 @@ smoothing removes the channel part. A per-layer alpha chosen by each GEMM's fake
 rows (ModelOpt's auto-alpha) picked 0.8-0.9 nearly everywhere and measured 1.045 / 1.052: worse than one alpha,
 and 60 s slower; not kept.
 
-What ONNX Runtime's CPU provider does with this graph (source: onnxruntime ``core/optimizer/
-graph_transformer_utils.cc``, ``qdq_transformer/qdq_s8_to_u8.cc``, ``core/mlas/lib/qgemm.h``, ``platform.cpp``):
+Weight storage per target: ``tensorrt`` and ``onnxruntime-cuda`` get int8 codes with zero point 0 (TensorRT takes
+no other). ``onnxruntime-cpu`` gets the same codes stored as uint8 ``q + 128`` with zero point 128: the same
+DequantizeLinear values (the quantize stage's graph scores the same), chosen for the kernel it selects below.
 
-- On x86 ``QDQIsInt8Allowed()`` is false, so ``QDQS8ToU8Transformer`` rewrites each int8 activation Q/DQ pair to
-  uint8 with zero point 128 (codes ``q + 128`` in 1..255); weights stay int8. A Q/DQ pair with one MatMul reader
-  becomes ``MatMulIntegerToFloat`` (u8 activations, s8 weights, per-column scales, int32 accumulate, float out); a
-  pair shared by q/k/v or gate/up stays ``QuantizeLinear -> DequantizeLinear -> MatMul`` in float (separate pairs
-  per reader do not help: ORT's common-subexpression pass merges them). SmolLM2: 61 ``MatMulIntegerToFloat``
-  (30 o_proj, 30 down_proj, the LM head), 150 float DQ+MatMul.
-- ``MlasGemmQuantGetDispatch(AIsSigned=false, BIsSigned=true)`` -> ``GemmU8S8Dispatch``, whose kernel is chosen by
-  instruction set: AVX2 ``MlasGemmU8S8KernelAvx2`` and AVX-512 BW without VNNI ``MlasGemmU8S8KernelAvx512Core``
-  multiply with ``vpmaddubsw``, which adds each pair of adjacent-K u8*s8 products into **int16 with saturation**
-  (then ``vpmaddwd`` to int32): with u8 up to 255 and s8 up to 127 a pair reaches 64770 and clips at 32767.
-  AVX-VNNI (``MlasGemmU8S8KernelAvxVnni``), AVX-512 VNNI (``MlasGemmU8S8KernelAvx512Vnni``, ``vpdpbusds``) and AMX
-  (``MlasGemmU8S8DispatchAmx``, ``tdpbusd``) add the four products straight into int32: exact. (S8S8 on x86 would
-  take the portable ``MlasGemmQuantDispatchDefault``; it is not reached here.)
-- Emulating ``vpmaddubsw`` on 64 sampled calibration rows per GEMM of smoothed SmolLM2 (alpha 0.7): 1e-5 of the
-  pairs saturate, but 189 of 211 GEMMs see at least one, the worst (layers.5 o_proj) off by 46% of its largest
-  accumulator. So on an AVX2-only or AVX-512-without-VNNI CPU the fused int8-static engine is wrong. ORT's own
-  remedy is the session option ``session.x64quantprecision=1`` (``Avx2WeightS8ToU8Transformer``: weights to u8,
-  exact U8U8 kernels, slower), which counts only where ``MlasPlatformU8S8Overflow()``; 7-bit weights (-63..63,
-  "reduce range": 2*255*63 = 32130 fits int16) would avoid it in the graph at a cost in accuracy on every CPU.
-  ``tests/quantization/test_int8_static.py::test_ort_integer_kernel_is_exact_at_full_range`` fails on a CPU whose
-  kernel saturates. This CPU (AMD EPYC Zen 4, AVX-512 VNNI) passes; it was not run on an AVX2-only CPU.
+What ONNX Runtime's CPU provider does with the graph (onnxruntime 1.32 source: ``core/optimizer/
+graph_transformer_utils.cc``, ``qdq_transformer/qdq_s8_to_u8.cc``, ``qdq_transformer/avx2_weight_s8_to_u8.cc``,
+``core/mlas/lib/platform.cpp``, ``qgemm.h``):
+
+- The build's offline optimization (level EXTENDED, saved as the engine graph; the runtime loads it with
+  optimizations off, so what the BUILD machine's ORT decided is what every machine runs). On x86
+  ``QDQIsInt8Allowed()`` is false, so ``QDQS8ToU8Transformer`` rewrites each int8 activation Q/DQ pair to uint8
+  with zero point 128 (codes ``q + 128`` in 1..255). A Q/DQ pair with one MatMul reader becomes
+  ``MatMulIntegerToFloat`` (u8 activations, the weights as stored, per-column scales and zero points, int32
+  accumulation, float out); a pair shared by q/k/v or gate/up stays ``QuantizeLinear -> DequantizeLinear ->
+  MatMul`` in float (exact fake quant; ORT's common-subexpression pass merges separate pairs). SmolLM2: 61
+  ``MatMulIntegerToFloat`` (30 o_proj, 30 down_proj, the LM head), 150 float DQ+MatMul.
+- ``MlasGemmQuantGetDispatch`` picks by operand types. u8 x s8 (int8 weights) -> ``GemmU8S8Dispatch``; u8 x u8
+  (the uint8 weights written here) -> ``GemmU8U8Dispatch``. Per instruction set:
+
+  =====================  ===========================================  ==========================================
+  CPU                    U8S8 (int8 weights)                          U8U8 (uint8 weights, written here)
+  =====================  ===========================================  ==========================================
+  AVX2 (+FMA)            ``MlasGemmU8S8KernelAvx2``: ``vpmaddubsw``    ``MlasGemmU8U8KernelAvx2``: operands
+                         adds each pair of adjacent-K u8*s8 products   widened to int16, ``vpmaddwd`` adds pairs
+                         into int16 **with saturation** (255*127*2 =   into int32 (at most 2*255*255): exact
+                         64770 clips at 32767): WRONG
+  AVX-512 BW, no VNNI    ``MlasGemmU8S8KernelAvx512Core``:             ``MlasGemmU8U8KernelAvx512Core``
+                         ``vpmaddubsw``, saturates: WRONG              (``vpmaddwd``): exact
+  AVX-512 VNNI           ``MlasGemmU8S8KernelAvx512Vnni``              ``MlasGemmU8U8KernelAvx512Core``: exact
+                         (``vpdpbusds``, int32): exact                 (no VNNI kernel for u8 x u8)
+  AVX-VNNI (no AVX-512)  ``MlasGemmU8S8KernelAvxVnni``: exact          ``MlasGemmU8U8KernelAvx2``: exact; with
+                                                                       AVX-VNNI-INT8 ``...DispatchAvx2Vnni``
+                                                                       (``vpdpbuud``): exact
+  AMX (AMX-TILE/INT8)    ``MlasGemmU8S8DispatchAmx`` (``tdpbusd``):    the AVX-512 kernel above: exact
+                         exact
+  =====================  ===========================================  ==========================================
+
+  (onnxruntime 1.23-1.24 also sent U8U8 to the AMX U8S8 dispatch, a bug fixed by 1.25 (PR #27671); 1.32 does
+  not.) So int8 weights were right only on VNNI/AMX CPUs: an engine built and checked on one was wrong on an
+  AVX2-only or AVX-512-without-VNNI CPU (emulating ``vpmaddubsw`` on 64 calibration rows per GEMM of smoothed
+  SmolLM2: 1e-5 of the pairs saturate, but 189 of 211 GEMMs see at least one, the worst, layers.5 o_proj, off by
+  46% of its largest accumulator). uint8 weights are exact on every x86 CPU, whichever machine built the engine.
+- ORT's own remedy, ``session.x64quantprecision=1`` (``Avx2WeightS8ToU8Transformer``: the fused nodes' int8
+  weights -> uint8 + 128 where a code lies outside -64..64), does the same rewrite, but only inside a level-2
+  optimization and only where ``MlasPlatformU8S8Overflow()`` (U8U8 and U8S8 dispatch tables differ: every x86
+  with AVX2, VNNI or not). Set at load time it does nothing here (the engine is loaded with optimizations off),
+  and it would not cover an engine graph optimized on a machine where it was not set: hence the form is written
+  into the graph. 7-bit weights (-63..63: 2*255*63 fits int16) would avoid the saturation too, at a cost in
+  accuracy on every CPU.
+- Cost on this CPU (AVX-512 VNNI, where U8U8 gives up the VNNI kernel): see the README figures for SmolLM2 bs1
+  decode. ``tests/quantization/test_int8_static.py::test_written_form_is_exact_under_avx2`` emulates the AVX2 /
+  AVX-512BW kernels in numpy on the ORT-optimized graph of each target's form at full-range codes (uint8:
+  equal to the exact product; int8: off by tens of percent), whatever CPU runs it;
+  ``test_ort_integer_kernel_is_exact_at_full_range`` runs the real kernel of the CPU it lands on.
 
 On a QDQ graph ORT's output equals the numpy fake-quant of the same graph (relative 1e-4): the distance to fp32 is
 the quantization's own. Tiny random llama of the tests (last-position logits of 12 prefill+decode feeds of held-out
@@ -144,6 +174,22 @@ def blocked_int4(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     safe = np.where(scale > 0, scale, np.float32(1.0))[:, None, :]
     codes = np.clip(np.rint(wb / safe), -7, 7).reshape(k, n).astype(np.int8)
     return codes.astype(ml_dtypes.int4), scale
+
+
+#: how the int8 weight codes are stored, per ``quantize_int8_static(weight_type=...)``
+WEIGHT_TYPES = {"int8": "int8 per output channel, symmetric (zero point 0)",
+                "uint8": "int8 per output channel, symmetric, stored as uint8 codes + 128 with zero point 128 (ONNX "
+                         "Runtime's exact U8U8 kernels on every x86 CPU)"}
+#: targets whose weights are not stored as int8 (TensorRT takes zero point 0 only; ORT's CUDA provider runs int8)
+WEIGHT_TYPE_BY_TARGET = {"onnxruntime-cpu": "uint8"}
+
+
+def weight_codes(codes: np.ndarray, weight_type: str) -> tuple[np.ndarray, int]:
+    """Symmetric int8 codes -> (the codes stored as ``weight_type``, their zero point): ``int8`` as is with zero
+    point 0, ``uint8`` as ``codes + 128`` with zero point 128 (``DequantizeLinear`` gives the same values)."""
+    if weight_type == "uint8":
+        return (codes.astype(np.int16) + 128).astype(np.uint8), 128
+    return codes.astype(np.int8), 0
 
 
 def activation_scale(amax: float) -> np.float32:
@@ -219,7 +265,8 @@ def activation_ranges(ctx: QuantContext, tensors: Sequence[str], smoothing: Any 
 
 def quantize_int8_static(model: ir.Model, config: QuantConfig, vocab_size: int,
                          amax: dict[str, float] | None = None, ranges_for: Any = None,
-                         channels: dict[str, ChannelRange] | None = None) -> dict[str, Any]:
+                         channels: dict[str, ChannelRange] | None = None,
+                         weight_type: str = "int8") -> dict[str, Any]:
     """Rewrite ``model`` in place to explicit QDQ int8 (see the module docstring); returns the report.
 
     The activation ranges come from ``amax`` (tensor -> amax of the fp32 tensor) or from
@@ -227,7 +274,12 @@ def quantize_int8_static(model: ir.Model, config: QuantConfig, vocab_size: int,
     distinct activation inputs of the selected MatMuls (:func:`activation_ranges`). With ``config.smooth_alpha``
     the activations are smoothed first (:mod:`trtinfer.quantization.smoothquant`); given ranges then need
     ``channels`` (tensor -> per-channel range), from which the smoothed ``amax`` follows (minmax).
+    ``weight_type``: ``int8`` (zero point 0, TensorRT's form) or ``uint8`` (the same codes + 128, zero point 128:
+    the same values, and the form ONNX Runtime's CPU provider multiplies exactly on every x86 CPU; see
+    :func:`weight_codes`).
     """
+    if weight_type not in WEIGHT_TYPES:
+        raise ConfigError(f"weight_type must be one of {', '.join(WEIGHT_TYPES)}, got {weight_type!r}")
     graph = model.graph
     sites = weight_sites(graph, vocab_size)
     chosen, kept = select_sites(sites, config)
@@ -266,11 +318,11 @@ def quantize_int8_static(model: ir.Model, config: QuantConfig, vocab_size: int,
         scales[smoothed_names[name]] = float(scale)
     for s in chosen:
         codes, w_scale = per_channel_int8(s.array())
+        codes, zero = weight_codes(codes, weight_type)
         base = (s.weight.name or s.name).replace("/", "_").strip("_")
-        q = add_initializer(graph, f"{base}_int8", ir.tensor(codes))
+        q = add_initializer(graph, f"{base}_{weight_type}", ir.tensor(codes))
         sc = add_initializer(graph, f"{base}_scale", ir.tensor(w_scale))
-        zp = add_initializer(graph, f"{base}_zero_point",
-                          ir.tensor(np.zeros(w_scale.shape, np.int8)))
+        zp = add_initializer(graph, f"{base}_zero_point", ir.tensor(np.full(w_scale.shape, zero, codes.dtype)))
         _weight_dq(graph, s, [q, sc, zp], {"axis": 1}, "DequantizeLinear")
         stored += codes.nbytes + w_scale.nbytes + w_scale.size
     ir.passes.common.RemoveUnusedNodesPass()(model)
@@ -280,7 +332,7 @@ def quantize_int8_static(model: ir.Model, config: QuantConfig, vocab_size: int,
         smoothing = {"alpha": alpha, "folded": folds, "max_factor": round(float(factors[top].max()), 3),
                      "max_factor_tensor": top}
     return {"quantized": len(chosen), "matmuls": len(sites), "kept": kept, "activation_qdq": len(groups),
-            "weights": "int8 per output channel, symmetric (zero point 0)",
+            "weights": WEIGHT_TYPES[weight_type],
             "activations": "int8 per tensor, symmetric (zero point 0)", "smoothing": smoothing,
             "calibration": record, "activation_scales": scales,
             "weight_bytes_fp32": fp32_bytes, "weight_bytes": stored}
@@ -290,7 +342,8 @@ def quantize_int8_static(model: ir.Model, config: QuantConfig, vocab_size: int,
 def int8_static(model: ir.Model, ctx: QuantContext) -> dict[str, Any]:
     """Explicit QDQ: per-channel int8 weights, per-tensor int8 activations from calibration (TensorRT's form)."""
     report = quantize_int8_static(model, ctx.config, int(ctx.geometry["vocab_size"]),
-                                  ranges_for=lambda *a: activation_ranges(ctx, *a))
+                                  ranges_for=lambda *a: activation_ranges(ctx, *a),
+                                  weight_type=WEIGHT_TYPE_BY_TARGET.get(ctx.target, "int8"))
     report["target"] = ctx.target
     return report
 
