@@ -46,6 +46,7 @@ from machine import machine_info
 HERE = Path(__file__).parent
 GATHER_INPUTS = {"Gather": (0,), "GatherBlockQuantized": (0, 2, 3)}  # inputs read one slice per index
 PROBE_KERNELS = {"read": 1, "copy": 2, "add": 3}  # kernel -> arrays moved (STREAM's byte count)
+KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 PROBE_OPS = {"read": "ReduceMax(axis 1) over [1024, n]", "copy": "Mul(x, 1)", "add": "Add(a, b)"}
 
 
@@ -166,7 +167,7 @@ def decode_bytes(engine_dir: str | Path, batch_size: int = 1, kv_len: float = 0.
         else:
             whole += size
     geo = manifest.geometry
-    itemsize = np.dtype({"bfloat16": "float16"}.get(kv_dtype(manifest.raw["io"]), kv_dtype(manifest.raw["io"]))).itemsize
+    itemsize = KV_ITEMSIZE[kv_dtype(manifest.raw["io"])]
     types = geo.get("layer_types") or ["full_attention"] * geo["num_layers"]
     window = geo.get("sliding_window")
     lengths = [min(kv_len, window) if window and t == "sliding_attention" else kv_len for t in types]
@@ -219,8 +220,11 @@ def _git_commit() -> str:
 def format_table(report: dict[str, Any]) -> str:
     """Markdown tables: the probe, then one row per engine and batch size."""
     p = report["probe"]
+    other = "".join(f"; {t} thread(s): " + ", ".join(f"{k} {v:.1f}" for k, v in kv.items())
+                    for t, kv in report.get("probe_other_threads", {}).items())
     lines = [f"probe: {p['threads_effective']} threads, {p['buffer_bytes'] / 2**20:.0f} MiB arrays, best of "
-             f"{p['repeats']}: " + ", ".join(f"{k} {v['gb_s']:.1f} GB/s" for k, v in p["kernels"].items()),
+             f"{p['repeats']}: " + ", ".join(f"{k} {v['gb_s']:.1f} GB/s" for k, v in p["kernels"].items())
+             + "; after the engines: " + ", ".join(f"{k} {v:.1f}" for k, v in report["probe_after"].items()) + other,
              "", "| engine | bs | decode tok/s | step ms | MiB/step (weights + gathered + KV) | GB/s | of read | of copy |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -265,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--buffer-mib", type=float, default=1024, help="size of each probe array")
     ap.add_argument("--repeats", type=int, default=5, help="probe repetitions (best is kept)")
     ap.add_argument("--threads", type=int, default=None, help="probe threads (default: the engine's)")
+    ap.add_argument("--extra-threads", nargs="*", type=int, default=[1],
+                    help="also probe at these thread counts (recorded, not used for the fractions)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -274,11 +280,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = [roofline_row(e, bs, args.prompt_len, args.new_tokens, probe) for e in args.engines
             for bs in args.batch_sizes]
     probe_after = probe_bandwidth(args.buffer_mib, args.threads, args.repeats)  # drift check: probe again
+    extra = {str(t): {k: round(v["gb_s"], 2) for k, v in probe_bandwidth(args.buffer_mib, t, args.repeats)["kernels"]
+                      .items()} for t in args.extra_threads if t != probe["threads_effective"]}
     date = time.strftime("%Y-%m-%d")
     report = {"machine": machine, "date": date, "git_commit": _git_commit(),
               "load_average": {"before": load_before, "after": os.getloadavg()},
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "probe": probe,
-              "probe_after": {k: round(v["gb_s"], 2) for k, v in probe_after["kernels"].items()}, "rows": rows}
+              "probe_after": {k: round(v["gb_s"], 2) for k, v in probe_after["kernels"].items()},
+              "probe_other_threads": extra, "rows": rows}
     print(format_table(report))
     out = args.out or HERE / "results" / f"roofline_{cpu_kind(machine)}_{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
