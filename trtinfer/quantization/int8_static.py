@@ -109,8 +109,9 @@ graph_transformer_utils.cc``, ``qdq_transformer/qdq_s8_to_u8.cc``, ``qdq_transfo
   ``MatMulIntegerToFloat`` at batch 1, best of 30x20 runs, uint8 / int8 weights: 576x1536 30.7 / 25.7 us (x1.20),
   1536x576 27.8 / 22.5 us (x1.24), LM head 576x49152 5.51 / 4.75 ms (x1.16); only the 61 fused GEMMs of
   SmolLM2 pay it (the 150 float DQ+MatMul do not): end to end, SmolLM2 bs1 decode 2.2 vs 2.3 tok/s best of 3,
-  within the noise of a loaded machine. On AVX2 and AVX-512 without VNNI the U8U8 kernels are the same
-  ``vpmaddwd`` loops as U8S8 there: no cost, and correct results. ``tests/quantization/test_int8_static.py::test_written_form_is_exact_under_avx2`` emulates the AVX2 /
+  within the noise of a loaded machine. On AVX2 and AVX-512 without VNNI not measured (no such CPU here): the
+  U8U8 kernel multiplies int16-widened pairs (``vpmaddwd``) where U8S8 multiplies byte quads, so expect a
+  per-GEMM cost of the same order, paid for results that are right instead of saturated. ``tests/quantization/test_int8_static.py::test_written_form_is_exact_under_avx2`` emulates the AVX2 /
   AVX-512BW kernels in numpy on the ORT-optimized graph of each target's form at full-range codes (uint8:
   equal to the exact product; int8: off by tens of percent), whatever CPU runs it;
   ``test_ort_integer_kernel_is_exact_at_full_range`` runs the real kernel of the CPU it lands on.
