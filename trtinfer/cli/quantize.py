@@ -126,4 +126,7 @@ def quant_summary(rec: dict[str, Any]) -> str:
         c = rep["calibration"]
         what = c.get("method") or f"GPTQ statistics, {c.get('samples')} samples"
         parts.append(f"calibration {what} ({'reused' if c.get('reused') else 'computed'})")
+    if rep.get("fallback"):
+        f = rep["fallback"]
+        parts.append(f"kept fp32: {', '.join(f['kept_fp32'])} ({f['because']})")
     return "; ".join(parts)

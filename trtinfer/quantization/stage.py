@@ -10,6 +10,7 @@ held-out text and top-1 next-token agreement against the fp32 graph it came from
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from trtinfer.stages import (
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_FORMAT = 3  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
+QUANTIZE_FORMAT = 4  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
 CALIBRATION_FILES = ("calibration.json", "calibration.cache")
 
 
@@ -59,21 +60,34 @@ def check_input(src: StageDir) -> str:
     return str(opt["target"])
 
 
-def _quantize_into(src: StageDir, folder: Path, config: QuantConfig, progress: bool) -> StageDir:
-    target = check_input(src)
-    spec = get_precision(config.precision, target)
-    t0 = time.perf_counter()
-    model = ir.load(str(src.onnx_path))
-    ctx = QuantContext(src, config, target, folder, progress)
-    report = spec.fn(model, ctx)
+def _rewrite(src: StageDir, folder: Path, config: QuantConfig, target: str, progress: bool) -> dict[str, Any]:
+    """Quantize ``src``'s graph with ``config`` into ``folder``; returns the precision's report."""
     from trtinfer.passes.optimize import save_model
 
+    model = ir.load(str(src.onnx_path))
+    report = get_precision(config.precision, target).fn(model, QuantContext(src, config, target, folder, progress))
     save_model(model, folder / ONNX_NAME)
-    del model
-    seconds = round(time.perf_counter() - t0, 2)
-    from trtinfer.quantization.accuracy import accuracy_report
+    return report
 
+
+def _quantize_into(src: StageDir, folder: Path, config: QuantConfig, progress: bool) -> StageDir:
+    from trtinfer.quantization.accuracy import FALLBACK_FP32, PERPLEXITY_BOUNDS, accuracy_report
+
+    target = check_input(src)
+    get_precision(config.precision, target)  # an unknown precision/target pair fails before any work
+    t0 = time.perf_counter()
+    report = _rewrite(src, folder, config, target, progress)
     accuracy = accuracy_report(src, folder, progress=progress)
+    fallback = tuple(p for p in FALLBACK_FP32.get(config.precision, ()) if p not in config.skip_patterns)
+    bound = PERPLEXITY_BOUNDS[config.precision]
+    if fallback and not accuracy["ratio"] <= bound:
+        why = (f"perplexity x{accuracy['ratio']:.3f} with every GEMM quantized, over the x{bound:g} bound")
+        log.info("%s; quantizing again with %s in fp32", why, ", ".join(fallback))
+        config = dataclasses.replace(config, keep_fp32=config.keep_fp32 + fallback)
+        report = _rewrite(src, folder, config, target, progress)
+        report["fallback"] = {"kept_fp32": list(fallback), "because": why, "accuracy_before": accuracy}
+        accuracy = accuracy_report(src, folder, progress=progress)
+    seconds = round(time.perf_counter() - t0, 2)
     info = {**carry_forward(src, folder), "stage": "quantize", "io": graph_io(folder / ONNX_NAME),
             "kv_layout": src.kv_layout}
     info["history"]["quantize"] = {"config": config.to_dict(), "target": target, "seconds": seconds,
