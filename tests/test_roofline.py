@@ -89,12 +89,14 @@ def test_main_on_a_tiny_engine(tiny_engine, tmp_path):
                    "--buffer-mib", "4", "--repeats", "2", "--out", str(out)])
     report = json.loads(out.read_text())
     assert set(report) >= {"machine", "date", "git_commit", "load_average", "prompt_len", "new_tokens", "probe",
-                           "probe_after", "probe_other_threads", "rows"}
+                           "probe_after", "probe_other_threads", "ceiling_gb_s", "rows"}
     assert {"cpu", "cores", "cpu_flags"} <= set(report["machine"])
     assert [r["batch_size"] for r in report["rows"]] == [1, 2]
     for r in report["rows"]:
         assert r["bytes_per_step"] == roofline.decode_bytes(engine, r["batch_size"], 8 + 4 / 2)["total"]
         assert r["achieved_gb_s"] == pytest.approx(r["bytes_per_step"] / (r["step_ms"] / 1000) / 1e9)
-        assert r["fraction_of_read"] == pytest.approx(r["achieved_gb_s"] / report["probe"]["kernels"]["read"]["gb_s"])
+        assert r["fraction_of_read"] == pytest.approx(r["achieved_gb_s"] / report["ceiling_gb_s"]["read"])
         assert np.isfinite(r["fraction_of_copy"]) and r["fraction_of_copy"] > 0
+    before, after = report["probe"]["kernels"]["read"]["gb_s"], report["probe_after"]["read"]  # after: rounded
+    assert report["ceiling_gb_s"]["read"] == pytest.approx(max(before, after), abs=0.01)
     assert out.with_suffix(".png").stat().st_size > 0
