@@ -10,7 +10,9 @@ usage: python benchmarks/roofline.py ENGINE_DIR [ENGINE_DIR ...] [--batch-sizes 
    faults in the timed call), best of ``--repeats``. Bytes as STREAM counts them: read = 1 array (``ReduceMax`` over
    rows, which ONNX Runtime splits over its threads; a full reduction to one scalar runs on one thread), copy = 2
    (``y = x * 1``, an element-wise op ONNX Runtime splits; ``Identity`` is one memcpy on one thread), add = 3
-   (``y = a + b``: STREAM's add, the same traffic as its triad).
+   (``y = a + b``: STREAM's add, the same traffic as its triad). numpy asks for transparent huge pages on big arrays;
+   how many the kernel grants varies run to run and moves the figures a lot (measured on a 2-vCPU AMD EPYC VM: read
+   ~35 GB/s on 4 KiB pages, ~58 GB/s on huge pages), so each probe records ``anon_huge_pages_mib``.
 2. Bytes one decode step reads (:func:`decode_bytes`), from the decoder graph (``onnx.load(load_external_data=False)``,
    sizes from the initializers and their external-data lengths): every initializer a node uses is read whole, except
    tables that are only gathered from (``Gather`` data, ``GatherBlockQuantized`` data/scales/zero points): one slice
@@ -100,6 +102,7 @@ def probe_bandwidth(buffer_mib: float = 1024, threads: int | None = None, repeat
     so.log_severity_level = 3
     arrays = [np.full((rows, cols), 1.0, np.float32), np.full((rows, cols), 2.0, np.float32)]
     out = np.zeros((rows, cols), np.float32)  # written once here, so its pages exist before the clock runs
+    huge = _anon_huge_mib()  # numpy madvises big arrays for huge pages; how many it got moves the figures
     kernels = {}
     for kernel, moved in PROBE_KERNELS.items():
         sess = ort.InferenceSession(_kernel_graph(kernel, rows, cols), so, providers=["CPUExecutionProvider"])
@@ -123,7 +126,18 @@ def probe_bandwidth(buffer_mib: float = 1024, threads: int | None = None, repeat
                            "all_gb_s": [round(nbytes / t / 1e9, 2) for t in times]}
         del sess, io
     return {"threads": threads, "threads_effective": threads or _physical_cores(), "buffer_bytes": n * 4,
-            "repeats": repeats, "kernels": kernels}
+            "repeats": repeats, "anon_huge_pages_mib": huge, "kernels": kernels}
+
+
+def _anon_huge_mib() -> float | None:
+    """This process's anonymous memory backed by transparent huge pages (MiB), or None where Linux does not say."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def _nbytes(t: Any) -> int:
@@ -292,11 +306,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = [roofline_row(e, bs, args.prompt_len, args.new_tokens, res, ceiling) for e, bs, res in measured]
     extra = {str(t): {k: round(v["gb_s"], 2) for k, v in probe_bandwidth(args.buffer_mib, t, args.repeats)["kernels"]
                       .items()} for t in args.extra_threads if t != probe["threads_effective"]}
+    huge = {"before": probe["anon_huge_pages_mib"], "after": probe_after["anon_huge_pages_mib"]}
     date = time.strftime("%Y-%m-%d")
     report = {"machine": machine, "date": date, "git_commit": _git_commit(),
               "load_average": {"before": load_before, "after": os.getloadavg()},
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "probe": probe,
               "probe_after": {k: round(v["gb_s"], 2) for k, v in probe_after["kernels"].items()},
+              "probe_anon_huge_pages_mib": huge,
               "probe_other_threads": extra,
               "ceiling_gb_s": ceiling, "rows": rows}
     print(format_table(report))

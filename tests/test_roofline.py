@@ -89,7 +89,7 @@ def test_main_on_a_tiny_engine(tiny_engine, tmp_path):
                    "--buffer-mib", "4", "--repeats", "2", "--out", str(out)])
     report = json.loads(out.read_text())
     assert set(report) >= {"machine", "date", "git_commit", "load_average", "prompt_len", "new_tokens", "probe",
-                           "probe_after", "probe_other_threads", "ceiling_gb_s", "rows"}
+                           "probe_after", "probe_anon_huge_pages_mib", "probe_other_threads", "ceiling_gb_s", "rows"}
     assert {"cpu", "cores", "cpu_flags"} <= set(report["machine"])
     assert [r["batch_size"] for r in report["rows"]] == [1, 2]
     for r in report["rows"]:
