@@ -275,7 +275,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("GB/s read per decode step")
     ax.set_title(f"decode vs measured memory bandwidth ({report['machine']['cpu']}, "
                  f"{report['probe']['threads_effective']} threads)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
