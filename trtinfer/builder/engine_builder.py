@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 ENGINE_FORMAT = 3  # bump when what a backend writes or the engine check does changes (invalidates cached engines)
 CHECK_NAME = "engine_check.json"
-ACCURACY_NAME = "accuracy_check.json"  # a quantized engine's held-out scores vs fp32 (judged per build, not cached)
+ACCURACY_NAME = "accuracy_check.json"  # a quantized engine's held-out figures vs fp32 (cached; the bound is applied per build)
 
 
 def engine_versions() -> dict[str, str]:
