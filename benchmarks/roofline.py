@@ -5,7 +5,7 @@ usage: python benchmarks/roofline.py ENGINE_DIR [ENGINE_DIR ...] [--batch-sizes 
                                      [--threads N] [--prompt-len 128] [--new-tokens 64] [--out FILE.json]
 
 1. Probe: STREAM-style kernels run as one-node ONNX Runtime graphs with ``intra_op_num_threads`` set as the engine
-   sets it (``trtinfer.runtime.session._cpus_allowed``: the allowed physical cores, 0 = ONNX Runtime's own default),
+   sets it (``trtinfer.runtime.session.default_intra_op_threads``: the allowed physical cores, 0 = ONNX Runtime's own default),
    over arrays of ``--buffer-mib`` each (far past the caches), inputs and outputs bound once (no allocation, no page
    faults in the timed call), best of ``--repeats``. Bytes as STREAM counts them: read = 1 array (``ReduceMax`` over
    rows, which ONNX Runtime splits over its threads; a full reduction to one scalar runs on one thread), copy = 2
@@ -54,20 +54,15 @@ PROBE_OPS = {"read": "ReduceMax(axis 1) over [1024, n]", "copy": "Mul(x, 1)", "a
 
 def engine_threads() -> int:
     """``intra_op_num_threads`` as the engine's session sets it by default (0: ONNX Runtime's default)."""
-    from trtinfer.runtime.session import _cpus_allowed
+    from trtinfer.runtime.session import default_intra_op_threads
 
-    return _cpus_allowed()
+    return default_intra_op_threads()
 
 
 def _physical_cores() -> int:
-    cores = set()
-    for cpu in os.sched_getaffinity(0):
-        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            cores.add((topo / "physical_package_id").read_text().strip() + ":" + (topo / "core_id").read_text().strip())
-        except OSError:
-            cores.add(str(cpu))
-    return len(cores)
+    from trtinfer.runtime.session import physical_cores
+
+    return physical_cores(os.sched_getaffinity(0))
 
 
 def _kernel_graph(kernel: str, rows: int, cols: int) -> bytes:

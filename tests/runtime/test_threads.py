@@ -13,12 +13,12 @@ CHILD = r"""
 import json, os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 import trtinfer
-from trtinfer.runtime.session import _cpus_allowed
+from trtinfer.runtime.session import default_intra_op_threads
 kw = json.loads(sys.argv[2])
 with trtinfer.load(sys.argv[1], **kw) as eng:
     text = eng.generate(["Hello there"], max_new_tokens=3, do_sample=False)[0].text
     threads = int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("Threads:")))
-print(json.dumps({"allowed": _cpus_allowed(), "threads": threads, "text": text}))
+print(json.dumps({"allowed": default_intra_op_threads(), "threads": threads, "text": text}))
 """
 
 

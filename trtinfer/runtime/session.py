@@ -415,24 +415,30 @@ def _make_dirs(folders: Sequence[Path]) -> None:
             raise err from e
 
 
-def _cpus_allowed() -> int:
-    """The physical cores this process may run on when that is fewer than the machine's (``taskset``, a container's
-    cpuset), else 0: ONNX Runtime's default of one thread per physical core of the machine, which would
-    oversubscribe the allowed CPUs. Hyper-threads of one core count once, as ONNX Runtime counts them."""
-    try:
-        allowed = os.sched_getaffinity(0)
-    except (AttributeError, OSError):  # not on Linux
-        return 0
-    if len(allowed) >= (os.cpu_count() or len(allowed)):
-        return 0
+def physical_cores(cpus: set[int] | frozenset[int]) -> int:
+    """How many physical cores ``cpus`` (CPU numbers) span: hyper-threads of one core count once, as ONNX Runtime
+    counts them; a CPU without topology information counts as its own core."""
     cores = set()
-    for cpu in allowed:
+    for cpu in cpus:
         topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
             cores.add((topo / "physical_package_id").read_text().strip() + ":" + (topo / "core_id").read_text().strip())
         except OSError:
             cores.add(f"cpu{cpu}")  # no topology: count the CPU itself
     return len(cores)
+
+
+def default_intra_op_threads() -> int:
+    """The physical cores this process may run on when that is fewer than the machine's (``taskset``, a container's
+    cpuset), else 0: ONNX Runtime's default of one thread per physical core of the machine, which would
+    oversubscribe the allowed CPUs."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not on Linux
+        return 0
+    if len(allowed) >= (os.cpu_count() or len(allowed)):
+        return 0
+    return physical_cores(allowed)
 
 
 def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> Any:
@@ -447,7 +453,7 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = config.intra_op_threads or _cpus_allowed()
+    so.intra_op_num_threads = config.intra_op_threads or default_intra_op_threads()
     so.log_severity_level = 3
     if config.provider != "cpu":
         _preload_cuda_libraries(ort)
