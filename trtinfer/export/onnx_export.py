@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._cache import key_of
-from trtinfer.errors import ExportError, ModelSourceError, ValidationError
+from trtinfer.errors import ExportError, ModelSourceError, TrtInferError, ValidationError
 from trtinfer.export.architectures import spec_for
+from trtinfer.export.checkpoint import Checkpoint
 from trtinfer.export.config import ExportConfig
 from trtinfer.export.reference import write_reference
 from trtinfer.export.sources import ResolvedModel, resolve_model
@@ -53,16 +54,25 @@ def io_spec(geometry: dict[str, Any], logits_mode: str) -> dict[str, list[dict[s
     return {"inputs": inputs, "outputs": outputs}
 
 
-def load_hf_model(path: Path) -> Any:
-    """Load a causal LM in fp32 with eager attention (the form we trace and validate against)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_hf_config(path: Path) -> Any:
+    """The model's transformers config; unknown architectures are refused here, before any weight is read."""
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:
         raise ModelSourceError(f"cannot read the config in {path}: {e}") from e
-    spec_for(config)  # refuse unknown architectures before loading weights
+    spec_for(config)
+    return config
+
+
+def load_hf_model(path: Path) -> Any:
+    """Load a causal LM in fp32 with eager attention: the reference the export is validated against (only where
+    it fits in memory; the export itself never loads the model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    load_hf_config(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     except Exception as e:
@@ -70,10 +80,31 @@ def load_hf_model(path: Path) -> Any:
     return model.eval()
 
 
-def _trace(model: Any, geometry: dict[str, Any], mask_mapping: bool, config: ExportConfig, out: Path) -> None:
+def eager_fits(fp32_bytes: int) -> tuple[bool, str]:
+    """Whether an fp32 eager copy of the model fits in half the memory available now, and the figures."""
+    avail = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        return True, "memory unknown"
+    return fp32_bytes <= avail // 2, f"fp32 eager needs {fp32_bytes / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
+
+
+def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping: bool, config: ExportConfig,
+           out: Path) -> None:
+    """Trace the weightless ``model`` (:func:`streamed.empty_model`), then stream its weights from ``ckpt``."""
     import onnx
     import torch
 
+    from trtinfer.export.streamed import (
+        SourceReader,
+        attach_weights,
+        weight_dtypes,
+        weight_recipes,
+        write_weights,
+    )
     from trtinfer.export.wrapper import DecoderWithPast, traced_attention
 
     wrapper = DecoderWithPast(model, geometry, mask_mapping, config.logits == "last").eval()
@@ -91,43 +122,61 @@ def _trace(model: Any, geometry: dict[str, Any], mask_mapping: bool, config: Exp
         t["name"]: {i: d for i, d in enumerate(t["shape"]) if isinstance(d, str)}
         for t in spec["inputs"] + spec["outputs"]
     }
-    raw = out / "raw"
-    raw.mkdir()
-    with torch.no_grad(), traced_attention(model), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            wrapper, (ids, mask, pos, *past), str(raw / ONNX_NAME), input_names=names_in, output_names=names_out,
-            dynamic_axes=dyn, opset_version=config.opset, do_constant_folding=True, dynamo=False,
-        )
-    proto = onnx.load(str(raw / ONNX_NAME), load_external_data=True)
+    traces = []
+    for folding in (True, False):  # the graph, then the recipe of each weight it folded (streamed.weight_recipes)
+        raw = out / "raw.onnx"
+        with torch.no_grad(), traced_attention(model), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                wrapper, (ids, mask, pos, *past), str(raw), input_names=names_in, output_names=names_out,
+                dynamic_axes=dyn, opset_version=config.opset, do_constant_folding=folding, dynamo=False,
+                export_params=False,
+            )
+        traces.append(onnx.load(str(raw)))  # graphs without weights: small whatever the model's size
+        raw.unlink()
+    proto = traces[0]
+    reader = SourceReader(model, ckpt)
+    sources = weight_recipes(proto, traces[1], set(names_in), reader.graph_names)
+    placed = write_weights(sources, reader, out / DATA_NAME, weight_dtypes(proto, sources))
+    attach_weights(proto, placed, DATA_NAME)
     # the passes read their expectations (layers, norms, windows) from here when run on the file alone
     onnx.helper.set_model_props(proto, {"trtinfer.geometry": json.dumps(geometry)})
-    onnx.save_model(proto, str(out / ONNX_NAME), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=DATA_NAME, size_threshold=1024)
-    for f in raw.iterdir():
-        f.unlink()
-    raw.rmdir()
+    onnx.save_model(proto, str(out / ONNX_NAME))
 
 
 def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> StageDir:
     """Trace, validate and write the export stage into the existing empty ``folder``."""
-    hf = load_hf_model(resolved.path)
-    spec = spec_for(hf.config)
-    geometry = spec.geometry(hf.config)
+    from trtinfer.export.streamed import empty_model
+
+    hf_config = load_hf_config(resolved.path)
+    ckpt = Checkpoint(resolved.path)  # a missing shard or truncated tensor fails here, before the trace
+    spec = spec_for(hf_config)
+    geometry = spec.geometry(hf_config)
     t0 = time.perf_counter()
+    model = empty_model(hf_config)
     try:
-        _trace(hf, geometry, spec.mask_mapping, config, folder)
+        _trace(model, ckpt, geometry, spec.mask_mapping, config, folder)
+    except TrtInferError:
+        raise
     except Exception as e:
         raise ExportError(f"tracing {spec.name} to ONNX failed: {type(e).__name__}: {e}") from e
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())
+    del model
     export_s = time.perf_counter() - t0
     log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
-    validation = None
-    if config.validate:
+    validation, skipped = None, None
+    fits, figures = eager_fits(fp32_bytes)
+    if config.validate and not fits:
+        skipped = f"eager does not fit: {figures}"
+        log.warning("the export is not compared with PyTorch eager (%s); the engine check still runs", figures)
+    elif config.validate:
         from trtinfer.export.quiet import quiet_third_party
         from trtinfer.export.validate import validate_decoder
 
+        hf = load_hf_model(resolved.path)
         with quiet_third_party():  # the eager model warns about its own past_key_values argument
             report = validate_decoder(folder / ONNX_NAME, hf, geometry, config.atol, config.logits == "last")
+        del hf
         validation = report.to_dict()
         if not report.passed:
             raise ValidationError(
@@ -145,7 +194,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         "stage": "export",
         "kind": "decoder",
         "architecture": spec.name,
-        "model_type": hf.config.model_type,
+        "model_type": hf_config.model_type,
         "source": {"path": str(resolved.path), "model": resolved.source, "sha256": resolved.sha256,
                    "kind": resolved.kind},
         "geometry": geometry,
@@ -153,6 +202,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         "kv_layout": "concat",
         "tokenizer": tokenizer,
         "history": {"export": {"config": config.to_dict(), "seconds": round(export_s, 2), "validation": validation,
+                               **({"validation_skipped": skipped} if skipped else {}),
                                "format": EXPORT_FORMAT, "versions": stack_versions()}},
     }
     return write_stage(folder, info)

@@ -1,0 +1,133 @@
+"""Read a Hugging Face safetensors checkpoint tensor by tensor, memory-mapped: one shard file or hub-style shards.
+
+The checkpoint's layout is read from its headers alone (``model.safetensors.index.json``'s tensor -> shard map,
+then each shard's JSON header): nothing is loaded until a tensor is asked for, and then only that tensor's bytes
+are mapped. Every tensor's byte range is checked against its shard's size when the checkpoint is opened, so a
+missing shard or a truncated download is one clear error before any work starts.
+
+The ``safetensors`` package would map a tensor just as well, but its numpy view has no bfloat16 (the dtype 1B-14B
+checkpoints ship in) and a torch view would bring torch into every read; the format is a little-endian u64 header
+length, a JSON header, then the raw tensors, so reading it with ``numpy.memmap`` is a few lines.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trtinfer.errors import ModelSourceError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: safetensors dtype -> (numpy dtype of the stored words, bytes per element). BF16 is read as its uint16 words.
+DTYPES: dict[str, tuple[type[np.generic], int]] = {"F32": (np.float32, 4), "F16": (np.float16, 2),
+                                                   "BF16": (np.uint16, 2)}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are: shard file, absolute byte offset, dtype and shape."""
+
+    shard: Path
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor takes in the shard."""
+        return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype][1]
+
+
+def _read_header(shard: Path) -> dict[str, TensorInfo]:
+    size = shard.stat().st_size
+    with open(shard, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelSourceError(f"{shard} is truncated ({size} bytes): not a safetensors file; re-download it")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ModelSourceError(f"{shard} has a damaged or truncated header ({n} header bytes, file {size} "
+                                   "bytes); re-download it")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ModelSourceError(f"{shard}'s header is not JSON ({e}); re-download it") from e
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        if dtype not in DTYPES:
+            raise ModelSourceError(f"tensor {name} in {shard.name} is {dtype}; checkpoints in "
+                                   f"{', '.join(DTYPES)} can be exported")
+        info = TensorInfo(shard, 8 + n + int(start), dtype, shape)
+        if end - start != info.nbytes:
+            raise ModelSourceError(f"tensor {name} in {shard.name} declares {end - start} bytes for shape {shape} "
+                                   f"{dtype} ({info.nbytes} expected): the shard is damaged; re-download it")
+        if info.offset + info.nbytes > size:
+            raise ModelSourceError(f"tensor {name} in {shard.name} is truncated: it ends at byte "
+                                   f"{info.offset + info.nbytes} but the file has {size}; re-download the shard")
+        out[name] = info
+    return out
+
+
+class Checkpoint:
+    """The tensors of the safetensors checkpoint in ``folder``, read lazily through memory maps."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        index = self.folder / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise ModelSourceError(f"{index} is not a safetensors index ({e}); re-download it") from e
+            shards = sorted(set(weight_map.values()))
+        elif (self.folder / SINGLE_NAME).is_file():
+            weight_map, shards = {}, [SINGLE_NAME]
+        else:
+            found = sorted(p.name for p in self.folder.glob("*.bin"))
+            raise ModelSourceError(
+                f"{self.folder} has no {SINGLE_NAME} nor {INDEX_NAME}"
+                + (f" (it has {', '.join(found)}: convert it to safetensors with save_pretrained)" if found else "")
+                + "; give a folder with safetensors weights")
+        missing = [s for s in shards if not (self.folder / s).is_file()]
+        if missing:
+            raise ModelSourceError(f"{self.folder} misses {len(missing)} of the {len(shards)} shards its index "
+                                   f"names ({', '.join(missing[:3])}); re-download the checkpoint")
+        self.tensors: dict[str, TensorInfo] = {}
+        for s in shards:
+            self.tensors.update(_read_header(self.folder / s))
+        absent = [k for k, s in weight_map.items() if k not in self.tensors]
+        if absent:
+            raise ModelSourceError(f"the index of {self.folder} maps {absent[0]} to {weight_map[absent[0]]}, which "
+                                   "does not hold it; re-download the checkpoint")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors as stored."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's stored words, memory-mapped (read-only; BF16 as uint16)."""
+        info = self.tensors[name]
+        return np.memmap(info.shard, dtype=DTYPES[info.dtype][0], mode="r", offset=info.offset, shape=info.shape)
+
+
+def to_float32(words: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored words (:meth:`Checkpoint.raw`, or a slice of them) as float32; BF16 widens exactly."""
+    if dtype == "BF16":
+        return (np.asarray(words, np.uint32) << 16).view(np.float32)
+    return np.asarray(words, np.float32)
