@@ -82,32 +82,31 @@ def load_hf_model(path: Path) -> Any:
 
 def eager_fits(fp32_bytes: int) -> tuple[bool, str]:
     """Whether an fp32 eager copy of the model fits in half the memory available now, and the figures."""
-    avail = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
+    from trtinfer.runtime.memory import available_memory
+
+    avail = available_memory()
+    if avail is None:
         return True, "memory unknown"
     return fp32_bytes <= avail // 2, f"fp32 eager needs {fp32_bytes / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
 
 
 def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping: bool, config: ExportConfig,
            out: Path) -> None:
-    """Trace the weightless ``model`` (:func:`streamed.empty_model`), then stream its weights from ``ckpt``."""
+    """Trace ``model`` (:func:`streamed.empty_model`) with its weights as inputs, then stream them from ``ckpt``."""
     import onnx
     import torch
 
     from trtinfer.export.streamed import (
         SourceReader,
         attach_weights,
-        weight_dtypes,
-        weight_recipes,
+        fold_weight_chains,
+        weights_as_inputs,
         write_weights,
     )
     from trtinfer.export.wrapper import DecoderWithPast, traced_attention
 
     wrapper = DecoderWithPast(model, geometry, mask_mapping, config.logits == "last").eval()
+    traced, weight_names, weights = weights_as_inputs(wrapper)
     b, s, p = 2, 7, 5  # distinct sizes so no dimension is mistaken for another
     kv, hd = geometry["num_kv_heads"], geometry["head_dim"]
     ids = torch.randint(0, geometry["vocab_size"], (b, s))
@@ -122,22 +121,18 @@ def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping:
         t["name"]: {i: d for i, d in enumerate(t["shape"]) if isinstance(d, str)}
         for t in spec["inputs"] + spec["outputs"]
     }
-    traces = []
-    for folding in (True, False):  # the graph, then the recipe of each weight it folded (streamed.weight_recipes)
-        raw = out / "raw.onnx"
-        with torch.no_grad(), traced_attention(model), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(
-                wrapper, (ids, mask, pos, *past), str(raw), input_names=names_in, output_names=names_out,
-                dynamic_axes=dyn, opset_version=config.opset, do_constant_folding=folding, dynamo=False,
-                export_params=False,
-            )
-        traces.append(onnx.load(str(raw)))  # graphs without weights: small whatever the model's size
-        raw.unlink()
-    proto = traces[0]
-    reader = SourceReader(model, ckpt)
-    sources = weight_recipes(proto, traces[1], set(names_in), reader.graph_names)
-    placed = write_weights(sources, reader, out / DATA_NAME, weight_dtypes(proto, sources))
+    raw = out / "raw.onnx"
+    with torch.no_grad(), traced_attention(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            traced, (ids, mask, pos, *past, *weights), str(raw), input_names=names_in + weight_names,
+            output_names=names_out, dynamic_axes=dyn, opset_version=config.opset, do_constant_folding=True,
+            dynamo=False,
+        )
+    proto = onnx.load(str(raw))  # the graph without weights: small whatever the model's size
+    raw.unlink()
+    sources = fold_weight_chains(proto, set(weight_names))
+    placed = write_weights(sources, SourceReader(model, ckpt), out / DATA_NAME)
     attach_weights(proto, placed, DATA_NAME)
     # the passes read their expectations (layers, norms, windows) from here when run on the file alone
     onnx.helper.set_model_props(proto, {"trtinfer.geometry": json.dumps(geometry)})
@@ -160,7 +155,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         raise
     except Exception as e:
         raise ExportError(f"tracing {spec.name} to ONNX failed: {type(e).__name__}: {e}") from e
-    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())  # meta tensors: sizes only
     del model
     export_s = time.perf_counter() - t0
     log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
