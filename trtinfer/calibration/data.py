@@ -240,7 +240,12 @@ def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
     if session is None:
         import onnxruntime as ort
 
-        session = ort.InferenceSession(str(stage.onnx_path), providers=["CPUExecutionProvider"])
+        from trtinfer.runtime.memory import lean_weights
+
+        so = ort.SessionOptions()
+        if lean_weights(so, stage.onnx_path):
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        session = ort.InferenceSession(str(stage.onnx_path), so, providers=["CPUExecutionProvider"])
     past, present = _kv_names(stage)
     specs = {i["name"]: i for i in stage.io["inputs"]}
     geo = stage.geometry

@@ -20,8 +20,12 @@ def reference_logits(export_onnx: Path, prompts: list[np.ndarray], steps: int) -
     """Each prompt alone on the exported (concat-layout, fp32) graph: greedy for ``steps``; logits per step."""
     import onnxruntime as ort
 
+    from trtinfer.runtime.memory import lean_weights
+
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if lean_weights(so, export_onnx):  # a model larger than RAM runs from its mapped file, unfused
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(str(export_onnx), so, providers=["CPUExecutionProvider"])
     past = [i for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
     # an optimized graph asks which positions reach the LM head: the last one

@@ -78,7 +78,8 @@ def load_model(path: Path) -> ir.Model:
 
 def save_model(model: ir.Model, path: Path) -> None:
     """Save with weights in ``<name>.data`` beside the graph (graphs over 2 GB need it; small ones stay inline)."""
-    ir.save(model, str(path), external_data=path.name + ".data", size_threshold_bytes=1024)
+    # 64 KiB-aligned: ONNX Runtime maps aligned external tensors in place instead of reading them into memory
+    ir.save(model, str(path), external_data=path.name + ".data", size_threshold_bytes=1024, alignment=65536)
 
 
 def optimize(in_path: str | Path, out_path: str | Path, config: PassConfig | None = None,

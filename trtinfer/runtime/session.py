@@ -31,6 +31,7 @@ from trtinfer.runtime.config import GPU_PROVIDERS, RuntimeConfig
 # LOGITS_POSITIONS: graph input [B,K] int64, the positions whose logits the graph computes
 from trtinfer.runtime.kv_feeds import LOGITS_POSITIONS, chunk_feeds, decode_feeds, prefill_feeds
 from trtinfer.runtime.manifest import Manifest, kv_dtype
+from trtinfer.runtime.memory import lean_weights
 
 log = logging.getLogger(__name__)
 
@@ -455,7 +456,9 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.intra_op_num_threads = config.intra_op_threads or default_intra_op_threads()
     so.log_severity_level = 3
-    if config.provider != "cpu":
+    if config.provider == "cpu":
+        lean_weights(so, model)  # a model larger than half the memory is not copied a second time
+    else:
         _preload_cuda_libraries(ort)
         _check_provider_available(ort, config.provider)
     if config.provider == "tensorrt":
