@@ -1,0 +1,335 @@
+"""Engines at real model shapes, built and run through the public CLI: what a build costs (wall time, peak memory,
+cache and engine bytes), what its checks said, what the engine costs to load and run, and how close its decode
+steps get to the machine's measured memory bandwidth.
+
+usage: python benchmarks/real_size.py (--checkpoint DIR | --preset NAME [--layers N] [--vocab V])
+           [--precisions fp32,int8,int4] [--method M] [--cache DIR] [--work DIR] [--batch-sizes 1,8]
+           [--prompt-len 512] [--batch-prompt-len 32] [--new-tokens 32] [--buffer-mib 1024] [--keep] [--out PREFIX]
+
+1. Checkpoint: ``--checkpoint DIR`` (a Hugging Face folder), or ``--preset`` (``make_checkpoint.py``'s presets and
+   slices), written once to ``WORK/checkpoints/<preset>[-lN][-vV]`` and reused by later runs.
+2. Build, per precision: ``python -m trtinfer build CKPT --precision P -o ENGINE --force`` (int4: ``--method rtn``
+   unless ``--method``) under ``/usr/bin/time -v``: its peak RSS (the largest single process; GNU time reports
+   ``ru_maxrss`` of the child) and wall time, exit code, ``TRTINFER_CACHE`` growth and engine size (allocated
+   bytes, as ``du`` counts them), and the manifest's ``export.validation``, ``engine_check`` and ``accuracy_check``
+   (where the export skipped validation, the reason from the cached export stage's
+   ``history.export.validation_skipped``: the engine manifest does not carry it). A failed build is a row, with
+   the last line the CLI wrote to stderr as its error; its log stays in the run folder with ``--keep``.
+3. Run, per engine and batch size: ``roofline.measure_decode`` (``trtinfer.bench.measure_engine``: ``trtinfer.load``
+   in its own process, greedy, best of 3 decode rates; peak RSS = that process's VmHWM after load and every
+   generate; TTFT = best of 5 one-token generates) and ``roofline.roofline_row``: bytes one decode step reads / step
+   time / the ``read`` bandwidth probed (``roofline.probe_bandwidth``) before and after all engines, the best of
+   the two. Batch 1 runs with the ``--prompt-len`` prompt (512 tokens: its TTFT is the 512-token TTFT), larger
+   batches with ``--batch-prompt-len`` (each run prefills 9 times; a long prompt at batch 8 costs minutes at 8B).
+
+Each engine is deleted once measured and the run folder (engines, logs, the default cache) at the end, unless
+``--keep``; ``--cache DIR`` is never deleted. Prints one table, writes PREFIX.json (raw figures, CPU flags,
+versions, command lines) and PREFIX.png; PREFIX defaults to benchmarks/results/real_size_<cpu tag>_<date>.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import roofline
+from machine import machine_info
+
+from trtinfer.errors import TrtInferError
+
+log = logging.getLogger("real_size")
+VERSIONED = ("trtinfer", "onnxruntime", "onnx", "numpy", "tokenizers", "torch", "transformers")
+TIME_START = re.compile(r"^(\tCommand being timed:|Command exited with non-zero status|Command terminated by signal)")
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes allocated to the files under ``root`` as ``du`` counts them (blocks, hard links once); 0 if absent."""
+    seen, total = set(), 0
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(dirpath, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def ensure_checkpoint(work: Path, preset: str, layers: int | None, vocab: int | None) -> tuple[Path, list[str]]:
+    """The checkpoint of ``preset`` (sliced) under ``work/checkpoints``, written by make_checkpoint.py if absent."""
+    name = preset + (f"-l{layers}" if layers else "") + (f"-v{vocab}" if vocab else "")
+    folder = work / "checkpoints" / name
+    cmd = [sys.executable, str(HERE / "make_checkpoint.py"), preset, "-o", str(folder)]
+    cmd += [*(["--layers", str(layers)] if layers else []), *(["--vocab", str(vocab)] if vocab else [])]
+    if (folder / "config.json").is_file():
+        log.info("reusing checkpoint %s", folder)
+    else:
+        log.info("writing checkpoint %s", folder)
+        subprocess.run(cmd, check=True)
+    return folder, cmd
+
+
+def parse_time_v(stderr: str) -> dict[str, Any]:
+    """``/usr/bin/time -v``'s peak RSS and wall time, and the program's own last stderr line before its report."""
+    lines = stderr.splitlines()
+    start = next((i for i, line in enumerate(lines) if TIME_START.match(line)), len(lines))
+    own = [line.strip() for line in lines[:start] if line.strip()]
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", stderr)
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", stderr)
+    seconds = sum(float(p) * 60**i for i, p in enumerate(reversed(wall.group(1).split(":")))) if wall else None
+    signal = next((line for line in lines[start:] if line.startswith("Command terminated by signal")), None)
+    return {"peak_rss_bytes": int(rss.group(1)) * 1024 if rss else None, "wall_s": seconds,
+            "last_line": own[-1] if own else signal, "signal": signal, "tail": own[-20:]}
+
+
+def validation_skipped(cache: Path, source: dict[str, Any]) -> str | None:
+    """Why the export of ``source`` was not compared with eager, from its cached stage's history (None: it was)."""
+    for stage in sorted(cache.glob("*/*/stage.json")):
+        info = json.loads(stage.read_text())
+        if info.get("source", {}).get("sha256") == source.get("sha256"):
+            reason = info.get("history", {}).get("export", {}).get("validation_skipped")
+            if reason:
+                return reason
+    return None
+
+
+def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cache: Path) -> dict[str, Any]:
+    """Build one engine through the CLI under ``/usr/bin/time -v``; the row of figures (``error`` on failure)."""
+    cmd = [sys.executable, "-m", "trtinfer", "build", str(ckpt), "--precision", precision, "-o", str(engine), "--force"]
+    if precision == "int4":
+        cmd += ["--method", method or "rtn"]
+    log_path = engine.parent / f"build-{precision}.log"
+    before = tree_bytes(cache)
+    log.info("building %s (log: %s)", precision, log_path)
+    with log_path.open("w+") as stderr:
+        proc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                              env={**os.environ, "TRTINFER_CACHE": str(cache)}, check=False)
+        stderr.seek(0)
+        timed = parse_time_v(stderr.read())
+    row: dict[str, Any] = {"precision": precision, "command": cmd, "env": {"TRTINFER_CACHE": str(cache)},
+                           "exit_code": proc.returncode, "build_wall_s": timed["wall_s"],
+                           "build_peak_rss_bytes": timed["peak_rss_bytes"], "signal": timed["signal"],
+                           "cache_growth_bytes": tree_bytes(cache) - before, "stdout": proc.stdout.strip()}
+    if proc.returncode != 0 or not (engine / "manifest.json").is_file():
+        row["error"] = timed["last_line"] or f"exit code {proc.returncode}, no output"
+        row["stderr_tail"] = timed["tail"]
+        log.warning("build %s failed: %s", precision, row["error"])
+        return row
+    m = json.loads((engine / "manifest.json").read_text())
+    validation = (m.get("export") or {}).get("validation")
+    row.update(engine_bytes=tree_bytes(engine), build_seconds_manifest=m.get("build_seconds"), stages=m.get("stages"),
+               export_validation=validation, engine_check=m.get("engine_check"),
+               accuracy_check=m.get("accuracy_check"), source=m.get("source"),
+               validation_skipped=None if validation else validation_skipped(cache, m.get("source") or {}))
+    return row
+
+
+def measure_row(row: dict[str, Any], engine: Path, batch_sizes: Sequence[int], prompt_len: int,
+                batch_prompt_len: int, new_tokens: int, ceiling: dict[str, float]) -> None:
+    """Add ``runs`` to ``row``: one roofline row per batch size (``error`` where the measurement failed)."""
+    row["runs"] = []
+    for bs in batch_sizes:
+        plen = prompt_len if bs == 1 else batch_prompt_len
+        log.info("measuring %s at batch %d (prompt %d, %d new tokens)", row["precision"], bs, plen, new_tokens)
+        try:
+            res = roofline.measure_decode(engine, bs, plen, new_tokens)
+        except TrtInferError as e:
+            log.warning("%s batch %d: %s", row["precision"], bs, e)
+            row["runs"].append({"batch_size": bs, "prompt_len": plen, "error": str(e)})
+            continue
+        run = roofline.roofline_row(engine, bs, plen, new_tokens, res, ceiling)
+        run.update(prompt_len=plen, ttft_ms=res.ttft_ms, peak_rss_mib=res.peak_rss_mib,
+                   command=[sys.executable, "-m", "trtinfer.bench", "engine", str(engine), str(bs), str(plen),
+                            str(new_tokens)])  # what measure_engine runs
+        row["runs"].append(run)
+
+
+def check_text(row: dict[str, Any]) -> str:
+    """The build's checks in a few words: eager validation, engine check, held-out accuracy."""
+    if "error" in row:
+        return f"build failed: {row['error'][:80]}"
+    v, c, a = row["export_validation"], row["engine_check"], row["accuracy_check"]
+    parts = ["eager " + ("ok" if v and v.get("passed") else "FAIL" if v else
+                         "skipped" if row["validation_skipped"] else "-")]
+    if c:
+        parts.append(f"engine {'ok' if c.get('passed') else 'FAIL'} top1 {c['top1_agreement']:.0%}")
+    if a:
+        parts.append(f"ppl x{a['ratio']:.3f} {'ok' if a.get('passed') else 'FAIL'}")
+    return "; ".join(parts)
+
+
+def _gib(b: float | None, unit: float = 2**30) -> str:
+    return "-" if b is None else f"{b / unit:.2f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """One markdown row per precision: build costs, engine costs, decode rates, roofline fraction, checks."""
+    bss = report["settings"]["batch_sizes"]
+    head = (["precision", "build wall s", "build peak GiB", "cache growth GB", "engine GB", f"load+generate peak GiB (bs{bss[0]})"]
+            + [f"bs{b} tok/s" for b in bss] + [f"TTFT {report['settings']['prompt_len']} ms",
+                                                "% of roofline (" + "/".join(f"bs{b}" for b in bss) + ")", "checks"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["rows"]:
+        runs = {u["batch_size"]: u for u in r.get("runs", [])}
+        ok = [runs.get(b, {}) for b in bss]
+        wall = "-" if r["build_wall_s"] is None else f"{r['build_wall_s']:.1f}"
+        peak = ok[0].get("peak_rss_mib")
+        cells = [r["precision"], wall, _gib(r["build_peak_rss_bytes"]), _gib(r["cache_growth_bytes"], 1e9),
+                 _gib(r.get("engine_bytes"), 1e9), _gib(peak * 2**20 if peak else None)]
+        cells += [f"{u['decode_tok_s']:.1f}" if "decode_tok_s" in u else "error" if u else "-" for u in ok]
+        cells.append(f"{ok[0]['ttft_ms']:.0f}" if "ttft_ms" in ok[0] else "-")
+        cells.append("/".join(f"{u['fraction_of_read']:.0%}" if "fraction_of_read" in u else "-" for u in ok))
+        cells.append(check_text(r))
+        lines.append("| " + " | ".join(cells) + " |")
+    c = report["ceiling_gb_s"]
+    lines.append(f"\nroofline: bytes read per decode step / step time / the probed read bandwidth ({c['read']:.1f} "
+                 f"GB/s, best of before/after; copy {c['copy']:.1f} GB/s) on {report['machine']['cpu']}")
+    return "\n".join(lines)
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    """Left: build peak RSS, load+generate peak RSS and engine size per precision; right: roofline fractions."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, bss = report["rows"], report["settings"]["batch_sizes"]
+    names = [r["precision"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    series = {"build peak RSS": [r["build_peak_rss_bytes"] or 0 for r in rows],
+              "load+generate peak RSS (bs1)": [(r.get("runs") or [{}])[0].get("peak_rss_mib", 0) * 2**20 for r in rows],
+              "engine size": [r.get("engine_bytes") or 0 for r in rows]}
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        bars = ax1.bar([x + i * width for x in range(len(rows))], [v / 2**30 for v in values], width, label=label)
+        ax1.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax1.set_xticks([x + width for x in range(len(rows))], names)
+    ax1.set_ylabel("GiB")
+    ax1.set_title(f"memory and disk ({report['checkpoint']['name']})", fontsize=9)
+    ax1.legend(fontsize=7)
+    width = 0.8 / len(bss)
+    for i, b in enumerate(bss):
+        fr = [next((u.get("fraction_of_read", 0) for u in r.get("runs", []) if u["batch_size"] == b), 0) for r in rows]
+        bars = ax2.bar([x + i * width for x in range(len(rows))], [f * 100 for f in fr], width, label=f"bs{b}")
+        ax2.bar_label(bars, fmt="%.0f%%", fontsize=7)
+    ax2.axhline(100, color="tab:red", ls="--", lw=1, label=f"probed read {report['ceiling_gb_s']['read']:.1f} GB/s")
+    ax2.set_xticks([x + width * (len(bss) - 1) / 2 for x in range(len(rows))], names)
+    ax2.set_ylabel("% of read bandwidth per decode step")
+    ax2.set_title(f"decode vs roofline ({report['machine']['cpu']})", fontsize=9)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _csv(kind: type) -> Any:
+    return lambda s: [kind(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Build every precision, measure every engine, print the table, write the JSON and the chart."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", type=Path, help="a Hugging Face model folder")
+    src.add_argument("--preset", help="make_checkpoint.py preset (llama-3.2-1b, qwen3-8b, qwen3-14b)")
+    ap.add_argument("--layers", type=int, help="--preset: an N-layer slice")
+    ap.add_argument("--vocab", type=int, help="--preset: this vocabulary size")
+    ap.add_argument("--precisions", type=_csv(str), default=["fp32", "int8", "int4"])
+    ap.add_argument("--method", help="int4 --method (default rtn)")
+    ap.add_argument("--work", type=Path, default=Path("~/.cache/trtinfer-bench"),
+                    help="checkpoints/ and runs/ (a temp folder per run: engines, logs, the default cache)")
+    ap.add_argument("--cache", type=Path, help="TRTINFER_CACHE for the builds (default: a fresh one in the run folder)")
+    ap.add_argument("--batch-sizes", type=_csv(int), default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=512, help="batch 1 prompt (its TTFT is reported)")
+    ap.add_argument("--batch-prompt-len", type=int, default=32, help="prompt of the larger batches")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--buffer-mib", type=float, default=1024, help="bandwidth probe array size")
+    ap.add_argument("--keep", action="store_true", help="keep the run folder (engines, build logs, default cache)")
+    ap.add_argument("--out", type=Path, help="PREFIX of PREFIX.json and PREFIX.png")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    work = args.work.expanduser()
+    ckpt_cmd: list[str] | None = None
+    if args.checkpoint:
+        ckpt = args.checkpoint.expanduser().resolve()
+    else:
+        ckpt, ckpt_cmd = ensure_checkpoint(work, args.preset, args.layers, args.vocab)
+    (work / "runs").mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=work / "runs"))
+    cache = (args.cache or run_dir / "cache").expanduser().resolve()
+    machine, load_before, date = machine_info(), os.getloadavg(), time.strftime("%Y-%m-%d")
+    rows: list[dict[str, Any]] = []
+    try:
+        log.info("probing memory bandwidth (%g MiB arrays)", args.buffer_mib)
+        probe = roofline.probe_bandwidth(args.buffer_mib)
+        ceiling = {k: v["gb_s"] for k, v in probe["kernels"].items()}
+        for precision in args.precisions:
+            engine = run_dir / "engines" / precision
+            engine.parent.mkdir(parents=True, exist_ok=True)
+            row = build_row(ckpt, precision, args.method, engine, cache)
+            if "error" not in row:
+                measure_row(row, engine, args.batch_sizes, args.prompt_len, args.batch_prompt_len,
+                            args.new_tokens, ceiling)
+                if not args.keep:
+                    shutil.rmtree(engine)
+            rows.append(row)
+        probe_after = roofline.probe_bandwidth(args.buffer_mib)  # a shared machine's bandwidth drifts
+    finally:
+        if not args.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    ceiling = {k: max(v, probe_after["kernels"][k]["gb_s"]) for k, v in ceiling.items()}
+    for run in (u for r in rows for u in r.get("runs", []) if "achieved_gb_s" in u):
+        run["fraction_of_read"] = run["achieved_gb_s"] / ceiling["read"]  # against the final best-of ceiling
+        run["fraction_of_copy"] = run["achieved_gb_s"] / ceiling["copy"]
+    config = json.loads((ckpt / "config.json").read_text())
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
+                            check=False).stdout.strip()
+    report = {"machine": machine, "cpu_tag": roofline.cpu_kind(machine), "date": date, "git_commit": commit,
+              "versions": _versions(), "command": [sys.executable, *sys.argv],
+              "load_average": {"before": load_before, "after": os.getloadavg()},
+              "checkpoint": {"path": str(ckpt), "name": ckpt.name, "bytes": tree_bytes(ckpt), "made_by": ckpt_cmd,
+                             "config": {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers",
+                                                                   "intermediate_size", "vocab_size", "dtype")}},
+              "settings": {"precisions": args.precisions, "method": args.method, "batch_sizes": args.batch_sizes,
+                           "prompt_len": args.prompt_len, "batch_prompt_len": args.batch_prompt_len,
+                           "new_tokens": args.new_tokens, "cache": str(cache), "run_dir": str(run_dir),
+                           "kept": args.keep},
+              "probe": probe, "probe_after": {k: v["gb_s"] for k, v in probe_after["kernels"].items()},
+              "ceiling_gb_s": ceiling, "rows": rows}
+    print(format_table(report))
+    out = args.out or HERE / "results" / f"real_size_{report['cpu_tag']}_{date}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out.with_name(out.name + ".json"), out.with_name(out.name + ".png")
+    json_path.write_text(json.dumps(report, indent=2))
+    chart(report, png_path)
+    log.info("wrote %s and %s", json_path, png_path)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""benchmarks/real_size.py: ``/usr/bin/time -v`` parsing, a failed build as a row, the skipped-validation reason
+from the cache, and (slow) the whole run on a one-layer real-width slice, cleaned up after itself."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TIME_REPORT = """\tCommand being timed: "python -m trtinfer build x"
+\tElapsed (wall clock) time (h:mm:ss or m:ss): {wall}
+\tMaximum resident set size (kbytes): 1429036
+\tExit status: {rc}
+"""
+
+
+def _load_script() -> Any:
+    spec = importlib.util.spec_from_file_location("real_size", ROOT / "benchmarks" / "real_size.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["real_size"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+real_size = _load_script()
+
+
+def test_time_v_figures_and_the_programs_last_line():
+    ok = real_size.parse_time_v("traced llama\nvalidated\n" + TIME_REPORT.format(wall="1:02:03.5", rc=0))
+    assert ok["peak_rss_bytes"] == 1429036 * 1024 and ok["wall_s"] == pytest.approx(3723.5)
+    assert ok["last_line"] == "validated" and ok["signal"] is None
+    failed = real_size.parse_time_v("trtinfer build: error: out of disk\nCommand exited with non-zero status 1\n"
+                                    + TIME_REPORT.format(wall="0:33.28", rc=1))
+    assert failed["last_line"] == "trtinfer build: error: out of disk" and failed["wall_s"] == pytest.approx(33.28)
+    killed = real_size.parse_time_v("Command terminated by signal 9\n" + TIME_REPORT.format(wall="0:01.00", rc=0))
+    assert killed["last_line"] == killed["signal"] == "Command terminated by signal 9"
+
+
+def test_a_failed_build_is_a_row(tmp_path):
+    engine = tmp_path / "engines" / "fp8"
+    engine.parent.mkdir(parents=True)
+    row = real_size.build_row(tmp_path, "fp8", None, engine, tmp_path / "cache")
+    assert row["exit_code"] != 0 and "fp8" in row["error"] and row["build_peak_rss_bytes"] > 0
+    assert row["command"][-4:] == ["fp8", "-o", str(engine), "--force"]
+    assert real_size.check_text(row).startswith("build failed: ")
+
+
+def test_validation_skipped_is_read_from_the_cached_stage(tmp_path):
+    stage = tmp_path / "onnx" / "abc"
+    stage.mkdir(parents=True)
+    why = "eager does not fit: fp32 eager needs 30.5 GiB, 20.0 GiB available"
+    (stage / "stage.json").write_text(json.dumps({"source": {"sha256": "s1"},
+                                                  "history": {"export": {"validation_skipped": why}}}))
+    assert real_size.validation_skipped(tmp_path, {"sha256": "s1"}) == why
+    assert real_size.validation_skipped(tmp_path, {"sha256": "other"}) is None
+
+
+@pytest.mark.slow
+def test_main_on_a_one_layer_slice(tmp_path):
+    try:
+        report = real_size.main(["--preset", "llama-3.2-1b", "--layers", "1", "--vocab", "512", "--precisions",
+                                 "int4", "--batch-sizes", "1,2", "--prompt-len", "16", "--batch-prompt-len", "8",
+                                 "--new-tokens", "4", "--buffer-mib", "16", "--work", str(tmp_path),
+                                 "--out", str(tmp_path / "r")])
+        saved = json.loads((tmp_path / "r.json").read_text())
+        assert (tmp_path / "r.png").stat().st_size > 0
+        assert saved["rows"] == json.loads(json.dumps(report["rows"]))
+        (row,) = saved["rows"]
+        assert row["exit_code"] == 0 and "error" not in row and row["command"][-2:] == ["--method", "rtn"]
+        assert row["engine_check"]["passed"] and row["accuracy_check"]["passed"] and row["export_validation"]
+        assert row["cache_growth_bytes"] > row["engine_bytes"] > 0 and row["build_peak_rss_bytes"] > 0
+        assert [r["batch_size"] for r in row["runs"]] == [1, 2]
+        for run in row["runs"]:
+            assert run["decode_tok_s"] > 0 and run["peak_rss_mib"] > 0 and run["ttft_ms"] > 0
+            assert run["fraction_of_read"] == pytest.approx(run["achieved_gb_s"] / saved["ceiling_gb_s"]["read"])
+        assert not Path(saved["settings"]["run_dir"]).exists()  # engines, logs and the default cache are gone
+        assert (tmp_path / "checkpoints" / "llama-3.2-1b-l1-v512" / "config.json").is_file()
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
