@@ -29,7 +29,7 @@ REFERENCE_NAME = "reference.npz"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 #: the facts the export writes once; later stages copy them unchanged
-MODEL_FACTS = ("kind", "architecture", "model_type", "source", "geometry")
+MODEL_FACTS = ("kind", "architecture", "model_type", "source", "geometry", "weights")
 
 
 @dataclass(frozen=True)

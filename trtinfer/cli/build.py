@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"model: {m['architecture']} {g['num_layers']} layers, {m['backend']}/{m['target']} {m['precision']}, "
               f"max batch {m['limits']['max_batch_size']}, max seq {m['limits']['max_seq_len']}, "
               f"KV layout {m['kv_layout']}")
-    print(validation_text(m["export"]["validation"]))
+    print(validation_text(m["export"]["validation"], m["export"].get("validation_skipped")))
     print("fused: " + fused_text(m.get("fused_ops", {})))
     q = m.get("quantization")
     if q:

@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def validation_text(v: dict[str, Any] | None) -> str:
+def validation_text(v: dict[str, Any] | None, skipped: str | None = None) -> str:
     """``validated vs eager: max|diff| 2.1e-05 (tol 3.0e-03), top-1 agrees`` (decoder or encoder record)."""
     if not v:
-        return "not validated against eager"
+        return f"not validated against eager ({skipped})" if skipped else "not validated against eager"
     if "decode_logits_max_abs_diff" in v:
         diff = max(v["prefill_logits_max_abs_diff"], v["decode_logits_max_abs_diff"])
         return f"validated vs eager: logits max|diff| {diff:.2e} (tol {v['tolerance']:.2e}), top-1 agrees"

@@ -30,7 +30,7 @@ from trtinfer.stages import (
 
 log = logging.getLogger(__name__)
 
-EXPORT_FORMAT = 5  # bump when the graph contract changes (invalidates cached exports)
+EXPORT_FORMAT = 6  # 6: streamed from the checkpoint, stage.json "weights". Bump when the graph contract changes (invalidates cached exports)
 ExportResult = StageDir  # what :func:`export` returns: the stage directory it wrote
 
 
@@ -91,14 +91,18 @@ def eager_fits(fp32_bytes: int) -> tuple[bool, str]:
 
 
 def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping: bool, config: ExportConfig,
-           out: Path) -> None:
-    """Trace ``model`` (:func:`streamed.empty_model`) with its weights as inputs, then stream them from ``ckpt``."""
+           out: Path) -> dict[str, dict[str, Any]]:
+    """Trace ``model`` (:func:`streamed.empty_model`) with its weights as inputs, then stream them from ``ckpt``.
+
+    Returns where each initializer came from: ``{name: {"tensor": checkpoint tensor, "ops": [folded op types]}}``.
+    """
     import onnx
     import torch
 
     from trtinfer.export.streamed import (
         SourceReader,
         attach_weights,
+        drop_wrapper_scope,
         fold_weight_chains,
         weights_as_inputs,
         write_weights,
@@ -106,6 +110,7 @@ def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping:
     from trtinfer.export.wrapper import DecoderWithPast, traced_attention
 
     wrapper = DecoderWithPast(model, geometry, mask_mapping, config.logits == "last").eval()
+    reader = SourceReader(wrapper.model, ckpt)  # before the parameters are taken out of the model
     traced, weight_names, weights = weights_as_inputs(wrapper)
     b, s, p = 2, 7, 5  # distinct sizes so no dimension is mistaken for another
     kv, hd = geometry["num_kv_heads"], geometry["head_dim"]
@@ -131,12 +136,14 @@ def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping:
         )
     proto = onnx.load(str(raw))  # the graph without weights: small whatever the model's size
     raw.unlink()
+    drop_wrapper_scope(proto)
     sources = fold_weight_chains(proto, set(weight_names))
-    placed = write_weights(sources, SourceReader(model, ckpt), out / DATA_NAME)
+    placed = write_weights(sources, reader, out / DATA_NAME)
     attach_weights(proto, placed, DATA_NAME)
     # the passes read their expectations (layers, norms, windows) from here when run on the file alone
     onnx.helper.set_model_props(proto, {"trtinfer.geometry": json.dumps(geometry)})
     onnx.save_model(proto, str(out / ONNX_NAME))
+    return {src.graph_name: {"tensor": reader.tensor(src.source), "ops": src.op_types} for src in sources}
 
 
 def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> StageDir:
@@ -149,13 +156,13 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     geometry = spec.geometry(hf_config)
     t0 = time.perf_counter()
     model = empty_model(hf_config)
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())  # meta tensors: sizes only
     try:
-        _trace(model, ckpt, geometry, spec.mask_mapping, config, folder)
+        weights = _trace(model, ckpt, geometry, spec.mask_mapping, config, folder)
     except TrtInferError:
         raise
     except Exception as e:
         raise ExportError(f"tracing {spec.name} to ONNX failed: {type(e).__name__}: {e}") from e
-    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())  # meta tensors: sizes only
     del model
     export_s = time.perf_counter() - t0
     log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
@@ -168,10 +175,9 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         from trtinfer.export.quiet import quiet_third_party
         from trtinfer.export.validate import validate_decoder
 
-        hf = load_hf_model(resolved.path)
         with quiet_third_party():  # the eager model warns about its own past_key_values argument
-            report = validate_decoder(folder / ONNX_NAME, hf, geometry, config.atol, config.logits == "last")
-        del hf
+            report = validate_decoder(folder / ONNX_NAME, lambda: load_hf_model(resolved.path), geometry,
+                                      config.atol, config.logits == "last")
         validation = report.to_dict()
         if not report.passed:
             raise ValidationError(
@@ -196,6 +202,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         "io": io_spec(geometry, config.logits),
         "kv_layout": "concat",
         "tokenizer": tokenizer,
+        "weights": weights,
         "history": {"export": {"config": config.to_dict(), "seconds": round(export_s, 2), "validation": validation,
                                **({"validation_skipped": skipped} if skipped else {}),
                                "format": EXPORT_FORMAT, "versions": stack_versions()}},

@@ -3,8 +3,8 @@
 How, and why this way:
 
 1. The model is built from its config under ``accelerate.init_empty_weights`` (buffers such as rotary
-   ``inv_freq`` are real, as the config makes them). :func:`weights_as_inputs` wraps it so every parameter is an
-   extra forward argument, swapped into the module for the call; the example values are zero-stride views
+   ``inv_freq`` are real, as the config makes them). :func:`weights_as_inputs` takes the parameters out and makes
+   each an extra forward argument, put back into its slot for the call; the example values are zero-stride views
    of one float (``torch.zeros(1).expand(shape)``), so no weight is ever allocated. torch 2.13's TorchScript
    exporter traces the full-depth model: the weights come out as graph inputs named after their parameters, and
    everything else is constant-folded as usual.
@@ -12,6 +12,7 @@ How, and why this way:
    shape-infers with every parameter in memory (it materializes the transposed Linear weights and encodes all
    of them into a protobuf: 4.4 GB peak and 60-90 s per trace at the 1B shape). The meta device fails outright
    (the exporter copies tensors out).
+   (``torch.func.functional_call`` would do the swap but refuses to run under the tracer.)
 2. With the weights as inputs the exporter cannot fold what it would have folded from them: a Linear's
    ``Transpose``, Gemma's ``1 + w``, a ``Cast``. :func:`fold_weight_chains` follows each weight input through
    such ops (every other input a constant) and records the chain as the recipe of a new weight read where the
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 WRAPPER_PREFIX = "model."  # DecoderWithPast keeps the HF model as ``self.model``: weight input names carry it
 ALIGN = 64 * 1024  # ONNX Runtime maps external data only at offsets aligned to the allocation granularity
+WRAPPED_CHILD = "inner"  # the traced module's name inside the wrapper (dropped from node names after the trace)
 BLOCK_BYTES = 64 * 2**20  # float32 bytes widened (and transposed) at a time
 #: ops the exporter would have folded on a weight: followed while every other input is a constant
 FOLDABLE = frozenset({"Transpose", "Cast", "Add", "Sub", "Mul", "Div", "Identity", "Unsqueeze", "Reshape",
@@ -59,6 +61,14 @@ class WeightSource:
     source: str  # the weight input (``model.`` + parameter name)
     nodes: tuple[bytes, ...]
     constants: tuple[bytes, ...]
+    output: str = ""  # the traced value the nodes compute (their last output)
+
+    @property
+    def op_types(self) -> list[str]:
+        """The folded ops, in order (``["Transpose"]`` for a Linear's W.T)."""
+        import onnx
+
+        return [onnx.NodeProto.FromString(b).op_type for b in self.nodes]
 
     @property
     def transposed_2d(self) -> bool:
@@ -86,7 +96,13 @@ def empty_model(config: Any) -> Any:
 
 def weights_as_inputs(module: Any) -> tuple[Any, list[str], list[Any]]:
     """``(wrapper, parameter names, zero-stride example values)``: ``wrapper(*args, *weights)`` runs ``module(*args)``
-    with those weights. Tied parameters appear once, under their first name."""
+    with those weights. Tied parameters appear once, under their first name.
+
+    The parameters are taken out of ``module`` for good (each slot holds None; read names and shapes before), so
+    the tracer sees a module with buffers only; each call puts the given tensors in the slots and clears them after.
+    ``module`` stays a registered child, so the graph's node names keep their module scopes
+    (``/model/model/layers.0/mlp/down_proj/MatMul``), which ``--keep-fp32`` patterns and the quantizers match.
+    """
     import torch
 
     names, examples, originals = [], [], []
@@ -94,24 +110,43 @@ def weights_as_inputs(module: Any) -> tuple[Any, list[str], list[Any]]:
         names.append(name)
         examples.append(torch.zeros(1, dtype=torch.float32).expand(tuple(p.shape)))
         originals.append(p)
-    slots = [(m, k) for m in module.modules() for k, v in m._parameters.items() if v is not None]
+    slots = [(m, k, id(v)) for m in module.modules() for k, v in m._parameters.items() if v is not None]
+    for m, k, _ in slots:
+        m._parameters[k] = None
 
     class Wrapped(torch.nn.Module):
-        # ``module`` is deliberately not a registered child: its (meta) parameters would become the trace's, and
-        # torch.func.functional_call refuses to run under the tracer; the swap below is what it does
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_module(WRAPPED_CHILD, module)
+
         def forward(self, *args: Any) -> Any:
             n = len(args) - len(names)
             by_id = {id(p): w for p, w in zip(originals, args[n:])}
-            saved = [(m, k, m._parameters[k]) for m, k in slots]
             try:
-                for m, k, p in saved:
-                    m._parameters[k] = by_id[id(p)]  # tied slots hold the same parameter: same input
-                return module(*args[:n])
+                for m, k, pid in slots:
+                    m._parameters[k] = by_id[pid]  # tied slots held the same parameter: the same input
+                return getattr(self, WRAPPED_CHILD)(*args[:n])
             finally:
-                for m, k, p in saved:
-                    m._parameters[k] = p
+                for m, k, _ in slots:
+                    m._parameters[k] = None
 
     return Wrapped().eval(), names, examples
+
+
+def drop_wrapper_scope(proto: Any) -> None:
+    """Node and value names without the ``/inner`` scope :func:`weights_as_inputs` adds: the graph names its nodes
+    as a trace of the module itself would (``/model/model/layers.0/mlp/down_proj/MatMul``)."""
+    prefix = f"/{WRAPPED_CHILD}/"
+
+    def strip(name: str) -> str:
+        return "/" + name[len(prefix):] if name.startswith(prefix) else name
+
+    for n in proto.graph.node:
+        n.name = strip(n.name)
+        n.input[:] = [strip(x) for x in n.input]
+        n.output[:] = [strip(x) for x in n.output]
+    for v in proto.graph.value_info:
+        v.name = strip(v.name)
 
 
 def _constant_values(proto: Any) -> dict[str, Any]:
@@ -155,18 +190,29 @@ def fold_weight_chains(proto: Any, weights: set[str]) -> list[WeightSource]:
         if any(not foldable(n, value) for n in consumers[value]) or value in graph_outputs:
             used = sorted({x for c in chain for x in c.input if x in consts})
             made[value] = WeightSource(value, source, tuple(c.SerializeToString() for c in chain),
-                                       tuple(consts[x].SerializeToString() for x in used))
+                                       tuple(consts[x].SerializeToString() for x in used), value)
 
     for w in sorted(weights):
         visit(w, w, [])
     producers = {o: n for n in proto.graph.node for o in n.output}
+    renamed: dict[str, WeightSource] = {}
     for v, src in made.items():
-        if src.nodes:
-            proto.graph.node.remove(producers[v])
-            value = proto.graph.input.add()
-            value.CopyFrom(inputs[src.source])
-            value.name = v
-            del value.type.tensor_type.shape.dim[:]  # set from the written tensor by attach_weights
+        if not src.nodes:
+            renamed[v] = src
+            continue
+        # named after its parameter and recipe: "model.model.layers.0.mlp.down_proj.weight.Transpose"
+        name = ".".join([src.source, *src.op_types])
+        proto.graph.node.remove(producers[v])
+        for n in consumers[v]:
+            for i, x in enumerate(n.input):
+                if x == v:
+                    n.input[i] = name
+        value = proto.graph.input.add()
+        value.CopyFrom(inputs[src.source])
+        value.name = name
+        del value.type.tensor_type.shape.dim[:]  # set from the written tensor by attach_weights
+        renamed[name] = WeightSource(name, src.source, src.nodes, src.constants, v)
+    made = renamed
     while True:
         read = {x for n in proto.graph.node for x in n.input} | graph_outputs
         dead = [n for n in proto.graph.node if n.op_type in FOLDABLE | {"Constant"} and not set(n.output) & read]
@@ -224,7 +270,7 @@ def _evaluate(src: WeightSource, reader: SourceReader) -> np.ndarray:
     graph = onnx.helper.make_graph(
         [onnx.NodeProto.FromString(b) for b in src.nodes], "fold",
         [onnx.helper.make_tensor_value_info(src.source, onnx.TensorProto.FLOAT, value.shape)],
-        [onnx.helper.make_empty_tensor_value_info(src.graph_name)],
+        [onnx.helper.make_empty_tensor_value_info(src.output)],
         initializer=[onnx.TensorProto.FromString(b) for b in src.constants])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     return np.asarray(ReferenceEvaluator(model).run(None, {src.source: value})[0])
@@ -244,7 +290,7 @@ def write_weights(sources: list[WeightSource], reader: SourceReader,
             tensor = reader.tensor(src.source)
             info = ckpt.tensors[tensor]
             pos = f.tell()
-            if info.nbytes >= ALIGN:
+            if 4 * int(np.prod(info.shape, dtype=np.int64)) >= ALIGN:  # by the float32 bytes written
                 pos = -(-pos // ALIGN) * ALIGN
                 f.seek(pos)
             if src.transposed_2d:

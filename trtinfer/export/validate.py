@@ -7,6 +7,7 @@ positions transformers keeps: its sliding layers drop the oldest ones.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,28 +42,53 @@ def _reference_step(model: Any, ids: Any, mask: Any, pos: Any, cache: Any) -> tu
     return out.logits[:, -1:].float().numpy(), out.past_key_values
 
 
-def validate_decoder(onnx_path: Path, model: Any, geometry: dict[str, Any], atol: float, last_only: bool) -> ValidationReport:
-    """Run prefill (batch 2, one row left-padded) and one decode step in ORT and eager; compare."""
+def _onnx_steps(onnx_path: Path, geometry: dict[str, Any], ids: np.ndarray, mask: np.ndarray,
+                pos: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """Prefill then one decode step (on the prefill's own greedy token) in ONNX Runtime; the session is closed
+    before eager runs, so the two never hold the weights at once. Returns both steps' outputs and the token fed."""
     import onnxruntime as ort
+
+    from trtinfer.runtime.memory import lean_weights
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if lean_weights(so, onnx_path, always=True):  # a few runs: mapped weights, no packed copy
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    n_layers, kv, hd = geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"]
+    feed: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+    for i in range(n_layers):
+        feed[f"past_key_values.{i}.key"] = np.zeros((2, kv, 0, hd), np.float32)
+        feed[f"past_key_values.{i}.value"] = np.zeros((2, kv, 0, hd), np.float32)
+    outs = sess.run(None, feed)
+    nxt = outs[0][:, -1].argmax(-1)[:, None].astype(np.int64)
+    feed2: dict[str, np.ndarray] = {"input_ids": nxt, "attention_mask": np.concatenate([mask, np.ones((2, 1), np.int64)], 1),
+                                    "position_ids": pos[:, -1:] + 1}
+    for i in range(n_layers):
+        feed2[f"past_key_values.{i}.key"] = outs[1 + 2 * i]
+        feed2[f"past_key_values.{i}.value"] = outs[2 + 2 * i]
+    outs2 = sess.run(None, feed2)
+    del sess
+    return outs, outs2, nxt
+
+
+def validate_decoder(onnx_path: Path, load_model: Callable[[], Any], geometry: dict[str, Any], atol: float,
+                     last_only: bool) -> ValidationReport:
+    """Run prefill (batch 2, one row left-padded) and one decode step in ORT, then in eager (``load_model()``,
+    loaded only once ONNX Runtime has let go of the graph: peak memory is one copy of the weights); compare."""
     import torch
     from transformers.cache_utils import DynamicCache
 
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    n_layers, kv, hd = geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"]
     rng = np.random.default_rng(0)
     seq, pad = 9, 3
     ids = rng.integers(0, geometry["vocab_size"], size=(2, seq), dtype=np.int64)
     mask = np.ones((2, seq), dtype=np.int64)
     mask[0, :pad] = 0
     pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-
-    feed: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
-    for i in range(n_layers):
-        feed[f"past_key_values.{i}.key"] = np.zeros((2, kv, 0, hd), np.float32)
-        feed[f"past_key_values.{i}.value"] = np.zeros((2, kv, 0, hd), np.float32)
-    outs = sess.run(None, feed)
+    outs, outs2, nxt = _onnx_steps(onnx_path, geometry, ids, mask, pos)
     ort_logits = outs[0][:, -1:] if not last_only else outs[0]
 
+    model = load_model()
     cache = DynamicCache(config=model.config)
     t = torch.from_numpy
     ref_logits, cache = _reference_step(model, t(ids), t(mask), t(pos), cache)
@@ -70,16 +96,9 @@ def validate_decoder(onnx_path: Path, model: Any, geometry: dict[str, Any], atol
     top1 = bool((ort_logits.argmax(-1) == ref_logits.argmax(-1)).all())
     scale = float(max(1.0, np.abs(ref_logits).max()))
 
-    # one decode step on the presents
-    nxt = ref_logits[:, -1].argmax(-1)[:, None].astype(np.int64)
     mask2 = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
-    pos2 = pos[:, -1:] + 1
-    feed2: dict[str, np.ndarray] = {"input_ids": nxt, "attention_mask": mask2, "position_ids": pos2}
-    for i in range(n_layers):
-        feed2[f"past_key_values.{i}.key"] = outs[1 + 2 * i]
-        feed2[f"past_key_values.{i}.value"] = outs[2 + 2 * i]
-    outs2 = sess.run(None, feed2)
-    ref2, cache = _reference_step(model, t(nxt), t(mask2), t(pos2), cache)
+    ref2, cache = _reference_step(model, t(nxt), t(mask2), t(pos[:, -1:] + 1), cache)
+    del model
     decode_diff = float(np.abs(outs2[0][:, -1:] - ref2).max())
     top1 = top1 and bool((outs2[0][:, -1:].argmax(-1) == ref2.argmax(-1)).all())
     scale = max(scale, float(np.abs(ref2).max()))

@@ -67,6 +67,10 @@ class RuntimeConfig:
     trt_timing_cache: bool = True
     trt_max_workspace_size: int = 0
     cuda_graphs: bool = False
+    #: CPU: let MLAS keep a prepacked copy of the fp32 GEMM weights (faster at batch > 1). None: yes, unless the
+    #: weights take more than half the available memory (:mod:`trtinfer.runtime.memory`); False: never (a graph
+    #: run a few times, such as a build stage scored once, gains nothing from the copy)
+    prepack_weights: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.provider, str) or self.provider not in PROVIDERS:

@@ -37,10 +37,14 @@ def weight_bytes(model: Path) -> int:
     return sum(f.stat().st_size for f in files if f.is_file())
 
 
-def lean_weights(options: Any, model: Path) -> bool:
+def lean_weights(options: Any, model: Path, *, always: bool = False) -> bool:
     """Turn MLAS prepacking off in ``options`` (``onnxruntime.SessionOptions``) when ``model``'s weights take more
-    than :data:`LEAN_SHARE` of the available memory; returns whether it did."""
+    than :data:`LEAN_SHARE` of the available memory, or ``always`` (a check that runs a graph a few times gains
+    nothing from a packed copy); returns whether it did."""
     avail, size = available_memory(), weight_bytes(model)
+    if always:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+        return True
     if avail is None or size <= LEAN_SHARE * avail:
         return False
     options.add_session_config_entry("session.disable_prepacking", "1")

@@ -456,8 +456,8 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.intra_op_num_threads = config.intra_op_threads or default_intra_op_threads()
     so.log_severity_level = 3
-    if config.provider == "cpu":
-        lean_weights(so, model)  # a model larger than half the memory is not copied a second time
+    if config.provider == "cpu" and config.prepack_weights is not True:
+        lean_weights(so, model, always=config.prepack_weights is False)  # no second copy of a model that big
     else:
         _preload_cuda_libraries(ort)
         _check_provider_available(ort, config.provider)
