@@ -4,14 +4,36 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak resident set (Linux ``clear_refs`` 5); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mib() -> float | None:
+    """This process's peak resident set since the last reset (``VmHWM``), MiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
 
 
 class StageProgress:
     """``with progress.stage("export") as rec: ...`` advances one step per stage and records its time.
 
     ``rec["cached"] = True`` inside the block marks the stage as reused; :attr:`records` keeps, per stage, its
-    seconds and whether it came from the cache (the manifest stores them).
+    seconds, whether it came from the cache and, on Linux, the process's peak resident memory during it
+    (``peak_rss_mib``: the peak is reset when each stage starts), as the manifest stores them.
     """
 
     def __init__(self, names: Sequence[str], enabled: bool = True) -> None:
@@ -30,11 +52,14 @@ class StageProgress:
             raise ValueError(f"stage {name!r} was not announced; stages: {self.names}")
         self._bar.set_description_str(name)
         rec: dict[str, Any] = {"cached": False}
+        measured = _reset_peak_rss()
         t0 = time.perf_counter()
         try:
             yield rec
         finally:
             rec["seconds"] = round(time.perf_counter() - t0, 2)
+            if measured:
+                rec["peak_rss_mib"] = _peak_rss_mib()
             self.records[name] = rec
             self._bar.update()
 
