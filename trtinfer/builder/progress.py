@@ -8,17 +8,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak resident set (Linux ``clear_refs`` 5); False where that is not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def _peak_rss_mib() -> float | None:
-    """This process's peak resident set since the last reset (``VmHWM``), MiB."""
+    """This process's peak resident set so far (``VmHWM``), MiB; None where unknown."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -32,8 +23,9 @@ class StageProgress:
     """``with progress.stage("export") as rec: ...`` advances one step per stage and records its time.
 
     ``rec["cached"] = True`` inside the block marks the stage as reused; :attr:`records` keeps, per stage, its
-    seconds, whether it came from the cache and, on Linux, the process's peak resident memory during it
-    (``peak_rss_mib``: the peak is reset when each stage starts), as the manifest stores them.
+    seconds, whether it came from the cache and, on Linux, the process's peak resident memory so far when it ends
+    (``peak_rss_mib``: the first stage that raises it is the one that needed it; the peak is never reset, so
+    ``/usr/bin/time`` and other watchers still see the true one), as the manifest stores them.
     """
 
     def __init__(self, names: Sequence[str], enabled: bool = True) -> None:
@@ -52,14 +44,12 @@ class StageProgress:
             raise ValueError(f"stage {name!r} was not announced; stages: {self.names}")
         self._bar.set_description_str(name)
         rec: dict[str, Any] = {"cached": False}
-        measured = _reset_peak_rss()
         t0 = time.perf_counter()
         try:
             yield rec
         finally:
             rec["seconds"] = round(time.perf_counter() - t0, 2)
-            if measured:
-                rec["peak_rss_mib"] = _peak_rss_mib()
+            rec["peak_rss_mib"] = _peak_rss_mib()
             self.records[name] = rec
             self._bar.update()
 
