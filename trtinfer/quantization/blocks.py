@@ -112,12 +112,28 @@ def symmetric_scales(w_blocks: np.ndarray, bits: int) -> np.ndarray:
     return (extreme / -float(1 << (bits - 1))).astype(np.float32)
 
 
+#: output columns quantized at a time: the float temporaries stay ~64 MB whatever the weight (an LM head of a 128k
+#: vocabulary quantized whole took 6 GB of them)
+RTN_CHUNK_ELEMENTS = 1 << 24
+
+
 def quantize_rtn(w: np.ndarray, bits: int = 4, block: int = 32, symmetric: bool = True) -> BlockWeight:
-    """Round-to-nearest block quantization of ``w [K, N]`` (float) along ``K``."""
+    """Round-to-nearest block quantization of ``w [K, N]`` (float) along ``K``, a chunk of output columns at a time."""
     k, n = w.shape
     check_layout(k, bits, block)
+    step = max(1, RTN_CHUNK_ELEMENTS // k)
+    parts = [_rtn_columns(w[:, j:j + step], bits, block, symmetric) for j in range(0, n, step)]
+    if len(parts) == 1:
+        return parts[0]
+    zps = [p.zero_points for p in parts]
+    return BlockWeight(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                       None if symmetric else np.concatenate(zps), bits, block)  # type: ignore[arg-type]
+
+
+def _rtn_columns(w: np.ndarray, bits: int, block: int, symmetric: bool) -> BlockWeight:
+    k, n = w.shape
     qmax = (1 << bits) - 1
-    wb = np.ascontiguousarray(w.astype(np.float32).T).reshape(n, k // block, block)
+    wb = np.ascontiguousarray(w.T, dtype=np.float32).reshape(n, k // block, block)
     if symmetric:
         scales = symmetric_scales(wb, bits)
         safe = np.where(scales == 0, 1.0, scales)[:, :, None]

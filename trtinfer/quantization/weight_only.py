@@ -21,6 +21,7 @@ from trtinfer.quantization.registry import QuantContext, register_precision
 from trtinfer.quantization.weights import (
     WeightSite,
     embedding_gather,
+    release,
     replace_gather,
     replace_matmul,
     select_sites,
@@ -73,6 +74,8 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
                               act_order=ctx.config.act_order, scale_search=ctx.config.scale_search)
         else:
             q = quantize_rtn(w, b, block, sym)
+        del w
+        release(s.weight.const_value)  # its mapped pages leave the process: peak stays one weight, not the model
         _, packed = replace_matmul(graph, s, q, ctx.config.accuracy_level)
         stored += q.packed().nbytes + q.scales.nbytes
         key = f"{b}-bit block {block} {'symmetric' if sym else 'asymmetric'}"

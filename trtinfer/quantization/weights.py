@@ -56,6 +56,16 @@ class WeightSite:
         return np.asarray(self.weight.const_value.numpy(), dtype=np.float32)
 
 
+def release(tensor: ir.TensorProtocol | None) -> None:
+    """Unmap an external tensor read from disk (onnx-ir maps on first read and keeps the map: reading every weight
+    of a model would keep all of them resident); it maps again if read later."""
+    if isinstance(tensor, ir.ExternalTensor):
+        try:
+            tensor.release()
+        except BufferError:  # a view of it is still alive somewhere: it stays mapped, nothing is wrong
+            log.debug("%s stays mapped: a view of it is alive", tensor.name)
+
+
 def _const_2d(v: ir.Value | None) -> bool:
     return (v is not None and v.const_value is not None and v.producer() is None and v.shape is not None
             and len(v.shape) == 2 and v.const_value.dtype == ir.DataType.FLOAT)
