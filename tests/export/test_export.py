@@ -93,3 +93,26 @@ def test_bad_sources(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"NOPE" + b"\0" * 64)
     with pytest.raises(ModelSourceError, match="magic"):
         resolve_model(tmp_path / "bad.gguf")
+
+
+def test_validation_skipped_where_eager_does_not_fit(tiny_model_dir, tmp_path, monkeypatch):
+    """With less memory available than twice an fp32 copy of the model, the export is not compared with eager (it
+    would not fit), says so in its record and the engine's manifest, and the engine check still runs."""
+    from trtinfer.builder import build
+    from trtinfer.cli.summary import validation_text
+    from trtinfer.runtime import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda: 2**16)  # 64 KiB: the tiny model's fp32 copy is larger
+    stage = export(tiny_model_dir("llama"), tmp_path / "x")
+    assert stage.validation is None
+    why = stage.history["export"]["validation_skipped"]
+    assert "eager does not fit" in why and "GiB available" in why
+    monkeypatch.undo()
+    engine = build(stage.path, tmp_path / "engine", progress=False)
+    m = json.loads((engine / "manifest.json").read_text())
+    assert m["export"]["validation"] is None and m["export"]["validation_skipped"] == why
+    assert m["engine_check"]["passed"]
+    assert validation_text(m["export"]["validation"], m["export"]["validation_skipped"]).startswith(
+        "not validated against eager (eager does not fit")
+    # each stage records the process's peak memory so far
+    assert all(rec["peak_rss_mib"] > 50 for rec in m["stages"].values()), m["stages"]

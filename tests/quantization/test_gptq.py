@@ -155,3 +155,18 @@ def test_matmulnbits_computes_the_dequantized_product(layer) -> None:
     a = x[:16] / np.abs(x[:16]).max()
     y = sess.run(["Y"], {"A": a})[0]
     np.testing.assert_allclose(y, a @ q.dequantize(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_rtn_in_column_chunks_equals_whole(symmetric, monkeypatch):
+    """Round-to-nearest quantizes a chunk of output columns at a time (bounded temporaries for a 128k-vocabulary
+    LM head); the result is the whole-matrix quantization's, codes, scales and zero points."""
+    from trtinfer.quantization import blocks
+
+    w = np.random.default_rng(3).standard_normal((256, 1000)).astype(np.float32)
+    whole = quantize_rtn(w, 4, 32, symmetric=symmetric)
+    monkeypatch.setattr(blocks, "RTN_CHUNK_ELEMENTS", 256 * 7)  # 7 columns a chunk: 143 chunks, a ragged last one
+    chunked = blocks.quantize_rtn(w, 4, 32, symmetric=symmetric)
+    assert np.array_equal(whole.codes, chunked.codes) and np.array_equal(whole.scales, chunked.scales)
+    assert (whole.zero_points is None) == symmetric and (symmetric or np.array_equal(whole.zero_points,
+                                                                                     chunked.zero_points))
