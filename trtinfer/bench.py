@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer.errors import InputError, TrtInferError
+from trtinfer.runtime.memory import peak_rss_mib
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +67,6 @@ def _prompt_ids(engine_dir: Path, prompt_len: int) -> list[int]:
     if len(ids) < prompt_len:
         raise InputError(f"prompt_len {prompt_len} exceeds the {len(ids)}-token benchmark text")
     return ids[:prompt_len]
-
-
-def _peak_mib() -> float:
-    """This process's peak RSS. VmHWM belongs to the process image; ru_maxrss would carry over the parent's peak
-    across fork+exec and report the driver's memory instead of the worker's."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def nvidia_smi(*args: str) -> list[str] | None:
@@ -187,7 +175,7 @@ def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repe
             first = r[0].token_ids[:8]
         gpu = None if probe is None else {"provider": provider, **probe.result()}
     system = "trtinfer " + engine_dir.name + (f" ({provider})" if provider else "")
-    return BenchResult(system, bs, prompt_len, new_tokens, ttft, max(rates), _peak_mib(), first, gpu)
+    return BenchResult(system, bs, prompt_len, new_tokens, ttft, max(rates), peak_rss_mib(), first, gpu)
 
 
 def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repeats: int = 5, device: str = "cpu",
@@ -234,7 +222,7 @@ def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repea
         gpu = {"device": str(dev), "dtype": dtype, **probe.result(),
                "torch_max_memory_allocated_mib": torch.cuda.max_memory_allocated(dev) / 2**20}
     system = "pytorch eager" if (device, dtype) == ("cpu", "fp32") else f"pytorch eager {dtype} ({device})"
-    return BenchResult(system, bs, prompt_len, new_tokens, ttft * 1000, dec, _peak_mib(),
+    return BenchResult(system, bs, prompt_len, new_tokens, ttft * 1000, dec, peak_rss_mib(),
                        out[0, prompt_len:prompt_len + 8].tolist(), gpu)
 
 

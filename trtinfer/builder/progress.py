@@ -4,19 +4,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-
-def _peak_rss_mib() -> float | None:
-    """This process's peak resident set so far (``VmHWM``), MiB; None where unknown."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return None
+from trtinfer.runtime.memory import peak_rss_mib
 
 
 class StageProgress:
@@ -49,7 +39,7 @@ class StageProgress:
             yield rec
         finally:
             rec["seconds"] = round(time.perf_counter() - t0, 2)
-            rec["peak_rss_mib"] = _peak_rss_mib()
+            rec["peak_rss_mib"] = round(peak_rss_mib(), 1)
             self.records[name] = rec
             self._bar.update()
 

@@ -30,6 +30,20 @@ def available_memory() -> int | None:
     return None
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB. VmHWM belongs to the process image; ``ru_maxrss`` (the
+    fallback off Linux) would carry a parent's peak over across fork+exec."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def weight_bytes(model: Path) -> int:
     """Bytes of the graph file plus the external-data files beside it (``<name>.data``, ``*.data``)."""
     model = Path(model)
