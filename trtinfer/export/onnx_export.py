@@ -30,7 +30,7 @@ from trtinfer.stages import (
 
 log = logging.getLogger(__name__)
 
-EXPORT_FORMAT = 6  # 6: streamed from the checkpoint, stage.json "weights". Bump when the graph contract changes (invalidates cached exports)
+EXPORT_FORMAT = 7  # 6-7: streamed from the checkpoint, stage.json "weights". Bump when the graph contract changes (invalidates cached exports)
 ExportResult = StageDir  # what :func:`export` returns: the stage directory it wrote
 
 

@@ -165,6 +165,16 @@ def _constant_values(proto: Any) -> dict[str, Any]:
     return out
 
 
+def _chain_name(src: WeightSource, readers: list[Any]) -> str:
+    """The name of a folded weight: the module of the node that reads it, the parameter's own name, the recipe
+    (``model.model.layers.0.mlp.down_proj.weight.Transpose``; a tied LM head: ``model.lm_head.weight.Transpose``,
+    not the embedding's name)."""
+    leaf = src.source.rsplit(".", 1)[-1]
+    scope = readers[0].name.split("/")[1:-1] if readers and readers[0].name.startswith("/") else []
+    owner = ".".join(scope) if scope else src.source.rsplit(".", 1)[0]
+    return ".".join([owner, leaf, *src.op_types])
+
+
 def fold_weight_chains(proto: Any, weights: set[str]) -> list[WeightSource]:
     """Make every node that reads a weight, directly or through foldable ops, read a graph input instead.
 
@@ -200,8 +210,7 @@ def fold_weight_chains(proto: Any, weights: set[str]) -> list[WeightSource]:
         if not src.nodes:
             renamed[v] = src
             continue
-        # named after its parameter and recipe: "model.model.layers.0.mlp.down_proj.weight.Transpose"
-        name = ".".join([src.source, *src.op_types])
+        name = _chain_name(src, consumers[v])
         proto.graph.node.remove(producers[v])
         for n in consumers[v]:
             for i, x in enumerate(n.input):

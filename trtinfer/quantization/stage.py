@@ -36,7 +36,7 @@ from trtinfer.stages import (
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_FORMAT = 4  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
+QUANTIZE_FORMAT = 6  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
 CALIBRATION_FILES = ("calibration.json", "calibration.cache")
 
 

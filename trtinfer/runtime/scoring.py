@@ -184,8 +184,7 @@ def open_stage_session(stage: Any, config: RuntimeConfig | None = None) -> Decod
     raw = {"backend": "onnxruntime", "kind": "decoder", "geometry": st.geometry, "io": st.io,
            "kv_layout": st.kv_layout, "files": {"decoder": ONNX_NAME}, "tokenizer": st.info.get("tokenizer", {}),
            "limits": {"max_batch_size": 1, "max_seq_len": max_seq}}
-    # a stage graph is scored once: its weights are read in place, without MLAS's prepacked copy
-    session = OrtDecoderSession(st.path, Manifest(raw), config or RuntimeConfig(prepack_weights=False))
+    session = OrtDecoderSession(st.path, Manifest(raw), config or RuntimeConfig())
     try:
         session.check_can_score()
     except InputError:
