@@ -373,12 +373,9 @@ def _augmented_session(path: Path, tensors: Sequence[str]) -> Any:
     for t in tensors:
         if t not in outputs:  # no type given: ONNX Runtime infers it (fp16 graphs give fp16 outputs)
             model.graph.output.append(onnx.ValueInfoProto(name=t))
-    from trtinfer.runtime.memory import lean_weights
+    from trtinfer.runtime.memory import stage_session_options
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if lean_weights(so, path):
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so = stage_session_options(path)
     # the weights stay where they are: ONNX Runtime reads them from the original folder
     so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent.resolve()))
     yield ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -240,12 +240,10 @@ def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
     if session is None:
         import onnxruntime as ort
 
-        from trtinfer.runtime.memory import lean_weights
+        from trtinfer.runtime.memory import stage_session_options
 
-        so = ort.SessionOptions()
-        if lean_weights(so, stage.onnx_path):
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        session = ort.InferenceSession(str(stage.onnx_path), so, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(stage.onnx_path), stage_session_options(stage.onnx_path),
+                                       providers=["CPUExecutionProvider"])
     past, present = _kv_names(stage)
     specs = {i["name"]: i for i in stage.io["inputs"]}
     geo = stage.geometry

@@ -20,12 +20,9 @@ def reference_logits(export_onnx: Path, prompts: list[np.ndarray], steps: int) -
     """Each prompt alone on the exported (concat-layout, fp32) graph: greedy for ``steps``; logits per step."""
     import onnxruntime as ort
 
-    from trtinfer.runtime.memory import lean_weights
+    from trtinfer.runtime.memory import stage_session_options
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if lean_weights(so, export_onnx, always=True):  # a few runs: mapped weights, no packed copy
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so = stage_session_options(export_onnx, always=True)  # a few runs: mapped weights, no packed copy
     sess = ort.InferenceSession(str(export_onnx), so, providers=["CPUExecutionProvider"])
     past = [i for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
     # an optimized graph asks which positions reach the LM head: the last one

@@ -48,12 +48,9 @@ def _onnx_steps(onnx_path: Path, geometry: dict[str, Any], ids: np.ndarray, mask
     before eager runs, so the two never hold the weights at once. Returns both steps' outputs and the token fed."""
     import onnxruntime as ort
 
-    from trtinfer.runtime.memory import lean_weights
+    from trtinfer.runtime.memory import stage_session_options
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if lean_weights(so, onnx_path, always=True):  # a few runs: mapped weights, no packed copy
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so = stage_session_options(onnx_path, always=True)  # a few runs: mapped weights, no packed copy
     sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
     n_layers, kv, hd = geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"]
     feed: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}

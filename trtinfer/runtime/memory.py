@@ -55,13 +55,23 @@ def lean_weights(options: Any, model: Path, *, always: bool = False) -> bool:
     """Turn MLAS prepacking off in ``options`` (``onnxruntime.SessionOptions``) when ``model``'s weights take more
     than :data:`LEAN_SHARE` of the available memory, or ``always`` (a check that runs a graph a few times gains
     nothing from a packed copy); returns whether it did."""
-    avail, size = available_memory(), weight_bytes(model)
-    if always:
-        options.add_session_config_entry("session.disable_prepacking", "1")
-        return True
-    if avail is None or size <= LEAN_SHARE * avail:
-        return False
+    if not always:
+        avail, size = available_memory(), weight_bytes(model)
+        if avail is None or size <= LEAN_SHARE * avail:
+            return False
+        log.info("%s: weights of %.1f GiB vs %.1f GiB available: weights are read in place (no prepacked copy)",
+                 Path(model).name, size / 2**30, avail / 2**30)
     options.add_session_config_entry("session.disable_prepacking", "1")
-    log.info("%s: weights of %.1f GiB vs %.1f GiB available: weights are read in place (no prepacked copy)",
-             Path(model).name, size / 2**30, avail / 2**30)
     return True
+
+
+def stage_session_options(model: Path, *, always: bool = False) -> Any:
+    """``onnxruntime.SessionOptions`` for running a build stage's graph (a check, a reference, calibration): quiet,
+    and where :func:`lean_weights` applies, unfused too, so ONNX Runtime maps the weights and copies none."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if lean_weights(so, model, always=always):
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return so
