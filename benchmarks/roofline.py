@@ -126,13 +126,10 @@ def probe_bandwidth(buffer_mib: float = 1024, threads: int | None = None, repeat
 
 def _anon_huge_mib() -> float | None:
     """This process's anonymous memory backed by transparent huge pages (MiB), or None where Linux does not say."""
-    try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+    from trtinfer.runtime.memory import proc_kib
+
+    kib = proc_kib("/proc/self/smaps_rollup", "AnonHugePages")
+    return None if kib is None else kib / 1024
 
 
 def _nbytes(t: Any) -> int:

@@ -81,13 +81,14 @@ def load_hf_model(path: Path) -> Any:
 
 
 def eager_fits(fp32_bytes: int) -> tuple[bool, str]:
-    """Whether an fp32 eager copy of the model fits in half the memory available now, and the figures."""
-    from trtinfer.runtime.memory import available_memory
+    """Whether an fp32 eager copy of the model fits in the share of available memory a graph may take
+    (:func:`~trtinfer.runtime.memory.fits_in_memory`), and the figures."""
+    from trtinfer.runtime.memory import available_memory, fits_in_memory
 
     avail = available_memory()
     if avail is None:
         return True, "memory unknown"
-    return fp32_bytes <= avail // 2, f"fp32 eager needs {fp32_bytes / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
+    return fits_in_memory(fp32_bytes), f"fp32 eager needs {fp32_bytes / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
 
 
 def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping: bool, config: ExportConfig,

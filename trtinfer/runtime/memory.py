@@ -19,26 +19,36 @@ log = logging.getLogger(__name__)
 LEAN_SHARE = 0.5
 
 
-def available_memory() -> int | None:
-    """Bytes of memory available to new allocations now (``MemAvailable``), or None where unknown."""
+def proc_kib(path: str, key: str) -> int | None:
+    """The kB figure of line ``key:`` in a /proc file (``/proc/meminfo``, ``/proc/self/status``...), or None where
+    the file or the line is absent (not Linux)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
     except OSError:
         pass
     return None
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations now (``MemAvailable``), or None where unknown."""
+    kib = proc_kib("/proc/meminfo", "MemAvailable")
+    return None if kib is None else kib * 1024
+
+
+def fits_in_memory(nbytes: int) -> bool:
+    """Whether ``nbytes`` stay within :data:`LEAN_SHARE` of the memory available now (True where unknown)."""
+    avail = available_memory()
+    return avail is None or nbytes <= LEAN_SHARE * avail
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far, MiB. VmHWM belongs to the process image; ``ru_maxrss`` (the
     fallback off Linux) would carry a parent's peak over across fork+exec."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
+    kib = proc_kib("/proc/self/status", "VmHWM")
+    if kib is not None:
+        return kib / 1024.0
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -56,11 +66,11 @@ def lean_weights(options: Any, model: Path, *, always: bool = False) -> bool:
     than :data:`LEAN_SHARE` of the available memory, or ``always`` (a check that runs a graph a few times gains
     nothing from a packed copy); returns whether it did."""
     if not always:
-        avail, size = available_memory(), weight_bytes(model)
-        if avail is None or size <= LEAN_SHARE * avail:
+        size = weight_bytes(model)
+        if fits_in_memory(size):
             return False
         log.info("%s: weights of %.1f GiB vs %.1f GiB available: weights are read in place (no prepacked copy)",
-                 Path(model).name, size / 2**30, avail / 2**30)
+                 Path(model).name, size / 2**30, (available_memory() or 0) / 2**30)
     options.add_session_config_entry("session.disable_prepacking", "1")
     return True
 
