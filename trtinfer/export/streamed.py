@@ -282,7 +282,8 @@ def _evaluate(src: WeightSource, reader: SourceReader) -> np.ndarray:
         [onnx.helper.make_empty_tensor_value_info(src.output)],
         initializer=[onnx.TensorProto.FromString(b) for b in src.constants])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
-    return np.asarray(ReferenceEvaluator(model).run(None, {src.source: value})[0])
+    outputs: Any = ReferenceEvaluator(model).run(None, {src.source: value})  # [the one output]
+    return np.asarray(outputs[0])
 
 
 def write_weights(sources: list[WeightSource], reader: SourceReader,
