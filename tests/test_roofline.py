@@ -60,8 +60,12 @@ def test_decode_bytes_equal_an_independent_count(tiny_engine, arch, precision):
     if arch == "gemma3" and precision == "int4":  # tied: the head reads the shared packed table whole
         assert [t["name"] for t in one["gathered_tables"]] == ["model.model.embed_tokens.weight_gather_scales"]
         assert one["gathered_bytes"] == hidden // 32 * 4  # one row of block scales
-    if arch == "llama":  # untied: the table is only gathered from
+    if arch == "llama" and precision == "fp32":  # untied: the table is only gathered from
         assert [t["name"] for t in one["gathered_tables"]] == ["model.model.embed_tokens.weight"]
+    if arch == "llama" and precision == "int4":  # untied: its own table at the LM head's precision, rows gathered
+        assert {t["name"] for t in one["gathered_tables"]} == {"model.model.embed_tokens.weight_q4",
+                                                               "model.model.embed_tokens.weight_gather_scales"}
+        assert one["gathered_bytes"] == hidden // 2 + hidden // 32 * 4  # 4-bit codes and one scale per block
 
 
 def test_kv_bytes_cap_sliding_layers_at_their_window(tiny_engine):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 VOCAB = 320
 CORPUS = [
@@ -78,3 +79,28 @@ def make_tiny_model(arch: str, out: Path) -> Path:
     model.save_pretrained(out)
     save_tokenizer(out, add_bos=arch == "gemma3")
     return out
+
+
+def whole_file(onnx_path: Path) -> Path:
+    """A copy of an export's or optimize stage's graph with every weight written (its weights otherwise stay in the
+    checkpoint), for tests that hand the file itself to ONNX Runtime or onnx-ir; made once, beside the stage."""
+    from trtinfer.stage_weights import load_graph, save_graph
+
+    out = onnx_path.parent.parent / f"{onnx_path.parent.name}-whole" / onnx_path.name
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_graph(load_graph(onnx_path), out, keep_references=False)
+        if (onnx_path.parent / "stage.json").is_file():  # the stage's record, for tests that read its facts
+            (out.parent / "stage.json").symlink_to((onnx_path.parent / "stage.json").resolve())
+    return out
+
+
+def whole_stage(stage: Any) -> Any:
+    """:func:`whole_file` for a stage directory: the same stage record, with its other files linked beside."""
+    from trtinfer.stages import DATA_NAME, ONNX_NAME, StageDir
+
+    path = whole_file(stage.onnx_path)
+    for name in stage.info["files"]:
+        if name not in (ONNX_NAME, DATA_NAME) and not (path.parent / name).exists():
+            (path.parent / name).symlink_to((stage.path / name).resolve())
+    return StageDir(path.parent, stage.info)

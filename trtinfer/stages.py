@@ -180,7 +180,9 @@ def graph_io(path: Path) -> dict[str, list[dict[str, Any]]]:
         dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in t.shape.dim]
         return {"name": vi.name, "dtype": ONNX_DTYPES.get(t.elem_type, str(t.elem_type)), "shape": dims}
 
-    inits = {i.name for i in model.graph.initializer}
+    from trtinfer.stage_weights import checkpoint_inputs
+
+    inits = {i.name for i in model.graph.initializer} | checkpoint_inputs(model)  # weights are not inputs to feed
     return {"inputs": [spec(v) for v in model.graph.input if v.name not in inits],
             "outputs": [spec(v) for v in model.graph.output]}
 

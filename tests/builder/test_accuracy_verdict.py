@@ -15,9 +15,9 @@ import pytest
 
 from trtinfer.builder import BuildConfig, build
 from trtinfer.errors import BuildError, ConfigError
-from trtinfer.passes.optimize import save_model
 from trtinfer.quantization import QuantConfig, quantize_stage
 from trtinfer.quantization.accuracy import HELDOUT_NAME, PERPLEXITY_BOUNDS, accuracy_verdict, verdict_error
+from trtinfer.stage_weights import save_graph
 from trtinfer.stages import ONNX_NAME, read_stage, write_stage
 
 
@@ -50,7 +50,7 @@ def broken(optimized, tmp_path_factory) -> Path:
     scales.const_value = ir.tensor(scales.const_value.numpy() * np.float32(100), name=scales.name)
     side = stage.path / "side"
     side.mkdir()
-    save_model(model, side / ONNX_NAME)
+    save_graph(model, side / ONNX_NAME)
     for f in side.iterdir():
         f.replace(stage.path / f.name)
     side.rmdir()

@@ -12,6 +12,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import onnxruntime as ort
 from onnx.reference import ReferenceEvaluator
+from tiny_models import whole_file
 
 # importing a pass module registers its passes (pipelines.py imports those it lists)
 import trtinfer.passes.activations
@@ -100,7 +101,7 @@ def export_once(arch: str, tiny_model_dir: Callable[[str], Path], tmp_path_facto
         from trtinfer.export.onnx_export import export
 
         out = tmp_path_factory.mktemp(f"fusion-{arch}") / "x"
-        _EXPORTS[arch] = export(tiny_model_dir(arch), out, ExportConfig(validate=False)).onnx_path
+        _EXPORTS[arch] = whole_file(export(tiny_model_dir(arch), out, ExportConfig(validate=False)).onnx_path)
     return _EXPORTS[arch]
 
 

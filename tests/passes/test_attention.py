@@ -9,6 +9,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from tiny_models import whole_file
 
 from trtinfer.export.reference import reference_logits
 from trtinfer.passes import PassConfig, PassContext, optimize, optimize_model
@@ -114,7 +115,7 @@ def exports(tiny_model_dir, tmp_path_factory):
 
     def get(arch: str) -> Path:
         if arch not in made:
-            made[arch] = export(tiny_model_dir(arch), tmp_path_factory.mktemp(f"onnx-{arch}") / "x").onnx_path
+            made[arch] = whole_file(export(tiny_model_dir(arch), tmp_path_factory.mktemp(f"onnx-{arch}") / "x").onnx_path)
         return made[arch]
 
     return get

@@ -11,6 +11,7 @@ import onnx.parser
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from tiny_models import whole_file
 
 import trtinfer
 from tests.passes._fusion_checks import fill, floats
@@ -139,7 +140,7 @@ def test_bad_keep_group_is_refused() -> None:
 def llama_export(tiny_model_dir, tmp_path_factory):
     from trtinfer.export.onnx_export import export
 
-    return export(tiny_model_dir("llama"), tmp_path_factory.mktemp("onnx-llama-prec") / "x").onnx_path
+    return whole_file(export(tiny_model_dir("llama"), tmp_path_factory.mktemp("onnx-llama-prec") / "x").onnx_path)
 
 
 def _prefill(path, feeds_dtype, seq: int = 7):

@@ -18,8 +18,10 @@ import onnxruntime as ort
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from onnx import TensorProto, helper, numpy_helper
+from tiny_models import whole_file
 
 from trtinfer.quantization.gguf import BLOCK_TYPES, decode_tensor, gguf_source, import_gguf, read_gguf
+from trtinfer.stage_weights import load_graph
 from trtinfer.stages import StageDir
 
 K = 256  # K-quants need whole 256-value super-blocks
@@ -248,7 +250,7 @@ def test_real_gguf_import(tmp_path: Path, alias: str, layers: int, real_engine, 
     stage = read_stage(work, verify=False)
     gguf_path = gguf_source(stage)
     assert gguf_path is not None
-    model = ir.load(work / ONNX_NAME)
+    model = load_graph(work / ONNX_NAME)  # its weights are read from the checkpoint
     t0 = time.perf_counter()
     report = import_gguf(model, gguf_path)
     seconds = time.perf_counter() - t0
@@ -259,11 +261,13 @@ def test_real_gguf_import(tmp_path: Path, alias: str, layers: int, real_engine, 
     out = tmp_path / "gguf"
     out.mkdir()
     ir.save(model, out / ONNX_NAME, external_data=ONNX_NAME + ".data")
-    size = {p: sum(f.stat().st_size for f in d.glob(ONNX_NAME + "*")) for p, d in (("fp32", work), ("gguf", out))}
+    fp32_graph = whole_file(work / ONNX_NAME)
+    size = {p: sum(f.stat().st_size for f in d.glob(ONNX_NAME + "*"))
+            for p, d in (("fp32", fp32_graph.parent), ("gguf", out))}
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
-    fp32 = ort.InferenceSession(str(work / ONNX_NAME), so, providers=["CPUExecutionProvider"])
+    fp32 = ort.InferenceSession(str(fp32_graph), so, providers=["CPUExecutionProvider"])
     q = ort.InferenceSession(str(out / ONNX_NAME), so, providers=["CPUExecutionProvider"])
     ids = np.array([[1, 504, 3458, 314, 260, 1345, 282, 4390, 30, 378, 314, 253, 2412, 282, 260, 1218]], np.int64)
     max_seq = 256

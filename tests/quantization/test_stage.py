@@ -48,7 +48,9 @@ def attr(node: onnx.NodeProto, name: str) -> int:
 
 
 def float_weight_matmuls(model: onnx.ModelProto) -> list[str]:
-    inits = {i.name for i in model.graph.initializer}
+    from trtinfer.stage_weights import checkpoint_inputs
+
+    inits = {i.name for i in model.graph.initializer} | checkpoint_inputs(model)
     return [n.name for n in ops(model, "MatMul") if n.input[1] in inits]
 
 

@@ -1,11 +1,12 @@
 """``build``: MODEL or stage directory -> self-contained engine directory (graph, tokenizer, manifest.json).
 
-The stages chain: export (cached by the model's content hash) -> optimize for the backend's pass target (cached by
-the export's content and the pass config) -> backend compilation plus the engine check (cached by the optimized
-graph's content and the backend) -> the engine directory. A stage given as input (``trtinfer export -o X``,
-``trtinfer optimize X -o Y``) is verified against its record and used as is. Cache entries are checked before
-reuse, so a rebuild with nothing changed only copies files. The engine is assembled in a temp folder beside the
-destination and renamed at the end: a failed or interrupted build leaves nothing behind.
+The stages chain: export (cached by the model's content hash; its weights stay in the checkpoint) -> optimize for
+the backend's pass target (cached by the export's content and the pass config) -> quantize (cached; the one stage
+that writes weights before the engine) -> backend compilation plus the engine check, written straight into the
+engine directory (not cached: a second copy of a multi-GB engine would double the build's disk). A stage given as
+input (``trtinfer export -o X``, ``trtinfer optimize X -o Y``) is verified against its record and used as is.
+Cache entries are checked before reuse. The engine is assembled in a temp folder beside the destination and renamed
+at the end: a failed or interrupted build leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ import dataclasses
 import json
 import logging
 import platform
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from trtinfer._cache import atomic_dir, cached_dir, check_output_dir, key_of
+from trtinfer._cache import atomic_dir, check_output_dir
 from trtinfer.builder.backends import BuildBackend, fused_op_counts, get_build_backend, op_histogram
 from trtinfer.builder.check import EngineCheck, check_accuracy, check_engine
 from trtinfer.builder.config import BuildConfig
@@ -29,9 +29,6 @@ from trtinfer.stages import TOKENIZER_FILES, StageDir, graph_io, is_stage_dir, p
 
 log = logging.getLogger(__name__)
 
-ENGINE_FORMAT = 3  # bump when what a backend writes or the engine check does changes (invalidates cached engines)
-CHECK_NAME = "engine_check.json"
-ACCURACY_NAME = "accuracy_check.json"  # a quantized engine's held-out figures vs fp32 (cached; the bound is applied per build)
 
 
 def engine_versions() -> dict[str, str]:
@@ -61,7 +58,7 @@ def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engin
         "tokenizer": stage.info.get("tokenizer", {}),
         "export": {"config": export.get("config"), "seconds": export.get("seconds"),
                    "validation": export.get("validation"),
-                   **({"validation_skipped": export["validation_skipped"]} if export.get("validation_skipped") else {})},
+                   **{k: export[k] for k in ("validation_skipped", "reference_skipped") if export.get(k)}},
         "build_config": config.to_dict(),
         "op_histogram": hist,
         "fusion_report": report,
@@ -92,53 +89,40 @@ def _from_stage(stage: StageDir, config: BuildConfig) -> tuple[BuildConfig, int]
 
 
 def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_seq: int,
-             rec: dict[str, Any]) -> tuple[Path, dict[str, str], EngineCheck | None, dict[str, Any] | None]:
-    """Backend compilation + engine check (+ a quantized engine's held-out accuracy), cached by the optimized graph's
-    content and the backend settings."""
-    key = key_of([ENGINE_FORMAT, stage.content_key(), config.backend, config.target, engine_versions(),
-                  backend.versions(), config.max_batch_size, max_seq, config.opt_batch_size, config.opt_seq_len,
-                  config.workspace_mib])
-    made: dict[str, Any] = {}
+             dest: Path) -> tuple[dict[str, str], EngineCheck | None, dict[str, Any] | None]:
+    """Backend compilation into ``dest`` + the engine check (+ a quantized engine's held-out accuracy).
 
-    def make(tmp: Path) -> None:
-        files = backend.build(stage, tmp, config)
-        (tmp / "files.json").write_text(json.dumps(files))
-        if stage.reference_path is None:
-            return
-        manifest = _manifest(config, stage, files, tmp, max_seq)
-        check = check_engine(tmp, Manifest(manifest), stage.reference_path, config.precision, provider=config.target,
-                             graph=stage if stage.stage == "quantize" else None)
-        if not check.passed:
-            nan = check.max_abs_diff == float("inf")
-            raise BuildError(
-                f"the built engine's logits {'are not finite' if nan else f'differ from the export by {check.max_abs_diff:.4g}'}"
-                f" (tolerance {check.tolerance:g} x {check.logits_scale:.3g}); "
-                + ("check the model's weights, then try --keep-fp32 with more groups" if nan else
-                   "try --keep-fp32 with more groups, or --disable-pass to find the pass at fault"))
-        (tmp / CHECK_NAME).write_text(json.dumps(check.to_dict()))
-        made["check"] = check
-        from trtinfer.quantization.accuracy import HELDOUT_NAME
+    Not cached: the engine is written once, where the user asked for it (a cached copy beside it would double the
+    disk a 14B build takes); what is expensive to make again, the export and the quantized weights, is cached.
+    """
+    from trtinfer.stage_weights import materialized
 
-        if stage.stage == "quantize" and HELDOUT_NAME in stage.info["files"]:
-            try:
-                acc = check_accuracy(tmp, Manifest(manifest), stage.path / HELDOUT_NAME, provider=config.target)
-            except InputError as e:  # e.g. the logits_positions pass disabled: the engine cannot score a sequence
-                log.warning("the engine's accuracy is not checked: %s", e)
-            else:
-                (tmp / ACCURACY_NAME).write_text(json.dumps(acc))
+    if stage.reference_path is None:
+        why = stage.history.get("export", {}).get("reference_skipped", "exported with --logits all")
+        log.warning("%s has no engine-check reference (%s): the engine is not checked", stage.path, why)
+    with materialized(stage) as whole:  # an fp32 stage's weights may still be in the checkpoint: a whole copy
+        files = backend.build(whole, dest, config)
+    if stage.reference_path is None:
+        return files, None, None
+    manifest = _manifest(config, stage, files, dest, max_seq)
+    check = check_engine(dest, Manifest(manifest), stage.reference_path, config.precision, provider=config.target,
+                         graph=stage if stage.stage == "quantize" else None)
+    if not check.passed:
+        nan = check.max_abs_diff == float("inf")
+        raise BuildError(
+            f"the built engine's logits {'are not finite' if nan else f'differ from the export by {check.max_abs_diff:.4g}'}"
+            f" (tolerance {check.tolerance:g} x {check.logits_scale:.3g}); "
+            + ("check the model's weights, then try --keep-fp32 with more groups" if nan else
+               "try --keep-fp32 with more groups, or --disable-pass to find the pass at fault"))
+    from trtinfer.quantization.accuracy import HELDOUT_NAME
 
-    if stage.reference_path is None:  # said on every build, cached or not
-        log.warning("%s has no engine-check reference (exported with --logits all): the engine is not checked",
-                    stage.path)
-    path = cached_dir("compiled", key, make)
-    rec["cached"] = not made
-    files = json.loads((path / "files.json").read_text())
-    check = None
-    if (path / CHECK_NAME).is_file():
-        saved = json.loads((path / CHECK_NAME).read_text())
-        check = made.get("check") or EngineCheck(**{**saved, "prompt_lengths": tuple(saved["prompt_lengths"])})
-    accuracy = json.loads((path / ACCURACY_NAME).read_text()) if (path / ACCURACY_NAME).is_file() else None
-    return path, files, check, accuracy
+    accuracy = None
+    if stage.stage == "quantize" and HELDOUT_NAME in stage.info["files"]:
+        try:
+            accuracy = check_accuracy(dest, Manifest(manifest), stage.path / HELDOUT_NAME, provider=config.target)
+        except InputError as e:  # e.g. the logits_positions pass disabled: the engine cannot score a sequence
+            log.warning("the engine's accuracy is not checked: %s", e)
+    return files, check, accuracy
 
 
 def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None = None, *,
@@ -208,25 +192,24 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
 
             with bar.stage("quantize") as rec:
                 stage = quantize_cached(stage, config.quantization, stats=rec, progress=progress)
-        with bar.stage("compile + check") as rec:
-            compiled, files, check, accuracy = _compile(stage, config, backend, max_seq, rec)
-        if accuracy is not None:
-            from trtinfer.quantization.accuracy import accuracy_verdict, verdict_error
+        with atomic_dir(out, overwrite=overwrite) as tmp:  # nothing is left at -o if a check fails
+            with bar.stage("compile + check"):
+                files, check, accuracy = _compile(stage, config, backend, max_seq, tmp)
+            if accuracy is not None:
+                from trtinfer.quantization.accuracy import accuracy_verdict, verdict_error
 
-            accuracy = accuracy_verdict(accuracy, config.precision, config.max_perplexity_ratio)
-            if not accuracy["passed"]:
-                raise BuildError(verdict_error(accuracy, config.precision))
-        with bar.stage("package") as rec, atomic_dir(out, overwrite=overwrite) as tmp:
-            for name in files.values():
-                shutil.copyfile(compiled / name, tmp / name)
-            stage.copy_files(TOKENIZER_FILES, tmp)
-            manifest = _manifest(config, stage, files, tmp, max_seq)
-            if check is not None:
-                manifest["engine_check"] = check.to_dict()
-            manifest["accuracy_check"] = accuracy
-            manifest["stages"] = bar.records
-            manifest["build_seconds"] = round(time.perf_counter() - t_start, 2)
-            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+                accuracy = accuracy_verdict(accuracy, config.precision, config.max_perplexity_ratio)
+                if not accuracy["passed"]:
+                    raise BuildError(verdict_error(accuracy, config.precision))
+            with bar.stage("package"):
+                stage.copy_files(TOKENIZER_FILES, tmp)
+                manifest = _manifest(config, stage, files, tmp, max_seq)
+                if check is not None:
+                    manifest["engine_check"] = check.to_dict()
+                manifest["accuracy_check"] = accuracy
+                manifest["stages"] = bar.records
+                manifest["build_seconds"] = round(time.perf_counter() - t_start, 2)
+                (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
     log.debug("built %s in %.1f s", out, time.perf_counter() - t_start)
     return out
 

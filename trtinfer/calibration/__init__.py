@@ -117,8 +117,17 @@ def calibrate_stage(stage: str | Path | StageDir, config: CalibrationConfig | No
     second pass (over the fp32 graph, dividing each batch by ``s``). A reused table must hold factors for every
     tensor when smoothing, and none when not.
     """
+    from trtinfer.stage_weights import materialized
+
     config = config or CalibrationConfig()
     stage = stage if isinstance(stage, StageDir) else read_stage(stage)
+    with materialized(stage) as runnable:  # ONNX Runtime reads weights from files: the checkpoint's, written out
+        return _calibrate_stage(runnable, config, tensors, progress, smoothing, smoothed_names, smoothing_info)
+
+
+def _calibrate_stage(stage: StageDir, config: CalibrationConfig, tensors: Sequence[str] | None, progress: bool,
+                     smoothing: Smoothing | None, smoothed_names: Mapping[str, str] | None,
+                     smoothing_info: Mapping[str, object] | None) -> CalibrationTable:
     names = list(tensors) if tensors is not None else weight_matmul_inputs(stage)
     renamed = {t: (smoothed_names or {}).get(t, t) for t in names} if smoothing else {t: t for t in names}
     ghash = graph_hash(stage)

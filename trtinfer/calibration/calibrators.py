@@ -345,8 +345,10 @@ def weight_matmul_inputs(model_path: str | Path | StageDir, op_types: Sequence[s
     """
     import onnx
 
+    from trtinfer.stage_weights import checkpoint_inputs
+
     model = onnx.load(str(_model_path(model_path)), load_external_data=False)
-    consts = {i.name for i in model.graph.initializer}
+    consts = {i.name for i in model.graph.initializer} | checkpoint_inputs(model)
     consts |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
     found: dict[str, None] = {}
     for node in model.graph.node:
@@ -360,9 +362,18 @@ def weight_matmul_inputs(model_path: str | Path | StageDir, op_types: Sequence[s
 def _augmented_session(path: Path, tensors: Sequence[str]) -> Any:
     """An ONNX Runtime CPU session on ``path`` with ``tensors`` added as graph outputs (weights left on disk)."""
     import onnx
+
+    from trtinfer.stage_weights import materialized_file
+
+    with materialized_file(path) as whole:  # a stage's weights may be in its checkpoint: written out for the session
+        model = onnx.load(str(whole), load_external_data=False)
+        yield _session_with_outputs(model, whole, tensors)
+
+
+def _session_with_outputs(model: Any, path: Path, tensors: Sequence[str]) -> Any:
+    import onnx
     import onnxruntime as ort
 
-    model = onnx.load(str(path), load_external_data=False)
     known = {i.name for i in model.graph.input} | {o for n in model.graph.node for o in n.output}
     missing = [t for t in tensors if t not in known]
     if missing:
@@ -378,7 +389,7 @@ def _augmented_session(path: Path, tensors: Sequence[str]) -> Any:
     so = stage_session_options(path)
     # the weights stay where they are: ONNX Runtime reads them from the original folder
     so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent.resolve()))
-    yield ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def collect(model_path: str | Path | StageDir, feeds: Iterable[dict[str, np.ndarray]], tensors: Sequence[str],

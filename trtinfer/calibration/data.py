@@ -241,9 +241,10 @@ def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
         import onnxruntime as ort
 
         from trtinfer.runtime.memory import stage_session_options
+        from trtinfer.stage_weights import materialized_file
 
-        session = ort.InferenceSession(str(stage.onnx_path), stage_session_options(stage.onnx_path),
-                                       providers=["CPUExecutionProvider"])
+        with materialized_file(stage.onnx_path) as whole:  # the session keeps what it read after the copy is gone
+            session = ort.InferenceSession(str(whole), stage_session_options(whole), providers=["CPUExecutionProvider"])
     past, present = _kv_names(stage)
     specs = {i["name"]: i for i in stage.io["inputs"]}
     geo = stage.geometry

@@ -30,7 +30,7 @@ from trtinfer.stages import (
 
 log = logging.getLogger(__name__)
 
-EXPORT_FORMAT = 7  # 6-7: streamed from the checkpoint, stage.json "weights". Bump when the graph contract changes (invalidates cached exports)
+EXPORT_FORMAT = 8  # 7: streamed, stage.json "weights"; 8: weights left in the checkpoint. Bump when the graph contract changes
 ExportResult = StageDir  # what :func:`export` returns: the stage directory it wrote
 
 
@@ -93,7 +93,7 @@ def eager_fits(fp32_bytes: int) -> tuple[bool, str]:
 
 def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping: bool, config: ExportConfig,
            out: Path) -> dict[str, dict[str, Any]]:
-    """Trace ``model`` (:func:`streamed.empty_model`) with its weights as inputs, then stream them from ``ckpt``.
+    """Trace ``model`` (:func:`streamed.empty_model`) with its weights as inputs, left in ``ckpt`` by reference.
 
     Returns where each initializer came from: ``{name: {"tensor": checkpoint tensor, "ops": [folded op types]}}``.
     """
@@ -105,6 +105,7 @@ def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping:
         attach_weights,
         drop_wrapper_scope,
         fold_weight_chains,
+        refer_weights,
         weights_as_inputs,
         write_weights,
     )
@@ -139,12 +140,37 @@ def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping:
     raw.unlink()
     drop_wrapper_scope(proto)
     sources = fold_weight_chains(proto, set(weight_names))
-    placed = write_weights(sources, reader, out / DATA_NAME)
-    attach_weights(proto, placed, DATA_NAME)
+    read = [src for src in sources if not src.nodes or src.transposed_2d]  # stay in the checkpoint
+    computed = [src for src in sources if src not in read]
+    if computed:
+        attach_weights(proto, write_weights(computed, reader, out / DATA_NAME), DATA_NAME)
+    from trtinfer.stage_weights import CHECKPOINT_KEY
+
     # the passes read their expectations (layers, norms, windows) from here when run on the file alone
-    onnx.helper.set_model_props(proto, {"trtinfer.geometry": json.dumps(geometry)})
+    onnx.helper.set_model_props(proto, {"trtinfer.geometry": json.dumps(geometry),
+                                        CHECKPOINT_KEY: refer_weights(proto, read, reader)})
     onnx.save_model(proto, str(out / ONNX_NAME))
     return {src.graph_name: {"tensor": reader.tensor(src.source), "ops": src.op_types} for src in sources}
+
+
+def _validate(graph: Path, resolved: ResolvedModel, geometry: dict[str, Any], config: ExportConfig) -> dict[str, Any]:
+    """Compare ``graph`` with the eager model of ``resolved`` (loaded once ONNX Runtime is done); raises on failure."""
+    from trtinfer.export.quiet import quiet_third_party
+    from trtinfer.export.validate import validate_decoder
+
+    with quiet_third_party():  # the eager model warns about its own past_key_values argument
+        report = validate_decoder(graph, lambda: load_hf_model(resolved.path), geometry, config.atol,
+                                  config.logits == "last")
+    if not report.passed:
+        raise ValidationError(
+            f"exported graph disagrees with eager: logits diff {report.prefill_logits_max_abs_diff:.2e}/"
+            f"{report.decode_logits_max_abs_diff:.2e} (tolerance {report.tolerance:.2e}), present diff "
+            f"{report.present_max_abs_diff:.2e}, top-1 agree {report.top1_agree}; raise --atol only if "
+            "these are fp32 reordering noise"
+        )
+    log.info("validated against PyTorch eager: logits max|diff| %.2e (tolerance %.2e), top-1 agrees",
+             max(report.prefill_logits_max_abs_diff, report.decode_logits_max_abs_diff), report.tolerance)
+    return report.to_dict()
 
 
 def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> StageDir:
@@ -167,31 +193,24 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     del model
     export_s = time.perf_counter() - t0
     log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
-    validation, skipped = None, None
-    fits, figures = eager_fits(fp32_bytes)
-    if config.validate and not fits:
-        skipped = f"eager does not fit: {figures}"
-        log.warning("the export is not compared with PyTorch eager (%s); the engine check still runs", figures)
-    elif config.validate:
-        from trtinfer.export.quiet import quiet_third_party
-        from trtinfer.export.validate import validate_decoder
+    from trtinfer.stage_weights import materialized_file, whole_copy_fits
 
-        with quiet_third_party():  # the eager model warns about its own past_key_values argument
-            report = validate_decoder(folder / ONNX_NAME, lambda: load_hf_model(resolved.path), geometry,
-                                      config.atol, config.logits == "last")
-        validation = report.to_dict()
-        if not report.passed:
-            raise ValidationError(
-                f"exported graph disagrees with eager: logits diff {report.prefill_logits_max_abs_diff:.2e}/"
-                f"{report.decode_logits_max_abs_diff:.2e} (tolerance {report.tolerance:.2e}), present diff "
-                f"{report.present_max_abs_diff:.2e}, top-1 agree {report.top1_agree}; raise --atol only if "
-                "these are fp32 reordering noise"
-            )
-        log.info("validated against PyTorch eager: logits max|diff| %.2e (tolerance %.2e), top-1 agrees",
-                 max(report.prefill_logits_max_abs_diff, report.decode_logits_max_abs_diff), report.tolerance)
+    runnable, run_figures = whole_copy_fits(folder / ONNX_NAME)
+    fits, figures = eager_fits(fp32_bytes)
+    validation, skipped = None, {}
+    if config.validate and not (fits and runnable):
+        skipped["validation"] = f"eager does not fit: {figures}" if not fits else f"does not fit: {run_figures}"
+        log.warning("the export is not compared with PyTorch eager (%s)", figures if not fits else run_figures)
+    if config.logits == "last" and not runnable:
+        skipped["reference"] = f"the fp32 graph does not fit: {run_figures}"
+        log.warning("no engine-check reference is computed (%s): engines built from it are not checked", run_figures)
     tokenizer = save_tokenizer(resolved.path, folder)
-    if config.logits == "last":  # the engine check compares last-position logits
-        write_reference(folder / ONNX_NAME, folder / REFERENCE_NAME, geometry["vocab_size"])
+    if runnable and (config.validate and fits or config.logits == "last"):
+        with materialized_file(folder / ONNX_NAME) as whole:  # ONNX Runtime reads weights from files only
+            if config.validate and fits:
+                validation = _validate(whole, resolved, geometry, config)
+            if config.logits == "last":  # the engine check compares last-position logits
+                write_reference(whole, folder / REFERENCE_NAME, geometry["vocab_size"])
     info: dict[str, Any] = {
         "stage": "export",
         "kind": "decoder",
@@ -205,7 +224,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         "tokenizer": tokenizer,
         "weights": weights,
         "history": {"export": {"config": config.to_dict(), "seconds": round(export_s, 2), "validation": validation,
-                               **({"validation_skipped": skipped} if skipped else {}),
+                               **{f"{k}_skipped": why for k, why in skipped.items()},
                                "format": EXPORT_FORMAT, "versions": stack_versions()}},
     }
     return write_stage(folder, info)

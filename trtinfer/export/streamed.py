@@ -18,12 +18,13 @@ How, and why this way:
    such ops (every other input a constant) and records the chain as the recipe of a new weight read where the
    chain ended (``model.model.layers.0.mlp.down_proj.weight`` -> its ``Transpose`` output, read by ``MatMul``).
    A tied embedding is one parameter read twice: by ``Gather`` as stored, by the LM head through its Transpose.
-3. Each weight is read from the memory-mapped shard, widened to the graph's float32 in blocks (transposed where
-   its recipe is one 2-D Transpose) and appended to the external-data file, aligned so ONNX Runtime can map it;
-   any other recipe runs on that one tensor with onnx's reference evaluator.
+3. A weight read as stored or as one 2-D Transpose stays a graph input, named in the graph's ``trtinfer.checkpoint``
+   metadata with its checkpoint tensor (:mod:`trtinfer.stage_weights` reads it, widened to float32, when a stage
+   needs it); any other recipe runs on that one tensor with onnx's reference evaluator and is written to the
+   external-data file (a norm's ``1 + w``: small).
 
-Peak memory is the trace (activations of a 2x7 batch, one weight made contiguous by a matmul at a time) plus one
-block of the writer: it does not grow with the model's depth.
+Peak memory is the trace (activations of a 2x7 batch, one weight made contiguous by a matmul at a time): it does
+not grow with the model's depth, and the export writes no copy of the weights.
 """
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 WRAPPER_PREFIX = "model."  # DecoderWithPast keeps the HF model as ``self.model``: weight input names carry it
 ALIGN = 64 * 1024  # ONNX Runtime maps external data only at offsets aligned to the allocation granularity
 WRAPPED_CHILD = "inner"  # the traced module's name inside the wrapper (dropped from node names after the trace)
-BLOCK_BYTES = 64 * 2**20  # float32 bytes widened (and transposed) at a time
 #: ops the exporter would have folded on a weight: followed while every other input is a constant
 FOLDABLE = frozenset({"Transpose", "Cast", "Add", "Sub", "Mul", "Div", "Identity", "Unsqueeze", "Reshape",
                       "Squeeze", "Neg", "Sqrt"})
@@ -288,38 +288,38 @@ def _evaluate(src: WeightSource, reader: SourceReader) -> np.ndarray:
 
 def write_weights(sources: list[WeightSource], reader: SourceReader,
                   data_path: Path) -> dict[str, tuple[int, int, tuple[int, ...]]]:
-    """Append each weight, as float32, to ``data_path``; returns name -> (offset, length, shape).
-
-    A parameter read as stored or through one 2-D Transpose streams from the shard in blocks; any other recipe
-    (Gemma's ``1 + w``) is computed whole, one tensor at a time.
-    """
+    """Compute each weight whose recipe is more than a read (Gemma's ``1 + w`` on a norm gain: small tensors) and
+    append it, as float32, to ``data_path``; returns name -> (offset, length, shape)."""
     placed: dict[str, tuple[int, int, tuple[int, ...]]] = {}
-    ckpt = reader.ckpt
     with open(data_path, "wb") as f:
         for src in sources:
-            tensor = reader.tensor(src.source)
-            info = ckpt.tensors[tensor]
+            value = np.ascontiguousarray(_evaluate(src, reader), dtype=np.float32)
             pos = f.tell()
-            if 4 * int(np.prod(info.shape, dtype=np.int64)) >= ALIGN:  # by the float32 bytes written
+            if value.nbytes >= ALIGN:
                 pos = -(-pos // ALIGN) * ALIGN
                 f.seek(pos)
-            if src.transposed_2d:
-                words = ckpt.raw(tensor)
-                rows, cols = words.shape  # writing W.T [cols, rows]: a block of W's columns at a time
-                step = max(1, BLOCK_BYTES // (4 * rows))
-                f.writelines(np.ascontiguousarray(to_float32(words[:, c:c + step], info.dtype).T).tobytes()
-                             for c in range(0, cols, step))
-                shape: tuple[int, ...] = (cols, rows)
-            elif not src.nodes:
-                flat, step = ckpt.raw(tensor).reshape(-1), BLOCK_BYTES // 4
-                f.writelines(to_float32(flat[i:i + step], info.dtype).tobytes() for i in range(0, flat.size, step))
-                shape = info.shape
-            else:
-                value = np.ascontiguousarray(_evaluate(src, reader), dtype=np.float32)
-                f.write(value.tobytes())
-                shape = value.shape
-            placed[src.graph_name] = (pos, f.tell() - pos, tuple(shape))
+            f.write(value.tobytes())
+            placed[src.graph_name] = (pos, f.tell() - pos, tuple(value.shape))
     return placed
+
+
+def refer_weights(proto: Any, sources: list[WeightSource], reader: SourceReader) -> str:
+    """Keep the weights read as stored or as one 2-D transpose as graph inputs of their final shape; returns the
+    graph's ``trtinfer.checkpoint`` record of them (:mod:`trtinfer.stage_weights`)."""
+    from trtinfer.stage_weights import reference_record
+
+    inputs = {i.name: i for i in proto.graph.input}
+    refs: dict[str, tuple[str, bool]] = {}
+    for src in sources:
+        tensor = reader.tensor(src.source)
+        shape = reader.ckpt.tensors[tensor].shape
+        transpose = bool(src.nodes)
+        dims = inputs[src.graph_name].type.tensor_type.shape.dim
+        del dims[:]
+        for d in (tuple(reversed(shape)) if transpose else shape):
+            dims.add().dim_value = int(d)
+        refs[src.graph_name] = (tensor, transpose)
+    return reference_record(reader.ckpt, refs)
 
 
 def attach_weights(proto: Any, placed: dict[str, tuple[int, int, tuple[int, ...]]], location: str) -> None:

@@ -18,6 +18,7 @@ from trtinfer.passes.config import PassConfig
 from trtinfer.passes.layout import CONCAT, LAYOUT_KEY
 from trtinfer.passes.registry import GEOMETRY_KEY, PassContext, get_pass, get_pipeline
 from trtinfer.passes.report import FusionReport, PassRecord
+from trtinfer.stage_weights import bind, save_graph
 from trtinfer.stages import (
     ONNX_NAME,
     StageDir,
@@ -67,19 +68,16 @@ def optimize_model(model: ir.Model, config: PassConfig | None = None,
 
 
 def load_model(path: Path) -> ir.Model:
-    """Load an ONNX file (external data resolved next to it) into onnx-ir, with a clear error if it is not one."""
+    """Load an ONNX file (external data resolved next to it, checkpoint weights bound) into onnx-ir, with a clear
+    error if it is not one."""
     if not path.is_file():
         raise InputError(f"{path} does not exist; give an .onnx file")
     try:
-        return ir.load(str(path))
+        model = ir.load(str(path))
     except Exception as e:
         raise InputError(f"{path} is not a readable ONNX model: {e}") from e
-
-
-def save_model(model: ir.Model, path: Path) -> None:
-    """Save with weights in ``<name>.data`` beside the graph (graphs over 2 GB need it; small ones stay inline)."""
-    # 64 KiB-aligned: ONNX Runtime maps aligned external tensors in place instead of reading them into memory
-    ir.save(model, str(path), external_data=path.name + ".data", size_threshold_bytes=1024, alignment=65536)
+    bind(model, path)
+    return model
 
 
 def optimize(in_path: str | Path, out_path: str | Path, config: PassConfig | None = None,
@@ -96,7 +94,7 @@ def optimize(in_path: str | Path, out_path: str | Path, config: PassConfig | Non
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        save_model(model, tmp / dst.name)
+        save_graph(model, tmp / dst.name)  # the weights the passes left as they were stay in the checkpoint
         for f in tmp.iterdir():
             f.replace(dst.parent / f.name)
     finally:
@@ -104,7 +102,7 @@ def optimize(in_path: str | Path, out_path: str | Path, config: PassConfig | Non
     return report
 
 
-OPTIMIZE_FORMAT = 4  # bump when what the optimize stage writes changes (invalidates cached optimized graphs)
+OPTIMIZE_FORMAT = 5  # bump when what the optimize stage writes changes (invalidates cached optimized graphs)
 
 
 def _optimize_into(src: StageDir, folder: Path, config: PassConfig) -> StageDir:

@@ -143,6 +143,8 @@ def accuracy_text(acc: dict[str, Any] | None) -> str:
     """One line for a person (with the bound and verdict when ``acc`` is an engine's judged check)."""
     if not acc:
         return "accuracy: not measured"
+    if "skipped" in acc:
+        return f"accuracy: not measured ({acc['skipped']})"
     line = (f"accuracy on {acc['tokens']} held-out tokens ({acc['text']}): perplexity {acc['perplexity']:.3f} vs "
             f"fp32 {acc['perplexity_fp32']:.3f} (x{acc['ratio']:.3f}), top-1 agreement {acc['top1_agreement']:.1%}")
     if "bound" in acc:

@@ -61,6 +61,14 @@ class BlockWeight:
         """``MatMulNBits``' B input: ``[N, K/block, block*bits/8]`` uint8."""
         return pack_codes(self.codes, self.bits, self.block)
 
+    def flat_scales(self) -> np.ndarray:
+        """``MatMulNBits``' scales input ``[N * K/block]``."""
+        return self.scales.reshape(-1)
+
+    def gather_scales(self) -> np.ndarray:
+        """``GatherBlockQuantized``'s scales ``[N, K/block, 1]`` (rows of the table ``W^T``)."""
+        return self.scales[:, :, None]
+
     def packed_zero_points(self) -> np.ndarray | None:
         """``MatMulNBits``' zero_points input ``[N, ceil(K/block * bits/8)]`` uint8, or None when symmetric."""
         if self.zero_points is None:

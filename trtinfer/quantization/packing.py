@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 ATTRS = ("K", "bits", "block_size", "accuracy_level")
 
 
+def concatenated(parts: list[ir.TensorProtocol]) -> ir.LazyTensor:
+    """``parts`` stacked along their first axis, computed when read (nothing is held in memory until then)."""
+    dims = [int(d) for d in parts[0].shape]
+    dims[0] = sum(int(p.shape[0]) for p in parts)
+    return ir.LazyTensor(lambda: ir.Tensor(np.concatenate([p.numpy() for p in parts], axis=0)),
+                         dtype=parts[0].dtype, shape=ir.Shape(dims))
+
+
 def _packable(node: ir.Node) -> bool:
     if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len(node.inputs) != 3:
         return False
@@ -47,10 +55,9 @@ def pack_shared_inputs(graph: ir.Graph) -> dict[str, int]:
             continue
         ns = [m.attributes.get_int("N", 0) for m in members]
         first = members[0]
-        b = np.concatenate([m.inputs[1].const_value.numpy() for m in members], axis=0)  # type: ignore[union-attr]
-        nb = b.shape[1]
-        s = np.concatenate([np.asarray(m.inputs[2].const_value.numpy()).reshape(n, nb)  # type: ignore[union-attr]
-                            for m, n in zip(members, ns)], axis=0).reshape(-1)
+        # stacked when written (the parts may be computed then too): [N_i, K/block, blob] rows, [N_i * K/block] scales
+        b = concatenated([m.inputs[1].const_value for m in members])  # type: ignore[misc]
+        s = concatenated([m.inputs[2].const_value for m in members])  # type: ignore[misc]
         base = (first.name or "matmul").replace("/", "_").strip("_")
         attrs = {a: first.attributes.get_int(a, 0) for a in ATTRS}
         new = ir.node("MatMulNBits", [first.inputs[0], add_initializer(graph, f"{base}_packed_B", b),

@@ -10,13 +10,12 @@ held-out text and top-1 next-token agreement against the fp32 graph it came from
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from pathlib import Path
 from typing import Any
-
-import onnx_ir as ir
 
 from trtinfer._cache import key_of
 from trtinfer.errors import ConfigError
@@ -36,7 +35,7 @@ from trtinfer.stages import (
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_FORMAT = 6  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
+QUANTIZE_FORMAT = 7  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
 CALIBRATION_FILES = ("calibration.json", "calibration.cache")
 
 
@@ -60,33 +59,59 @@ def check_input(src: StageDir) -> str:
     return str(opt["target"])
 
 
-def _rewrite(src: StageDir, folder: Path, config: QuantConfig, target: str, progress: bool) -> dict[str, Any]:
-    """Quantize ``src``'s graph with ``config`` into ``folder``; returns the precision's report."""
-    from trtinfer.passes.optimize import save_model
+def _rewrite(src: StageDir, run: StageDir, folder: Path, config: QuantConfig, target: str,
+             progress: bool) -> dict[str, Any]:
+    """Quantize ``src``'s graph with ``config`` into ``folder``; returns the precision's report.
 
-    model = ir.load(str(src.onnx_path))
-    report = get_precision(config.precision, target).fn(model, QuantContext(src, config, target, folder, progress))
-    save_model(model, folder / ONNX_NAME)
+    The graph's checkpoint weights are read as the precision reaches them; calibration runs on ``run`` (``src``
+    materialized, or ``src`` when no calibration can run). Every weight of the result is written: a quantize stage
+    refers to no checkpoint.
+    """
+    from trtinfer.stage_weights import load_graph, save_graph
+
+    model = load_graph(src.onnx_path)
+    report = get_precision(config.precision, target).fn(model, QuantContext(run, config, target, folder, progress))
+    save_graph(model, folder / ONNX_NAME, keep_references=False)
     return report
+
+
+def _fitted(config: QuantConfig, fits: bool, figures: str) -> tuple[QuantConfig, str | None]:
+    """``config`` for a model whose fp32 graph does (not) fit: calibrated int4 becomes round-to-nearest (the
+    Hessians need the fp32 graph run), int8-static is refused; returns the reason of a change."""
+    if fits or not config.needs_calibration:
+        return config, None
+    if config.precision == "int4":
+        why = f"calibrated int4 runs the fp32 graph, which does not fit ({figures}): round-to-nearest instead"
+        log.warning("%s", why)
+        return dataclasses.replace(config, method="rtn"), why
+    raise ConfigError(f"{config.precision} calibrates on the fp32 graph, which does not fit ({figures}); "
+                      "use --precision int4 or int8 (weight-only)")
 
 
 def _quantize_into(src: StageDir, folder: Path, config: QuantConfig, progress: bool) -> StageDir:
     from trtinfer.quantization.accuracy import FALLBACK_FP32, PERPLEXITY_BOUNDS, accuracy_report
+    from trtinfer.stage_weights import materialized, whole_copy_fits
 
     target = check_input(src)
     get_precision(config.precision, target)  # an unknown precision/target pair fails before any work
     t0 = time.perf_counter()
-    report = _rewrite(src, folder, config, target, progress)
-    accuracy = accuracy_report(src, folder, progress=progress)
-    fallback = tuple(p for p in FALLBACK_FP32.get(config.precision, ()) if p not in config.skip_patterns)
-    bound = PERPLEXITY_BOUNDS[config.precision]
-    if fallback and not accuracy["ratio"] <= bound:
-        why = (f"perplexity x{accuracy['ratio']:.3f} with every GEMM quantized, over the x{bound:g} bound")
-        log.info("%s; quantizing again with %s in fp32", why, ", ".join(fallback))
-        config = dataclasses.replace(config, keep_fp32=config.keep_fp32 + fallback)
-        report = _rewrite(src, folder, config, target, progress)
-        report["fallback"] = {"kept_fp32": list(fallback), "because": why, "accuracy_before": accuracy}
-        accuracy = accuracy_report(src, folder, progress=progress)
+    fits, figures = whole_copy_fits(src.onnx_path, folder)
+    config, changed = _fitted(config, fits, figures)
+    with (materialized(src) if fits else contextlib.nullcontext(src)) as run:
+        report = _rewrite(src, run, folder, config, target, progress)
+        if changed:
+            report["method_changed"] = changed
+        accuracy: dict[str, Any] = (accuracy_report(run, folder, progress=progress) if fits else
+                                    {"skipped": f"the fp32 graph does not fit: {figures}"})
+        fallback = tuple(p for p in FALLBACK_FP32.get(config.precision, ()) if p not in config.skip_patterns)
+        bound = PERPLEXITY_BOUNDS[config.precision]
+        if fallback and fits and not accuracy["ratio"] <= bound:
+            why = (f"perplexity x{accuracy['ratio']:.3f} with every GEMM quantized, over the x{bound:g} bound")
+            log.info("%s; quantizing again with %s in fp32", why, ", ".join(fallback))
+            config = dataclasses.replace(config, keep_fp32=config.keep_fp32 + fallback)
+            report = _rewrite(src, run, folder, config, target, progress)
+            report["fallback"] = {"kept_fp32": list(fallback), "because": why, "accuracy_before": accuracy}
+            accuracy = accuracy_report(run, folder, progress=progress)
     seconds = round(time.perf_counter() - t0, 2)
     info = {**carry_forward(src, folder), "stage": "quantize", "io": graph_io(folder / ONNX_NAME),
             "kv_layout": src.kv_layout}

@@ -15,10 +15,12 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from trtinfer.quantization.blocks import BlockWeight, quantize_rtn
 from trtinfer.quantization.packing import pack_shared_inputs
 from trtinfer.quantization.registry import QuantContext, register_precision
 from trtinfer.quantization.weights import (
+    BlockCache,
+    Blocks,
+    LazyBlocks,
     WeightSite,
     embedding_gather,
     release,
@@ -60,24 +62,25 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
         from trtinfer.quantization.gptq_stats import matmul_hessians
 
         hessians = matmul_hessians(ctx, chosen)
-    fp32_bytes = sum(s.array().nbytes for s in sites)
-    stored = 0
+    fp32_bytes = sum(4 * s.k * s.n for s in sites)
+    cache = BlockCache()
     forms: dict[str, int] = {}
-    head_packed: tuple[ir.Value, BlockWeight] | None = None
+    head_packed: tuple[ir.Value, Blocks] | None = None
     for s in chosen:
         b, block, sym = layout_for(s, ctx, bits)
-        w = s.array()
+        q: Blocks
         if method == "gptq" and s.name in hessians:
             from trtinfer.quantization.gptq import gptq_quantize
 
+            w = s.array()
             q = gptq_quantize(w, hessians[s.name], bits=b, block=block, symmetric=sym,
                               act_order=ctx.config.act_order, scale_search=ctx.config.scale_search)
-        else:
-            q = quantize_rtn(w, b, block, sym)
-        del w
-        release(s.weight.const_value)  # its mapped pages leave the process: peak stays one weight, not the model
+            del w
+            release(s.weight.const_value)  # its mapped pages leave the process: peak stays one weight, not the model
+        else:  # round-to-nearest: computed as the stage is written, one weight at a time
+            assert s.weight.const_value is not None
+            q = LazyBlocks(s.weight.const_value, b, block, sym, cache)
         _, packed = replace_matmul(graph, s, q, ctx.config.accuracy_level)
-        stored += q.packed().nbytes + q.scales.nbytes
         key = f"{b}-bit block {block} {'symmetric' if sym else 'asymmetric'}"
         forms[key] = forms.get(key, 0) + 1
         if s.lm_head:
@@ -85,14 +88,20 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
     embedding = "fp32"
     if tied and head_packed is not None and gather is not None:
         packed, q = head_packed
-        stored += replace_gather(graph, gather, q, packed)
+        replace_gather(graph, gather, q, packed)
         embedding = f"GatherBlockQuantized sharing the LM head's {q.bits}-bit weight"
-    elif gather is not None:
+    elif head_packed is not None and gather is not None:  # untied: the table takes the LM head's precision
         table = gather.inputs[0]
         assert table is not None and table.const_value is not None
-        stored += table.const_value.nbytes
+        _, q = head_packed
+        replace_gather(graph, gather, LazyBlocks(table.const_value, q.bits, q.block, True, cache, transpose=True))
+        embedding = f"GatherBlockQuantized, {q.bits}-bit (the LM head's precision)"
+    ir.passes.common.RemoveUnusedNodesPass()(model)
     packing = pack_shared_inputs(graph) if ctx.config.pack else {}
     ir.passes.common.RemoveUnusedNodesPass()(model)
+    stored = sum(v.const_value.nbytes for v in graph.initializers.values()  # packed weights, scales, an fp32 table
+                 if v.const_value is not None and (v.const_value.dtype == ir.DataType.UINT8 or (v.name or "").endswith(
+                     "scales") or gather is not None and embedding == "fp32" and v is gather.inputs[0]))
     calibration = ctx.notes.get("calibration")
     return {"method": method, "quantized": len(chosen), **({"calibration": calibration} if calibration else {}), "matmuls": len(sites), "forms": forms,
             "kept": kept, "tied_embedding": tied, "embedding": embedding,

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
-from trtinfer.quantization.blocks import BlockWeight
+from trtinfer.quantization.blocks import BlockWeight, check_layout, quantize_rtn
 from trtinfer.quantization.config import LM_HEAD, QuantConfig
 
 log = logging.getLogger(__name__)
@@ -43,17 +44,91 @@ class WeightSite:
     @property
     def k(self) -> int:
         """Input features."""
-        return int(self.array().shape[0])
+        assert self.weight.const_value is not None
+        return int(self.weight.const_value.shape[0])
 
     @property
     def n(self) -> int:
         """Output features."""
-        return int(self.array().shape[1])
+        assert self.weight.const_value is not None
+        return int(self.weight.const_value.shape[1])
 
     def array(self) -> np.ndarray:
         """The weight as float32 ``[K, N]``."""
         assert self.weight.const_value is not None
         return np.asarray(self.weight.const_value.numpy(), dtype=np.float32)
+
+
+class BlockCache:
+    """The last few weights :class:`LazyBlocks` computed: a save writes one weight's B, scales and zero points in a
+    row (a packed QKV reads three weights' B, then their scales), so each weight is quantized once."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._items: OrderedDict[int, BlockWeight] = OrderedDict()
+
+    def get(self, blocks: LazyBlocks) -> BlockWeight:
+        q = self._items.get(id(blocks))
+        if q is None:
+            q = blocks.compute()
+            self._items[id(blocks)] = q
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return q
+
+
+class LazyBlocks:
+    """Round-to-nearest blocks of one weight, computed when a save first reads its tensors (quantize while writing).
+
+    The weight is ``x @ W`` with ``W [K, N]`` (a MatMul's weight), or with ``transpose`` a table ``E [V, K]`` read as
+    ``W = E^T`` (an embedding Gather). Offers :class:`BlockWeight`'s inputs as lazy onnx-ir tensors, so the
+    quantized graph holds no packed array in memory until it is written, one weight at a time.
+    """
+
+    def __init__(self, weight: ir.TensorProtocol, bits: int, block: int, symmetric: bool, cache: BlockCache,
+                 transpose: bool = False) -> None:
+        rows, cols = (int(d) for d in weight.shape)
+        self.k, self.n = (cols, rows) if transpose else (rows, cols)
+        check_layout(self.k, bits, block)
+        self.weight, self.bits, self.block, self.symmetric = weight, bits, block, symmetric
+        self.cache, self.transpose = cache, transpose
+
+    def compute(self) -> BlockWeight:
+        """The blocks (reads the weight, then lets its mapped pages go)."""
+        w = np.asarray(self.weight.numpy(), np.float32)
+        q = quantize_rtn(w.T if self.transpose else w, self.bits, self.block, self.symmetric)
+        del w
+        release(self.weight)
+        return q
+
+    def _lazy(self, make: Callable[[BlockWeight], np.ndarray], dtype: ir.DataType, shape: list[int]) -> ir.LazyTensor:
+        return ir.LazyTensor(lambda: ir.Tensor(np.ascontiguousarray(make(self.cache.get(self)))), dtype=dtype,
+                             shape=ir.Shape(shape))
+
+    def packed(self) -> ir.LazyTensor:
+        """``MatMulNBits``' B ``[N, K/block, block*bits/8]`` uint8."""
+        return self._lazy(BlockWeight.packed, ir.DataType.UINT8,
+                          [self.n, self.k // self.block, self.block * self.bits // 8])
+
+    def flat_scales(self) -> ir.LazyTensor:
+        """``MatMulNBits``' scales ``[N * K/block]``."""
+        return self._lazy(BlockWeight.flat_scales, ir.DataType.FLOAT, [self.n * (self.k // self.block)])
+
+    def gather_scales(self) -> ir.LazyTensor:
+        """``GatherBlockQuantized``'s scales ``[N, K/block, 1]``."""
+        return self._lazy(BlockWeight.gather_scales, ir.DataType.FLOAT, [self.n, self.k // self.block, 1])
+
+    def packed_zero_points(self) -> ir.LazyTensor | None:
+        """``MatMulNBits``' zero points, or None when symmetric."""
+        if self.symmetric:
+            return None
+        per_row = -(-(self.k // self.block) * self.bits // 8)
+        return self._lazy(lambda q: q.packed_zero_points(), ir.DataType.UINT8,  # type: ignore[arg-type,return-value]
+                          [self.n, per_row])
+
+
+#: what :func:`replace_matmul` and :func:`replace_gather` take: blocks computed now, or when written
+Blocks = BlockWeight | LazyBlocks
 
 
 def release(tensor: ir.TensorProtocol | None) -> None:
@@ -115,7 +190,7 @@ def add_initializer(graph: ir.Graph, name: str, data: np.ndarray | ir.TensorProt
     return value
 
 
-def replace_matmul(graph: ir.Graph, site: WeightSite, q: BlockWeight, accuracy_level: int = 4,
+def replace_matmul(graph: ir.Graph, site: WeightSite, q: Blocks, accuracy_level: int = 4,
                    packed: ir.Value | None = None) -> tuple[ir.Node, ir.Value]:
     """Swap ``site``'s MatMul for a MatMulNBits computing ``x @ q.dequantize()``; returns the node and its B value.
 
@@ -125,7 +200,7 @@ def replace_matmul(graph: ir.Graph, site: WeightSite, q: BlockWeight, accuracy_l
     base = (site.weight.name or node.name or "w").replace("/", "_").strip("_")
     if packed is None:
         packed = add_initializer(graph, f"{base}_q{q.bits}", q.packed())
-    inputs = [node.inputs[0], packed, add_initializer(graph, f"{base}_scales", q.scales.reshape(-1))]
+    inputs = [node.inputs[0], packed, add_initializer(graph, f"{base}_scales", q.flat_scales())]
     zp = q.packed_zero_points()
     if zp is not None:
         inputs.append(add_initializer(graph, f"{base}_zp", zp))
@@ -150,12 +225,12 @@ def embedding_gather(graph: ir.Graph, vocab_size: int) -> ir.Node | None:
     return None
 
 
-def replace_gather(graph: ir.Graph, node: ir.Node, q: BlockWeight, packed: ir.Value | None = None) -> int:
+def replace_gather(graph: ir.Graph, node: ir.Node, q: Blocks, packed: ir.Value | None = None) -> int:
     """Swap the embedding Gather for GatherBlockQuantized on ``q`` (``q`` quantizes ``E^T``, i.e. ``W [K, V]``).
 
     Returns the bytes newly stored (0 for the table when ``packed``, the LM head's B, is shared).
     """
-    if q.zero_points is not None:
+    if not q.symmetric:
         raise ValueError("GatherBlockQuantized is used with symmetric blocks only")
     table = node.inputs[0]
     assert table is not None
@@ -163,9 +238,9 @@ def replace_gather(graph: ir.Graph, node: ir.Node, q: BlockWeight, packed: ir.Va
     stored = 0
     if packed is None:
         packed = add_initializer(graph, f"{base}_q{q.bits}", q.packed())
-        stored += q.packed().nbytes
-    scales = add_initializer(graph, f"{base}_gather_scales", q.scales[:, :, None])
-    stored += q.scales.nbytes
+        stored += packed.const_value.nbytes  # type: ignore[union-attr]
+    scales = add_initializer(graph, f"{base}_gather_scales", q.gather_scales())
+    stored += scales.const_value.nbytes  # type: ignore[union-attr]
     shape = add_initializer(graph, f"{base}_gather_shape", np.array([0, 0, q.k], dtype=np.int64))
     gbq = ir.node("GatherBlockQuantized", [packed, node.inputs[1], scales], domain=MS_DOMAIN,
                   name=f"{node.name}_Q{q.bits}",
@@ -180,11 +255,17 @@ def replace_gather(graph: ir.Graph, node: ir.Node, q: BlockWeight, packed: ir.Va
 
 
 def tied_embedding(graph: ir.Graph, gather: ir.Node | None, head: WeightSite | None) -> bool:
-    """True when the embedding table equals the LM head's weight transposed (tied embeddings)."""
+    """True when the embedding table equals the LM head's weight transposed (tied embeddings): by name when both
+    are read from the checkpoint, else by value."""
     if gather is None or head is None:
         return False
     table = gather.inputs[0]
     assert table is not None and table.const_value is not None
+    from trtinfer.stage_weights import CheckpointTensor
+
+    t, h = table.const_value, head.weight.const_value
+    if isinstance(t, CheckpointTensor) and isinstance(h, CheckpointTensor):
+        return t.tensor == h.tensor and h.transpose and not t.transpose
     e = np.asarray(table.const_value.numpy())
     w = head.array()
     return bool(e.shape == (w.shape[1], w.shape[0]) and np.array_equal(e, w.T))

@@ -1,0 +1,244 @@
+"""Stage graphs whose weights stay in the source checkpoint until a stage changes them.
+
+An export writes no copy of the model's weights: every weight the graph reads as stored (norm gains, the
+embedding table) or as a Linear's ``W.T`` is a graph input, and the graph's metadata (``trtinfer.checkpoint``)
+says which safetensors tensor it is, whether it is transposed, and the checkpoint's folder and shard stamps (size,
+mtime). The optimize stage keeps what its passes did not change the same way. A quantize stage reads each weight
+when it quantizes it and writes only what it made (nothing there refers to the checkpoint), so the cache holds one
+packed model, not an fp32 export and an fp32 optimized copy beside it (64 GB at the Qwen3-8B shape).
+
+    load_graph(path)        the graph, each checkpoint weight an initializer read lazily (:class:`CheckpointTensor`)
+    save_graph(model, path) references kept (export, optimize) or written out (quantize, materialized copies)
+    materialized(stage)     a whole, ONNX Runtime-readable copy for the few runs that need one (validation,
+                            calibration, the fp32 side of the accuracy report, an fp32 engine's compilation)
+
+A checkpoint changed or moved after the export is one clear error when a weight is read, never wrong numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from trtinfer.errors import ModelSourceError
+from trtinfer.export.checkpoint import Checkpoint, to_float32
+from trtinfer.stages import DATA_NAME, ONNX_NAME, STAGE_FILE, StageDir
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "trtinfer.checkpoint"  # graph metadata: {"folder", "shards": {file: [size, mtime_ns]}, "weights"}
+BLOCK_BYTES = 64 * 2**20  # float32 bytes widened (and transposed) at a time
+ALIGN = 64 * 1024  # ONNX Runtime maps external data at offsets aligned to the allocation granularity
+
+
+def shard_stamps(ckpt: Checkpoint) -> dict[str, list[int]]:
+    """Size and mtime of each shard a checkpoint's tensors live in (what tells a later stage it is unchanged)."""
+    out = {}
+    for shard in sorted({t.shard for t in ckpt.tensors.values()}):
+        st = shard.stat()
+        out[shard.name] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+class CheckpointTensor(ir.LazyTensor):
+    """A float32 weight read from a checkpoint tensor when asked for (``transpose``: the tensor's ``W.T``).
+
+    Written to a file block by block (:meth:`tofile`), so materializing a model never holds more than one block
+    beyond the mapped shard pages, which are released after each tensor.
+    """
+
+    def __init__(self, ckpt: Checkpoint, tensor: str, transpose: bool, name: str) -> None:
+        info = ckpt.tensors[tensor]
+        shape = tuple(reversed(info.shape)) if transpose else info.shape
+        super().__init__(self._read, dtype=ir.DataType.FLOAT, shape=ir.Shape(list(shape)), name=name)
+        self.ckpt, self.tensor, self.transpose = ckpt, tensor, transpose
+
+    def _blocks(self) -> Iterator[np.ndarray]:
+        """The float32 value in contiguous pieces, in file order."""
+        info = self.ckpt.tensors[self.tensor]
+        words = self.ckpt.raw(self.tensor)  # unmapped when this generator ends (its last reference goes)
+        if self.transpose:
+            rows, cols = words.shape  # W.T [cols, rows]: a block of W's columns at a time
+            step = max(1, BLOCK_BYTES // (4 * rows))
+            for c in range(0, cols, step):
+                yield np.ascontiguousarray(to_float32(words[:, c:c + step], info.dtype).T)
+        else:
+            flat, step = words.reshape(-1), BLOCK_BYTES // 4
+            for i in range(0, flat.size, step):
+                yield to_float32(flat[i:i + step], info.dtype)
+
+    def _read(self) -> ir.Tensor:
+        out = np.empty(tuple(self.shape.numpy()), np.float32)
+        flat, pos = out.reshape(-1), 0
+        for block in self._blocks():
+            flat[pos:pos + block.size] = block.reshape(-1)
+            pos += block.size
+        return ir.Tensor(out, name=self.name)
+
+    def tofile(self, file: Any) -> None:
+        """Write the float32 bytes block by block."""
+        for block in self._blocks():
+            block.tofile(file)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * int(np.prod(self.shape.numpy(), dtype=np.int64))
+
+
+def reference_record(ckpt: Checkpoint, weights: dict[str, tuple[str, bool]]) -> str:
+    """The ``trtinfer.checkpoint`` metadata of a graph reading ``weights`` ({input: (tensor, transposed)})."""
+    return json.dumps({"folder": str(ckpt.folder.resolve()), "shards": shard_stamps(ckpt),
+                       "weights": {k: {"tensor": t, "transpose": tr} for k, (t, tr) in sorted(weights.items())}})
+
+
+def checkpoint_inputs(proto_or_props: Any) -> set[str]:
+    """Names of the graph inputs a graph reads from its checkpoint (from an ONNX ModelProto's metadata)."""
+    props = {p.key: p.value for p in proto_or_props.metadata_props}
+    return set(json.loads(props[CHECKPOINT_KEY])["weights"]) if CHECKPOINT_KEY in props else set()
+
+
+def _open_checkpoint(record: dict[str, Any], where: Path | str) -> Checkpoint:
+    folder = Path(record["folder"])
+    try:
+        ckpt = Checkpoint(folder)
+        stamps = shard_stamps(ckpt)
+    except (ModelSourceError, OSError) as e:
+        raise ModelSourceError(f"{where} reads its weights from {folder}, which cannot be read now ({e}); export the "
+                               "model again") from e
+    changed = sorted(k for k in set(stamps) | set(record["shards"]) if stamps.get(k) != record["shards"].get(k))
+    if changed:
+        raise ModelSourceError(f"{where} reads its weights from {folder}, whose {', '.join(changed[:3])} changed "
+                               "after the export; export the model again")
+    return ckpt
+
+
+def bind(model: ir.Model, where: Path | str = "the graph") -> int:
+    """Turn the checkpoint inputs of ``model`` into initializers read lazily from the checkpoint; returns how many."""
+    text = model.metadata_props.pop(CHECKPOINT_KEY, None)
+    if text is None:
+        return 0
+    record = json.loads(text)
+    ckpt = _open_checkpoint(record, where)
+    graph = model.graph
+    by_name = {v.name: v for v in graph.inputs}
+    for name, w in record["weights"].items():
+        value = by_name.get(name)
+        if value is None:
+            raise ModelSourceError(f"{where} lists checkpoint weight {name} but has no such input; produce it again")
+        graph.inputs.remove(value)
+        value.const_value = CheckpointTensor(ckpt, w["tensor"], w["transpose"], name)
+        graph.register_initializer(value)
+    return len(record["weights"])
+
+
+def unbind(model: ir.Model) -> int:
+    """Turn initializers read from a checkpoint back into graph inputs listed in the metadata; returns how many."""
+    graph = model.graph
+    refs = [v for v in graph.initializers.values() if isinstance(v.const_value, CheckpointTensor)]
+    if not refs:
+        return 0
+    ckpt = refs[0].const_value.ckpt  # type: ignore[union-attr]
+    weights = {}
+    for v in refs:
+        t = v.const_value
+        assert isinstance(t, CheckpointTensor) and v.name is not None
+        if t.ckpt is not ckpt:
+            raise ValueError("one graph reads two checkpoints")
+        weights[v.name] = (t.tensor, t.transpose)
+        graph.initializers.pop(v.name)
+        v.const_value = None
+        graph.inputs.append(v)
+    model.metadata_props[CHECKPOINT_KEY] = reference_record(ckpt, weights)
+    return len(refs)
+
+
+def load_graph(path: Path) -> ir.Model:
+    """An ONNX file (external data beside it) with its checkpoint weights bound (:func:`bind`)."""
+    try:
+        model = ir.load(str(path))
+    except Exception as e:
+        raise ModelSourceError(f"{path} is not a readable ONNX model: {e}") from e
+    bind(model, path)
+    return model
+
+
+def save_graph(model: ir.Model, path: Path, *, keep_references: bool = True) -> None:
+    """Save ``model`` with its weights in ``<name>.data`` beside it, 64 KiB-aligned so ONNX Runtime maps them.
+
+    With ``keep_references`` the checkpoint weights stay references (inputs + metadata); otherwise every weight is
+    written, one tensor at a time.
+    """
+    if keep_references:
+        unbind(model)
+    ir.save(model, str(path), external_data=path.name + ".data", size_threshold_bytes=1024, alignment=ALIGN)
+
+
+def graph_weight_bytes(path: Path) -> int:
+    """Bytes of every weight of an ONNX file, written or read from its checkpoint (headers only)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    total = 0
+    for t in proto.graph.initializer:
+        ext = {e.key: e.value for e in t.external_data}
+        total += int(ext.get("length", 0)) if "length" in ext else len(t.raw_data)
+    refs = checkpoint_inputs(proto)
+    for v in proto.graph.input:
+        if v.name in refs:
+            total += 4 * int(np.prod([d.dim_value for d in v.type.tensor_type.shape.dim], dtype=np.int64))
+    return total
+
+
+def whole_copy_fits(path: Path, where: Path | None = None) -> tuple[bool, str]:
+    """Whether a materialized copy of the graph at ``path`` fits: its weights within the memory share a graph may
+    take (:func:`~trtinfer.runtime.memory.fits_in_memory`) and on the disk holding ``where``; and the figures."""
+    from trtinfer.runtime.memory import available_memory, fits_in_memory
+
+    need = graph_weight_bytes(path)
+    free = shutil.disk_usage(where or path.parent).free
+    avail = available_memory()
+    figures = (f"the fp32 graph needs {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of disk free"
+               + (f", {avail / 2**30:.1f} GiB of memory available" if avail is not None else ""))
+    return fits_in_memory(need) and need < 0.9 * free, figures
+
+
+@contextlib.contextmanager
+def materialized_file(path: Path) -> Iterator[Path]:
+    """``path`` itself when it reads nothing from a checkpoint, else a whole copy in a temporary folder beside it
+    (removed on exit)."""
+    import onnx
+
+    if not checkpoint_inputs(onnx.load(str(path), load_external_data=False)):
+        yield path
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=".materialized-", dir=path.parent.parent))
+    try:
+        save_graph(load_graph(path), tmp / path.name, keep_references=False)
+        yield tmp / path.name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def materialized(stage: StageDir) -> Iterator[StageDir]:
+    """``stage`` itself when its graph reads nothing from a checkpoint, else the same stage in a temporary folder
+    with a whole copy of the graph and links to its other files (removed on exit)."""
+    with materialized_file(stage.onnx_path) as path:
+        if path == stage.onnx_path:
+            yield stage
+            return
+        for name in stage.info.get("files", {}):
+            if name not in (ONNX_NAME, DATA_NAME) and not (path.parent / name).exists():
+                os.symlink((stage.path / name).resolve(), path.parent / name)
+        if (stage.path / STAGE_FILE).is_file():
+            os.symlink((stage.path / STAGE_FILE).resolve(), path.parent / STAGE_FILE)
+        yield StageDir(path.parent, stage.info)
