@@ -230,3 +230,40 @@ def test_int8_static_calibration_cache_is_reused(stages, tmp_path):
     empty.write_text("")
     r = run_cli("quantize", opt.path, "-o", tmp_path / "c", "--precision", "int8-static", "--calibration-data", empty)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "empty" in r.stderr and not (tmp_path / "c").exists()
+
+
+def test_weights_quantized_while_written_equal_blocks_of_the_checkpoint(stages, tiny_model_dir, tmp_path):
+    """Round-to-nearest blocks are computed as the stage is written, from the checkpoint's own tensors: each packed
+    weight, the packed QKV (three weights stacked) and the untied embedding table's GatherBlockQuantized are exactly
+    :func:`quantize_rtn` of the checkpoint tensor; and the stage holds no fp32 copy of any of them."""
+    from onnx import numpy_helper
+    from safetensors.numpy import load_file
+
+    from trtinfer.quantization.blocks import quantize_rtn
+    from trtinfer.stage_weights import checkpoint_inputs
+
+    _, opt = stages("llama")
+    q = quantize_stage(opt, tmp_path / "q", QuantConfig(precision="int4", method="rtn"), progress=False)
+    m = onnx.load(str(q.path / "model.onnx"))  # with its weights
+    assert not checkpoint_inputs(m)  # a quantize stage refers to no checkpoint
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    ckpt = load_file(str(tiny_model_dir("llama") / "model.safetensors"))
+    by_name = {n.name: n for n in m.graph.node}
+
+    def blocks(tensor: str, bits: int = 4):
+        return quantize_rtn(np.ascontiguousarray(ckpt[tensor].astype(np.float32).T), bits, 32, True)
+
+    down = by_name["/model/model/layers.1/mlp/down_proj/MatMul_Q4"]
+    want = blocks("model.layers.1.mlp.down_proj.weight")
+    np.testing.assert_array_equal(inits[down.input[1]], want.packed())
+    np.testing.assert_array_equal(inits[down.input[2]], want.flat_scales())
+    qkv = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and "layers.0/self_attn/q_proj" in n.name)
+    parts = [blocks(f"model.layers.0.self_attn.{p}_proj.weight") for p in "qkv"]
+    np.testing.assert_array_equal(inits[qkv.input[1]], np.concatenate([b.packed() for b in parts]))
+    np.testing.assert_array_equal(inits[qkv.input[2]], np.concatenate([b.flat_scales() for b in parts]))
+    gather = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
+    table = quantize_rtn(np.ascontiguousarray(ckpt["model.embed_tokens.weight"].astype(np.float32).T), 4, 32, True)
+    np.testing.assert_array_equal(inits[gather.input[0]], table.packed())
+    np.testing.assert_array_equal(inits[gather.input[2]], table.gather_scales())
+    assert not any(v.dtype == np.float32 and v.size >= 64 * 64 for v in inits.values())  # no fp32 matrix is left
+    assert q.history["quantize"]["report"]["embedding"].startswith("GatherBlockQuantized, 4-bit")

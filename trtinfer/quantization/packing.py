@@ -27,8 +27,8 @@ ATTRS = ("K", "bits", "block_size", "accuracy_level")
 
 def concatenated(parts: list[ir.TensorProtocol]) -> ir.LazyTensor:
     """``parts`` stacked along their first axis, computed when read (nothing is held in memory until then)."""
-    dims = [int(d) for d in parts[0].shape]
-    dims[0] = sum(int(p.shape[0]) for p in parts)
+    dims = [int(d) for d in parts[0].shape.numpy()]
+    dims[0] = sum(int(p.shape.numpy()[0]) for p in parts)
     return ir.LazyTensor(lambda: ir.Tensor(np.concatenate([p.numpy() for p in parts], axis=0)),
                          dtype=parts[0].dtype, shape=ir.Shape(dims))
 
@@ -56,8 +56,8 @@ def pack_shared_inputs(graph: ir.Graph) -> dict[str, int]:
         ns = [m.attributes.get_int("N", 0) for m in members]
         first = members[0]
         # stacked when written (the parts may be computed then too): [N_i, K/block, blob] rows, [N_i * K/block] scales
-        b = concatenated([m.inputs[1].const_value for m in members])  # type: ignore[misc]
-        s = concatenated([m.inputs[2].const_value for m in members])  # type: ignore[misc]
+        b = concatenated([m.inputs[1].const_value for m in members])  # type: ignore[union-attr,misc]
+        s = concatenated([m.inputs[2].const_value for m in members])  # type: ignore[union-attr,misc]
         base = (first.name or "matmul").replace("/", "_").strip("_")
         attrs = {a: first.attributes.get_int(a, 0) for a in ATTRS}
         new = ir.node("MatMulNBits", [first.inputs[0], add_initializer(graph, f"{base}_packed_B", b),

@@ -45,13 +45,13 @@ class WeightSite:
     def k(self) -> int:
         """Input features."""
         assert self.weight.const_value is not None
-        return int(self.weight.const_value.shape[0])
+        return int(self.weight.const_value.shape.numpy()[0])
 
     @property
     def n(self) -> int:
         """Output features."""
         assert self.weight.const_value is not None
-        return int(self.weight.const_value.shape[1])
+        return int(self.weight.const_value.shape.numpy()[1])
 
     def array(self) -> np.ndarray:
         """The weight as float32 ``[K, N]``."""
@@ -87,7 +87,7 @@ class LazyBlocks:
 
     def __init__(self, weight: ir.TensorProtocol, bits: int, block: int, symmetric: bool, cache: BlockCache,
                  transpose: bool = False) -> None:
-        rows, cols = (int(d) for d in weight.shape)
+        rows, cols = (int(d) for d in weight.shape.numpy())
         self.k, self.n = (cols, rows) if transpose else (rows, cols)
         check_layout(self.k, bits, block)
         self.weight, self.bits, self.block, self.symmetric = weight, bits, block, symmetric
