@@ -4,7 +4,8 @@ steps get to the machine's measured memory bandwidth.
 
 usage: python benchmarks/real_size.py (--checkpoint DIR | --preset NAME [--layers N] [--vocab V])
            [--precisions fp32,int8,int4] [--method M] [--cache DIR] [--work DIR] [--batch-sizes 1,8]
-           [--prompt-len 512] [--batch-prompt-len 32] [--new-tokens 32] [--buffer-mib 1024] [--keep] [--out PREFIX]
+           [--prompt-len 512] [--batch-prompt-len 32] [--new-tokens 32] [--buffer-mib 1024] [--oga-python PY]
+           [--keep] [--out PREFIX]
 
 1. Checkpoint: ``--checkpoint DIR`` (a Hugging Face folder), or ``--preset`` (``make_checkpoint.py``'s presets and
    slices), written once to ``WORK/checkpoints/<preset>[-lN][-vV]`` and reused by later runs.
@@ -12,8 +13,8 @@ usage: python benchmarks/real_size.py (--checkpoint DIR | --preset NAME [--layer
    unless ``--method``) under ``/usr/bin/time -v``: its peak RSS (the largest single process; GNU time reports
    ``ru_maxrss`` of the child) and wall time, exit code, ``TRTINFER_CACHE`` growth and engine size (allocated
    bytes, as ``du`` counts them), and the manifest's ``export.validation``, ``engine_check`` and ``accuracy_check``
-   (where the export skipped validation, the reason from the cached export stage's
-   ``history.export.validation_skipped``: the engine manifest does not carry it). A failed build is a row, with
+   (where they did not run, the manifest's reasons: ``export.validation_skipped``, ``export.reference_skipped``,
+   ``quantization.accuracy.skipped``). A failed build is a row, with
    the last line the CLI wrote to stderr as its error; its log stays in the run folder with ``--keep``.
 3. Run, per engine and batch size: ``roofline.measure_decode`` (``trtinfer.bench.measure_engine``: ``trtinfer.load``
    in its own process, greedy, best of 3 decode rates; peak RSS = that process's VmHWM after load and every
@@ -95,17 +96,6 @@ def parse_time_v(stderr: str) -> dict[str, Any]:
             "last_line": own[-1] if own else signal, "signal": signal, "tail": own[-20:]}
 
 
-def validation_skipped(cache: Path, source: dict[str, Any]) -> str | None:
-    """Why the export of ``source`` was not compared with eager, from its cached stage's history (None: it was)."""
-    for stage in sorted(cache.glob("*/*/stage.json")):
-        info = json.loads(stage.read_text())
-        if info.get("source", {}).get("sha256") == source.get("sha256"):
-            reason = info.get("history", {}).get("export", {}).get("validation_skipped")
-            if reason:
-                return reason
-    return None
-
-
 def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cache: Path) -> dict[str, Any]:
     """Build one engine through the CLI under ``/usr/bin/time -v``; the row of figures (``error`` on failure)."""
     cmd = [sys.executable, "-m", "trtinfer", "build", str(ckpt), "--precision", precision, "-o", str(engine), "--force"]
@@ -129,11 +119,61 @@ def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cach
         log.warning("build %s failed: %s", precision, row["error"])
         return row
     m = json.loads((engine / "manifest.json").read_text())
-    validation = (m.get("export") or {}).get("validation")
+    export = m.get("export") or {}
+    quantization = m.get("quantization") or {}
     row.update(engine_bytes=tree_bytes(engine), build_seconds_manifest=m.get("build_seconds"), stages=m.get("stages"),
-               export_validation=validation, engine_check=m.get("engine_check"),
+               export_validation=export.get("validation"), engine_check=m.get("engine_check"),
                accuracy_check=m.get("accuracy_check"), source=m.get("source"),
-               validation_skipped=None if validation else validation_skipped(cache, m.get("source") or {}))
+               validation_skipped=export.get("validation_skipped"), reference_skipped=export.get("reference_skipped"),
+               quantization_report=quantization.get("report"), stage_accuracy=quantization.get("accuracy"))
+    return row
+
+
+def oga_row(ckpt: Path, python: str, out: Path, batch_sizes: Sequence[int], prompt_len: int,
+            batch_prompt_len: int, new_tokens: int) -> dict[str, Any]:
+    """onnxruntime-genai's model builder (``-p int4 -e cpu``, its default RTN block-32 recipe) on the checkpoint under
+    ``/usr/bin/time -v``, then its runtime at each batch size with ``peer_workers/run_oga.py`` (the rule of
+    ``trtinfer.bench``); a failed build or run is a row or a run with its error."""
+    from tokenizers import Tokenizer
+
+    from trtinfer.bench import PROMPT_TEXT
+
+    cmd = [python, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out), "-p", "int4",
+           "-e", "cpu", "-c", str(out.parent / "oga-cache")]
+    log_path = out.parent / "build-oga.log"
+    log.info("building onnxruntime-genai int4 (log: %s)", log_path)
+    with log_path.open("w+") as stderr:
+        proc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                              check=False)
+        stderr.seek(0)
+        timed = parse_time_v(stderr.read())
+    shutil.rmtree(out.parent / "oga-cache", ignore_errors=True)
+    row: dict[str, Any] = {"precision": "onnxruntime-genai int4", "peer": True, "command": cmd,
+                           "exit_code": proc.returncode, "build_wall_s": timed["wall_s"],
+                           "build_peak_rss_bytes": timed["peak_rss_bytes"], "signal": timed["signal"],
+                           "cache_growth_bytes": 0}
+    if proc.returncode != 0 or not (out / "genai_config.json").is_file():
+        row["error"] = timed["last_line"] or f"exit code {proc.returncode}, no output"
+        row["stderr_tail"] = timed["tail"]
+        log.warning("onnxruntime-genai's build failed: %s", row["error"])
+        return row
+    row["engine_bytes"] = tree_bytes(out)
+    ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(PROMPT_TEXT).ids
+    row["runs"] = []
+    for bs in batch_sizes:
+        plen = prompt_len if bs == 1 else batch_prompt_len
+        ids_file = out.parent / f"oga-ids-{plen}.json"
+        ids_file.write_text(json.dumps(ids[:plen]))
+        log.info("measuring onnxruntime-genai int4 at batch %d", bs)
+        run = subprocess.run([python, str(HERE / "peer_workers" / "run_oga.py"), "--model", str(out), "--ids",
+                              str(ids_file), "--bs", str(bs), "--new-tokens", str(new_tokens)], check=False,
+                             capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        if run.returncode:
+            row["runs"].append({"batch_size": bs, "prompt_len": plen,
+                                "error": (run.stderr.strip() or "no output").splitlines()[-1]})
+            continue
+        row["runs"].append({**json.loads(run.stdout.strip().splitlines()[-1]), "batch_size": bs})
+    row["version"] = next((u["version"] for u in row["runs"] if "version" in u), None)
     return row
 
 
@@ -161,11 +201,15 @@ def check_text(row: dict[str, Any]) -> str:
     """The build's checks in a few words: eager validation, engine check, held-out accuracy."""
     if "error" in row:
         return f"build failed: {row['error'][:80]}"
+    if row.get("peer"):
+        return "peer (its own checks)"
     v, c, a = row["export_validation"], row["engine_check"], row["accuracy_check"]
     parts = ["eager " + ("ok" if v and v.get("passed") else "FAIL" if v else
                          "skipped" if row["validation_skipped"] else "-")]
     if c:
         parts.append(f"engine {'ok' if c.get('passed') else 'FAIL'} top1 {c['top1_agreement']:.0%}")
+    elif row.get("reference_skipped"):
+        parts.append("engine check skipped")
     if a:
         parts.append(f"ppl x{a['ratio']:.3f} {'ok' if a.get('passed') else 'FAIL'}")
     return "; ".join(parts)
@@ -268,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch-prompt-len", type=int, default=32, help="prompt of the larger batches")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--buffer-mib", type=float, default=1024, help="bandwidth probe array size")
+    ap.add_argument("--oga-python", help="a Python with onnxruntime-genai (benchmarks/peer_workers/setup.sh): adds "
+                    "its int4 model, built from the same checkpoint, as a row")
     ap.add_argument("--keep", action="store_true", help="keep the run folder (engines, build logs, default cache)")
     ap.add_argument("--out", type=Path, help="PREFIX of PREFIX.json and PREFIX.png")
     args = ap.parse_args(argv)
@@ -298,6 +344,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 if not args.keep:
                     shutil.rmtree(engine)
             rows.append(row)
+        if args.oga_python:
+            rows.append(oga_row(ckpt, args.oga_python, run_dir / "engines" / "oga-int4", args.batch_sizes,
+                                args.prompt_len, args.batch_prompt_len, args.new_tokens))
+            shutil.rmtree(run_dir / "engines" / "oga-int4", ignore_errors=True)
         probe_after = roofline.probe_bandwidth(args.buffer_mib)  # a shared machine's bandwidth drifts
     finally:
         if not args.keep:

@@ -52,17 +52,6 @@ def test_a_failed_build_is_a_row(tmp_path):
     assert real_size.check_text(row).startswith("build failed: ")
 
 
-def test_validation_skipped_is_read_from_the_cached_stage(tmp_path):
-    stage = tmp_path / "onnx" / "abc"
-    stage.mkdir(parents=True)
-    why = "eager does not fit: fp32 eager needs 30.5 GiB, 20.0 GiB available"
-    (stage / "stage.json").write_text(json.dumps({"source": {"sha256": "s1"},
-                                                  "history": {"export": {"validation_skipped": why}}}))
-    assert real_size.validation_skipped(tmp_path, {"sha256": "s1"}) == why
-    assert real_size.validation_skipped(tmp_path, {"sha256": "other"}) is None
-
-
-@pytest.mark.slow
 def test_main_on_a_one_layer_slice(tmp_path):
     try:
         report = real_size.main(["--preset", "llama-3.2-1b", "--layers", "1", "--vocab", "512", "--precisions",

@@ -76,6 +76,21 @@ class CheckpointTensor(ir.LazyTensor):
             for i in range(0, flat.size, step):
                 yield to_float32(flat[i:i + step], info.dtype)
 
+    def _stored(self, index: Any) -> np.ndarray:
+        """float32 of ``stored[index]`` (the tensor as the checkpoint holds it), through a map dropped after."""
+        info = self.ckpt.tensors[self.tensor]
+        return np.ascontiguousarray(to_float32(self.ckpt.raw(self.tensor)[index], info.dtype))
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of the float32 value (2-D)."""
+        return self._stored((slice(None), slice(start, stop))).T if self.transpose else self._stored(
+            slice(start, stop))
+
+    def columns(self, start: int, stop: int) -> np.ndarray:
+        """Columns ``start:stop`` of the float32 value (2-D); a transposed weight reads contiguous stored rows."""
+        return self._stored(slice(start, stop)).T if self.transpose else self._stored(
+            (slice(None), slice(start, stop)))
+
     def _read(self) -> ir.Tensor:
         out = np.empty(tuple(self.shape.numpy()), np.float32)
         flat, pos = out.reshape(-1), 0

@@ -109,6 +109,8 @@ def build_onnxruntime(stage: StageDir, out: Path, config: BuildConfig) -> dict[s
     # EXTENDED: all transformer fusions; ALL would add CPU-layout rewrites not meant to be saved
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = str(out / ONNX_NAME)
+    # this session only writes the optimized graph: MLAS's packed copy of every weight would double the build's peak
+    so.add_session_config_entry("session.disable_prepacking", "1")
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA_NAME)
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     try:

@@ -14,6 +14,7 @@ The same packed rows serve ``GatherBlockQuantized`` for a tied embedding: ``W = 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,9 +129,16 @@ RTN_CHUNK_ELEMENTS = 1 << 24
 def quantize_rtn(w: np.ndarray, bits: int = 4, block: int = 32, symmetric: bool = True) -> BlockWeight:
     """Round-to-nearest block quantization of ``w [K, N]`` (float) along ``K``, a chunk of output columns at a time."""
     k, n = w.shape
+    return quantize_rtn_columns(lambda a, b: w[:, a:b], k, n, bits, block, symmetric)
+
+
+def quantize_rtn_columns(columns: Callable[[int, int], np.ndarray], k: int, n: int, bits: int = 4, block: int = 32,
+                         symmetric: bool = True) -> BlockWeight:
+    """:func:`quantize_rtn` of a ``[K, N]`` weight read ``columns(start, stop)`` at a time (a weight streamed from a
+    checkpoint is never whole in memory)."""
     check_layout(k, bits, block)
     step = max(1, RTN_CHUNK_ELEMENTS // k)
-    parts = [_rtn_columns(w[:, j:j + step], bits, block, symmetric) for j in range(0, n, step)]
+    parts = [_rtn_columns(columns(j, min(n, j + step)), bits, block, symmetric) for j in range(0, n, step)]
     if len(parts) == 1:
         return parts[0]
     zps = [p.zero_points for p in parts]

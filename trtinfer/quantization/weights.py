@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from trtinfer.quantization.blocks import BlockWeight, check_layout, quantize_rtn
+from trtinfer.quantization.blocks import BlockWeight, check_layout, quantize_rtn, quantize_rtn_columns
 from trtinfer.quantization.config import LM_HEAD, QuantConfig
 
 log = logging.getLogger(__name__)
@@ -94,11 +94,18 @@ class LazyBlocks:
         self.cache, self.transpose = cache, transpose
 
     def compute(self) -> BlockWeight:
-        """The blocks (reads the weight, then lets its mapped pages go)."""
-        w = np.asarray(self.weight.numpy(), np.float32)
+        """The blocks: a weight still in the checkpoint is read a chunk of output columns at a time (never whole),
+        any other read whole and its mapped pages let go after."""
+        from trtinfer.stage_weights import CheckpointTensor
+
+        t = self.weight
+        if isinstance(t, CheckpointTensor):  # W's columns are the table's rows when W = E^T
+            cols = (lambda a, b: t.rows(a, b).T) if self.transpose else t.columns
+            return quantize_rtn_columns(cols, self.k, self.n, self.bits, self.block, self.symmetric)
+        w = np.asarray(t.numpy(), np.float32)
         q = quantize_rtn(w.T if self.transpose else w, self.bits, self.block, self.symmetric)
         del w
-        release(self.weight)
+        release(t)
         return q
 
     def _lazy(self, make: Callable[[BlockWeight], np.ndarray], dtype: ir.DataType, shape: list[int]) -> ir.LazyTensor:
