@@ -24,6 +24,7 @@ from trtinfer.builder.check import EngineCheck, check_accuracy, check_engine
 from trtinfer.builder.config import BuildConfig
 from trtinfer.builder.progress import StageProgress
 from trtinfer.errors import BuildError, ConfigError, InputError
+from trtinfer.export.sources import ResolvedModel
 from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest
 from trtinfer.stages import TOKENIZER_FILES, StageDir, graph_io, is_stage_dir, package_versions, read_stage
 
@@ -125,11 +126,13 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     return files, check, accuracy
 
 
-def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None = None, *,
+def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: BuildConfig | None = None, *,
           overwrite: bool = False, progress: bool = True) -> Path:
     """Build an engine for MODEL (a model, or an export/optimize stage directory) into ``output_dir``.
 
-    Every stage's output is cached by content hash and verified before reuse; returns the engine directory.
+    Every stage's output is cached by content hash and verified before reuse; returns the engine directory. A model
+    too large for the engine check's fp32 reference is checked on a reduced-depth build of itself
+    (:mod:`~trtinfer.builder.piece_check`).
     """
     config = config or BuildConfig()
     backend = get_build_backend(config.backend)
@@ -143,7 +146,8 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
                     "than fp32 (SmolLM2 decode 12 vs 38 tok/s); build fp32 for CPU, fp16/bf16 for --target cuda",
                     config.precision)
     stage: StageDir | None = None
-    if is_stage_dir(model):
+    resolved: ResolvedModel | None = model if isinstance(model, ResolvedModel) else None
+    if resolved is None and is_stage_dir(model):
         stage = read_stage(model)  # verified against its record: figures below describe these very files
         if stage.kind != "decoder":
             raise ConfigError(f"{model} holds an encoder export; build encoders from the model itself")
@@ -151,7 +155,7 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
         from trtinfer.export.encoder import is_encoder
         from trtinfer.export.sources import resolve_model
 
-        resolved = resolve_model(model)  # bad MODEL fails here, before any progress output
+        resolved = resolved or resolve_model(model)  # bad MODEL fails here, before any progress output
         if is_encoder(resolved.path):
             from trtinfer.builder.encoder_builder import build_encoder
 
@@ -193,8 +197,14 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
             with bar.stage("quantize") as rec:
                 stage = quantize_cached(stage, config.quantization, stats=rec, progress=progress)
         with atomic_dir(out, overwrite=overwrite) as tmp:  # nothing is left at -o if a check fails
+            piece = None
             with bar.stage("compile + check"):
                 files, check, accuracy = _compile(stage, config, backend, max_seq, tmp)
+                if (check is None and resolved is not None and config.export.layers is None
+                        and stage.history.get("export", {}).get("reference_skipped")):
+                    from trtinfer.builder.piece_check import reduced_depth_check
+
+                    piece = reduced_depth_check(resolved, config, int(stage.geometry["num_layers"]), out.parent)
             if accuracy is not None:
                 from trtinfer.quantization.accuracy import accuracy_verdict, verdict_error
 
@@ -207,6 +217,8 @@ def build(model: str | Path, output_dir: str | Path, config: BuildConfig | None 
                 if check is not None:
                     manifest["engine_check"] = check.to_dict()
                 manifest["accuracy_check"] = accuracy
+                if piece is not None:
+                    manifest["reduced_depth_check"] = piece
                 manifest["stages"] = bar.records
                 manifest["build_seconds"] = round(time.perf_counter() - t_start, 2)
                 (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))

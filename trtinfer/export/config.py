@@ -15,13 +15,16 @@ class ExportConfig:
 
     ``logits="last"`` emits only the last position's logits (``[B,1,V]``): prefill then skips the vocab projection
     of every prompt token, which is most of TTFT on small models. ``atol`` is the logits tolerance of the
-    validation against eager, scaled by ``max(1, max|logits|)``; top-1 tokens must also agree.
+    validation against eager, scaled by ``max(1, max|logits|)``; top-1 tokens must also agree. ``layers`` exports
+    only the first N decoder layers (with the model's own embeddings, final norm and LM head): the reduced-depth
+    model a build checks in place of a model too large to run whole in fp32.
     """
 
     opset: int = 17
     logits: str = "last"
     validate: bool = True
     atol: float = 1e-4
+    layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.logits not in LOGITS_MODES:
@@ -30,6 +33,8 @@ class ExportConfig:
             raise ConfigError(f"opset must be within 14..20 for the TorchScript exporter, got {self.opset}")
         if not self.atol > 0:
             raise ConfigError(f"atol must be > 0, got {self.atol}")
+        if self.layers is not None and self.layers < 1:
+            raise ConfigError(f"layers must be >= 1, got {self.layers}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for manifests and cache keys)."""

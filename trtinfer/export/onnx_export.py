@@ -66,15 +66,29 @@ def load_hf_config(path: Path) -> Any:
     return config
 
 
-def load_hf_model(path: Path) -> Any:
-    """Load a causal LM in fp32 with eager attention: the reference the export is validated against (only where
-    it fits in memory; the export itself never loads the model)."""
+def reduced_depth(hf_config: Any, layers: int | None) -> Any:
+    """``hf_config`` with only its first ``layers`` decoder layers (per-layer lists cut to match); as is when None."""
+    import copy
+
+    if layers is None or layers >= hf_config.num_hidden_layers:
+        return hf_config
+    cut = copy.deepcopy(hf_config)
+    cut.num_hidden_layers = layers
+    if isinstance(getattr(cut, "layer_types", None), list):
+        cut.layer_types = cut.layer_types[:layers]
+    return cut
+
+
+def load_hf_model(path: Path, config: Any = None) -> Any:
+    """Load a causal LM in fp32 with eager attention (``config``: e.g. a :func:`reduced_depth` one): the reference
+    the export is validated against (only where it fits in memory; the export itself never loads the model)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     load_hf_config(path)
+    kw = {"config": config} if config is not None else {}  # a reduced-depth model leaves later layers unread
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kw)
     except Exception as e:
         raise ModelSourceError(f"cannot load the model in {path}: {e}") from e
     return model.eval()
@@ -153,13 +167,14 @@ def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping:
     return {src.graph_name: {"tensor": reader.tensor(src.source), "ops": src.op_types} for src in sources}
 
 
-def _validate(graph: Path, resolved: ResolvedModel, geometry: dict[str, Any], config: ExportConfig) -> dict[str, Any]:
+def _validate(graph: Path, resolved: ResolvedModel, hf_config: Any, geometry: dict[str, Any],
+              config: ExportConfig) -> dict[str, Any]:
     """Compare ``graph`` with the eager model of ``resolved`` (loaded once ONNX Runtime is done); raises on failure."""
     from trtinfer.export.quiet import quiet_third_party
     from trtinfer.export.validate import validate_decoder
 
     with quiet_third_party():  # the eager model warns about its own past_key_values argument
-        report = validate_decoder(graph, lambda: load_hf_model(resolved.path), geometry, config.atol,
+        report = validate_decoder(graph, lambda: load_hf_model(resolved.path, hf_config), geometry, config.atol,
                                   config.logits == "last")
     if not report.passed:
         raise ValidationError(
@@ -177,7 +192,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     """Trace, validate and write the export stage into the existing empty ``folder``."""
     from trtinfer.export.streamed import empty_model
 
-    hf_config = load_hf_config(resolved.path)
+    hf_config = reduced_depth(load_hf_config(resolved.path), config.layers)
     ckpt = Checkpoint(resolved.path)  # a missing shard or truncated tensor fails here, before the trace
     spec = spec_for(hf_config)
     geometry = spec.geometry(hf_config)
@@ -208,7 +223,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     if runnable and (config.validate and fits or config.logits == "last"):
         with materialized_file(folder / ONNX_NAME) as whole:  # ONNX Runtime reads weights from files only
             if config.validate and fits:
-                validation = _validate(whole, resolved, geometry, config)
+                validation = _validate(whole, resolved, hf_config, geometry, config)
             if config.logits == "last":  # the engine check compares last-position logits
                 write_reference(whole, folder / REFERENCE_NAME, geometry["vocab_size"])
     info: dict[str, Any] = {

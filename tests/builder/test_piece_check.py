@@ -1,0 +1,62 @@
+"""A model whose fp32 graph does not fit is checked on a reduced-depth build of itself (same checkpoint tensors)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trtinfer.builder import BuildConfig, build
+from trtinfer.errors import BuildError
+from trtinfer.export import ExportConfig, export
+from trtinfer.stage_weights import graph_weight_bytes
+
+
+@pytest.fixture
+def only_the_slice_fits(tiny_model_dir, tmp_path, monkeypatch):
+    """Memory that holds the tiny Llama cut to one layer in fp32 but not the whole (two-layer) model."""
+    from trtinfer.runtime import memory
+
+    monkeypatch.setenv("TRTINFER_CACHE", str(tmp_path / "cache"))
+    src = tiny_model_dir("llama")
+    whole = graph_weight_bytes(export(src, tmp_path / "whole", ExportConfig(validate=False)).onnx_path)
+    cut = graph_weight_bytes(export(src, tmp_path / "cut", ExportConfig(validate=False, layers=1)).onnx_path)
+    assert cut < whole
+    monkeypatch.setattr(memory, "fits_in_memory", lambda n: n <= (whole + cut) // 2)
+    return src
+
+
+def test_engine_of_a_model_too_large_for_fp32_is_checked_on_its_first_layers(only_the_slice_fits, tmp_path, capsys):
+    from trtinfer.cli import main
+
+    assert main(["build", str(only_the_slice_fits), "-o", str(tmp_path / "engine"), "--precision", "int8", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "checked on its first 1 of 2 layers (same weights; the whole model does not fit in fp32)" in out
+    engine = tmp_path / "engine"
+    m = json.loads((engine / "manifest.json").read_text())
+    assert m["export"]["validation"] is None and "engine_check" not in m  # the whole model: neither fits
+    assert "does not fit" in m["export"]["reference_skipped"]
+    r = m["reduced_depth_check"]
+    assert r["layers"] == 1 and "first 1 of 2 decoder layers" in r["scope"]
+    assert r["export_validation"]["passed"] and r["engine_check"]["passed"]  # eager, engine, held-out accuracy ran
+    assert r["accuracy_check"]["passed"] and r["accuracy_check"]["tokens"] > 100
+    assert not list(tmp_path.glob(".reduced-depth-*"))  # its engine and stages were removed
+    assert m["geometry"]["num_layers"] == 2  # the engine itself is the whole model
+
+
+def test_a_failing_reduced_depth_check_fails_the_build(only_the_slice_fits, tmp_path):
+    """A reduced-depth engine that misses its accuracy bound fails the build: nothing is written."""
+    with pytest.raises(BuildError, match=r"the reduced-depth check \(1 of 2 layers\) failed: .*perplexity"):
+        build(only_the_slice_fits, tmp_path / "engine", BuildConfig(precision="int8", max_perplexity_ratio=1.0000001),
+              progress=False)
+    assert not (tmp_path / "engine").exists()
+
+
+def test_export_layers_cuts_the_model(tiny_model_dir, tmp_path):
+    stage = export(tiny_model_dir("gemma3"), tmp_path / "x", ExportConfig(layers=2))  # 3 layers: sliding, sliding, full
+    assert stage.geometry["num_layers"] == 2 and stage.validation["passed"]
+    assert not any("layers.2." in w["tensor"] for w in stage.info["weights"].values())
+    p = subprocess.run([sys.executable, "-c", "from trtinfer.export import ExportConfig; ExportConfig(layers=0)"],
+                       capture_output=True, text=True, check=False)
+    assert "layers must be >= 1" in p.stderr

@@ -1,0 +1,65 @@
+"""The check of an engine whose model is too large to run whole in fp32: the same build on a reduced-depth model.
+
+A 14B model's fp32 graph (59 GB) fits neither memory nor disk here, so neither eager validation nor the engine
+check's reference can run on it. What can: the model cut to its first :data:`LAYERS` decoder layers, read from the
+same checkpoint tensors, with its own embeddings, final norm and LM head (the largest tensors of the model), built
+with the same settings through the same stages. That build runs every check a small model gets: the export against
+PyTorch eager, the engine against the export, a quantized engine's held-out perplexity against fp32. It vouches for
+the pipeline on these weights and shapes, not for the deeper layers' numbers; the manifest says so
+(``reduced_depth_check.scope``). Its stages go to a temporary cache, removed after: nothing of it stays on disk.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from trtinfer.builder.config import BuildConfig
+from trtinfer.errors import BuildError, TrtInferError
+
+log = logging.getLogger(__name__)
+
+LAYERS = 2  # the reduced depth: two layers, so a layer's output feeds another through the KV cache and norms
+
+
+@contextlib.contextmanager
+def _cache_at(root: Path) -> Iterator[None]:
+    """``TRTINFER_CACHE`` pointed at ``root`` for the duration (the builds of one process run one at a time)."""
+    old = os.environ.get("TRTINFER_CACHE")
+    os.environ["TRTINFER_CACHE"] = str(root)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRTINFER_CACHE", None)
+        else:
+            os.environ["TRTINFER_CACHE"] = old
+
+
+def reduced_depth_check(resolved: Any, config: BuildConfig, num_layers: int, near: Path) -> dict[str, Any]:
+    """Build ``resolved`` (a :class:`~trtinfer.export.sources.ResolvedModel`) cut to :data:`LAYERS` layers with
+    ``config`` in a temporary folder beside ``near``; returns its checks. A failed check fails this build."""
+    from trtinfer.builder.engine_builder import build
+    from trtinfer.runtime.manifest import MANIFEST_NAME
+
+    layers = min(LAYERS, num_layers - 1)
+    cut = dataclasses.replace(config, export=dataclasses.replace(config.export, layers=layers))
+    log.info("checking the pipeline on the model's first %d of %d layers (the whole model does not fit in fp32)",
+             layers, num_layers)
+    with tempfile.TemporaryDirectory(prefix=".reduced-depth-", dir=near) as tmp, _cache_at(Path(tmp) / "cache"):
+        try:
+            engine = build(resolved, Path(tmp) / "engine", cut, progress=False)
+        except TrtInferError as e:
+            raise BuildError(f"the reduced-depth check ({layers} of {num_layers} layers) failed: {e}") from e
+        m = json.loads((engine / MANIFEST_NAME).read_text())
+    return {"scope": f"reduced depth: the first {layers} of {num_layers} decoder layers, read from the same "
+                     "checkpoint tensors, with the model's embeddings, final norm and LM head, built with the same "
+                     "settings; the deeper layers are not compared with eager",
+            "layers": layers, "export_validation": m["export"]["validation"], "engine_check": m.get("engine_check"),
+            "accuracy_check": m.get("accuracy_check")}
