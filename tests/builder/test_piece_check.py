@@ -60,3 +60,11 @@ def test_export_layers_cuts_the_model(tiny_model_dir, tmp_path):
     p = subprocess.run([sys.executable, "-c", "from trtinfer.export import ExportConfig; ExportConfig(layers=0)"],
                        capture_output=True, text=True, check=False)
     assert "layers must be >= 1" in p.stderr
+
+
+def test_the_reduced_depth_check_can_be_turned_off(only_the_slice_fits, tmp_path):
+    engine = build(only_the_slice_fits, tmp_path / "engine", BuildConfig(precision="int8", reduced_depth_check=False),
+                   progress=False)
+    m = json.loads((engine / "manifest.json").read_text())
+    assert "reduced_depth_check" not in m and "engine_check" not in m and m["export"]["reference_skipped"]
+    assert m["build_config"]["reduced_depth_check"] is False

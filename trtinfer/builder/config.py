@@ -39,6 +39,10 @@ class BuildConfig:
     ``max_perplexity_ratio``: a quantized engine's perplexity on the held-out text over the fp32 graph's, above which
     the build fails (None: the precision's bound, :data:`trtinfer.quantization.accuracy.PERPLEXITY_BOUNDS`); the
     manifest records the bound and who set it.
+
+    ``reduced_depth_check``: where the model's fp32 graph does not fit (no eager validation, no engine-check
+    reference), check the pipeline on a build of its first layers (:mod:`trtinfer.builder.piece_check`); off, the
+    engine is not checked at all (the manifest says so).
     """
 
     backend: str = "onnxruntime"
@@ -56,6 +60,7 @@ class BuildConfig:
     workspace_mib: int | None = None
     timing_cache: str | None = None
     max_perplexity_ratio: float | None = None
+    reduced_depth_check: bool = True
 
     def __post_init__(self) -> None:
         if self.max_perplexity_ratio is not None:

@@ -200,7 +200,7 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
             piece = None
             with bar.stage("compile + check"):
                 files, check, accuracy = _compile(stage, config, backend, max_seq, tmp)
-                if (check is None and resolved is not None and config.export.layers is None
+                if (check is None and resolved is not None and config.export.layers is None and config.reduced_depth_check
                         and stage.history.get("export", {}).get("reference_skipped")):
                     from trtinfer.builder.piece_check import reduced_depth_check
 

@@ -27,6 +27,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=None, help="default: min(model's max positions, 4096)")
     p.add_argument("--atol", type=float, default=1e-4, help="export validation tolerance")
+    p.add_argument("--no-reduced-depth-check", action="store_true",
+                   help="a model whose fp32 graph does not fit: skip the check on a build of its first 2 layers")
     p.add_argument("--max-perplexity-ratio", type=float, default=None, metavar="R",
                    help="quantized precisions: accept an engine whose perplexity on the held-out text is up to R x "
                         "the fp32 graph's (default per precision: int8 and int8-static 1.05, gguf 1.02, int4 1.15; "
@@ -71,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
                       disable_passes=tuple(args.disable_pass), export=ExportConfig(atol=args.atol),
                       quantization=quant, opt_batch_size=args.opt_batch_size, opt_seq_len=args.opt_seq_len,
                       workspace_mib=args.workspace_mib, timing_cache=args.timing_cache,
-                      max_perplexity_ratio=args.max_perplexity_ratio)
+                      max_perplexity_ratio=args.max_perplexity_ratio,
+                      reduced_depth_check=not args.no_reduced_depth_check)
     out = build(args.model, args.output, cfg, overwrite=args.force, progress=not args.quiet)
     m = read_manifest(out).raw
     g = m["geometry"]
