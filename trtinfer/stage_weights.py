@@ -56,16 +56,22 @@ class CheckpointTensor(ir.LazyTensor):
     beyond the mapped shard pages, which are released after each tensor.
     """
 
-    def __init__(self, ckpt: Checkpoint, tensor: str, transpose: bool, name: str) -> None:
-        info = ckpt.tensors[tensor]
-        shape = tuple(reversed(info.shape)) if transpose else info.shape
+    def __init__(self, ckpt: Checkpoint, tensor: str, transpose: bool, name: str, rows: int | None = None) -> None:
+        stored = ckpt.tensors[tensor].shape
+        stored = (rows, *stored[1:]) if rows else stored
+        shape = tuple(reversed(stored)) if transpose else stored
         super().__init__(self._read, dtype=ir.DataType.FLOAT, shape=ir.Shape(list(shape)), name=name)
-        self.ckpt, self.tensor, self.transpose = ckpt, tensor, transpose
+        self.ckpt, self.tensor, self.transpose, self.rows_used = ckpt, tensor, transpose, rows
+
+    def _words(self) -> np.ndarray:
+        """The stored words this weight reads (its leading ``rows_used`` rows of a cut vocabulary), mapped."""
+        words = self.ckpt.raw(self.tensor)
+        return words[:self.rows_used] if self.rows_used else words
 
     def _blocks(self) -> Iterator[np.ndarray]:
         """The float32 value in contiguous pieces, in file order."""
         info = self.ckpt.tensors[self.tensor]
-        words = self.ckpt.raw(self.tensor)  # unmapped when this generator ends (its last reference goes)
+        words = self._words()  # unmapped when this generator ends (its last reference goes)
         if self.transpose:
             rows, cols = words.shape  # W.T [cols, rows]: a block of W's columns at a time
             step = max(1, BLOCK_BYTES // (4 * rows))
@@ -79,7 +85,7 @@ class CheckpointTensor(ir.LazyTensor):
     def _stored(self, index: Any) -> np.ndarray:
         """float32 of ``stored[index]`` (the tensor as the checkpoint holds it), through a map dropped after."""
         info = self.ckpt.tensors[self.tensor]
-        return np.ascontiguousarray(to_float32(self.ckpt.raw(self.tensor)[index], info.dtype))
+        return np.ascontiguousarray(to_float32(self._words()[index], info.dtype))
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of the float32 value (2-D)."""
@@ -109,10 +115,12 @@ class CheckpointTensor(ir.LazyTensor):
         return 4 * int(np.prod(self.shape.numpy(), dtype=np.int64))
 
 
-def reference_record(ckpt: Checkpoint, weights: dict[str, tuple[str, bool]]) -> str:
-    """The ``trtinfer.checkpoint`` metadata of a graph reading ``weights`` ({input: (tensor, transposed)})."""
+def reference_record(ckpt: Checkpoint, weights: dict[str, tuple[str, bool, int | None]]) -> str:
+    """The ``trtinfer.checkpoint`` metadata of a graph reading ``weights`` ({input: (tensor, transposed, rows)};
+    ``rows``: the leading rows used, for a cut vocabulary, else None)."""
     return json.dumps({"folder": str(ckpt.folder.resolve()), "shards": shard_stamps(ckpt),
-                       "weights": {k: {"tensor": t, "transpose": tr} for k, (t, tr) in sorted(weights.items())}})
+                       "weights": {k: {"tensor": t, "transpose": tr, **({"rows": r} if r else {})}
+                                   for k, (t, tr, r) in sorted(weights.items())}})
 
 
 def checkpoint_inputs(proto_or_props: Any) -> set[str]:
@@ -150,7 +158,7 @@ def bind(model: ir.Model, where: Path | str = "the graph") -> int:
         if value is None:
             raise ModelSourceError(f"{where} lists checkpoint weight {name} but has no such input; produce it again")
         graph.inputs.remove(value)
-        value.const_value = CheckpointTensor(ckpt, w["tensor"], w["transpose"], name)
+        value.const_value = CheckpointTensor(ckpt, w["tensor"], w["transpose"], name, w.get("rows"))
         graph.register_initializer(value)
     return len(record["weights"])
 
@@ -168,7 +176,7 @@ def unbind(model: ir.Model) -> int:
         assert isinstance(t, CheckpointTensor) and v.name is not None
         if t.ckpt is not ckpt:
             raise ValueError("one graph reads two checkpoints")
-        weights[v.name] = (t.tensor, t.transpose)
+        weights[v.name] = (t.tensor, t.transpose, t.rows_used)
         graph.initializers.pop(v.name)
         v.const_value = None
         graph.inputs.append(v)

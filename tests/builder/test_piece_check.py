@@ -27,18 +27,23 @@ def only_the_slice_fits(tiny_model_dir, tmp_path, monkeypatch):
     return src
 
 
-def test_engine_of_a_model_too_large_for_fp32_is_checked_on_its_first_layers(only_the_slice_fits, tmp_path, capsys):
+def test_engine_of_a_model_too_large_for_fp32_is_checked_on_its_first_layers(only_the_slice_fits, tmp_path, capsys,
+                                                                              monkeypatch):
+    from trtinfer.builder import piece_check
     from trtinfer.cli import main
+
+    monkeypatch.setattr(piece_check, "VOCAB", 100)  # tiny Llama has 320 tokens: the cut keeps the first 100
 
     assert main(["build", str(only_the_slice_fits), "-o", str(tmp_path / "engine"), "--precision", "int8", "-q"]) == 0
     out = capsys.readouterr().out
-    assert "checked on its first 1 of 2 layers (same weights; the whole model does not fit in fp32)" in out
+    assert "checked on a reduced model, its first 1 of 2 layers and 100 of 320 tokens (same weights; the whole model " \
+        "does not fit in fp32)" in out
     engine = tmp_path / "engine"
     m = json.loads((engine / "manifest.json").read_text())
     assert m["export"]["validation"] is None and "engine_check" not in m  # the whole model: neither fits
     assert "does not fit" in m["export"]["reference_skipped"]
     r = m["reduced_depth_check"]
-    assert r["layers"] == 1 and "first 1 of 2 decoder layers" in r["scope"]
+    assert r["layers"] == 1 and r["vocab"] == 100 and "first 1 of 2 decoder layers and the first 100 of 320" in r["scope"]
     assert r["export_validation"]["passed"] and r["engine_check"]["passed"]  # eager, engine, held-out accuracy ran
     assert r["accuracy_check"]["passed"] and r["accuracy_check"]["tokens"] > 100
     assert not list(tmp_path.glob(".reduced-depth-*"))  # its engine and stages were removed
@@ -53,10 +58,24 @@ def test_a_failing_reduced_depth_check_fails_the_build(only_the_slice_fits, tmp_
     assert not (tmp_path / "engine").exists()
 
 
-def test_export_layers_cuts_the_model(tiny_model_dir, tmp_path):
-    stage = export(tiny_model_dir("gemma3"), tmp_path / "x", ExportConfig(layers=2))  # 3 layers: sliding, sliding, full
-    assert stage.geometry["num_layers"] == 2 and stage.validation["passed"]
+def test_export_layers_and_vocab_cut_the_model(tiny_model_dir, tmp_path):
+    """A cut export reads the leading layers and rows of the same checkpoint tensors, and validates against an eager
+    model loaded from those same rows."""
+    import onnx
+    from safetensors.numpy import load_file
+
+    from trtinfer.stage_weights import load_graph
+
+    src = tiny_model_dir("gemma3")  # 3 layers (sliding, sliding, full), 320 tokens, tied embeddings
+    stage = export(src, tmp_path / "x", ExportConfig(layers=2, vocab=100))
+    assert stage.geometry["num_layers"] == 2 and stage.geometry["vocab_size"] == 100 and stage.validation["passed"]
     assert not any("layers.2." in w["tensor"] for w in stage.info["weights"].values())
+    model = load_graph(stage.onnx_path)
+    table = model.graph.initializers["model.model.embed_tokens.weight"].const_value.numpy()
+    full = load_file(str(src / "model.safetensors"))["model.embed_tokens.weight"].astype("float32")
+    assert table.shape == (100, full.shape[1]) and (table == full[:100]).all()
+    assert onnx.load(str(stage.onnx_path), load_external_data=False).graph.output[0].type.tensor_type.shape.dim[2] \
+        .dim_value in (0, 100)
     p = subprocess.run([sys.executable, "-c", "from trtinfer.export import ExportConfig; ExportConfig(layers=0)"],
                        capture_output=True, text=True, check=False)
     assert "layers must be >= 1" in p.stderr

@@ -147,7 +147,7 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
                     config.precision)
     stage: StageDir | None = None
     resolved: ResolvedModel | None = model if isinstance(model, ResolvedModel) else None
-    if resolved is None and is_stage_dir(model):
+    if not isinstance(model, ResolvedModel) and is_stage_dir(model):
         stage = read_stage(model)  # verified against its record: figures below describe these very files
         if stage.kind != "decoder":
             raise ConfigError(f"{model} holds an encoder export; build encoders from the model itself")
@@ -155,7 +155,7 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
         from trtinfer.export.encoder import is_encoder
         from trtinfer.export.sources import resolve_model
 
-        resolved = resolved or resolve_model(model)  # bad MODEL fails here, before any progress output
+        resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)  # bad MODEL fails here
         if is_encoder(resolved.path):
             from trtinfer.builder.encoder_builder import build_encoder
 
@@ -178,6 +178,7 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
             from trtinfer.export.onnx_export import export_cached
 
             with bar.stage("export") as rec:
+                assert resolved is not None
                 stage = export_cached(resolved, config.export, stats=rec)
         if stage.stage == "export":
             from trtinfer.passes import PassConfig
@@ -204,7 +205,8 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
                         and stage.history.get("export", {}).get("reference_skipped")):
                     from trtinfer.builder.piece_check import reduced_depth_check
 
-                    piece = reduced_depth_check(resolved, config, int(stage.geometry["num_layers"]), out.parent)
+                    quantized = stage.history.get("quantize", {}).get("config", {})
+                    piece = reduced_depth_check(resolved, config, stage.geometry, quantized, out.parent)
             if accuracy is not None:
                 from trtinfer.quantization.accuracy import accuracy_verdict, verdict_error
 

@@ -1,9 +1,10 @@
-"""The check of an engine whose model is too large to run whole in fp32: the same build on a reduced-depth model.
+"""The check of an engine whose model is too large to run whole in fp32: the same build on a reduced model.
 
 A 14B model's fp32 graph (59 GB) fits neither memory nor disk here, so neither eager validation nor the engine
-check's reference can run on it. What can: the model cut to its first :data:`LAYERS` decoder layers, read from the
-same checkpoint tensors, with its own embeddings, final norm and LM head (the largest tensors of the model), built
-with the same settings through the same stages. That build runs every check a small model gets: the export against
+check's reference can run on it. What can: the model cut to its first :data:`LAYERS` decoder layers and the first
+:data:`VOCAB` rows of its embedding table and LM head (whole, at a 150k vocabulary those two alone are 6.2 GB of
+fp32 at 14B), read from the same checkpoint tensors, with its final norm, built with the same settings through the
+same stages. That build runs every check a small model gets: the export against
 PyTorch eager, the engine against the export, a quantized engine's held-out perplexity against fp32. It vouches for
 the pipeline on these weights and shapes, not for the deeper layers' numbers; the manifest says so
 (``reduced_depth_check.scope``). Its stages go to a temporary cache, removed after: nothing of it stays on disk.
@@ -26,6 +27,9 @@ from trtinfer.errors import BuildError, TrtInferError
 log = logging.getLogger(__name__)
 
 LAYERS = 2  # the reduced depth: two layers, so a layer's output feeds another through the KV cache and norms
+#: the reduced vocabulary: the embedding table's and LM head's first rows (a 150k-token head is most of a slice's
+#: fp32 bytes: 6.2 GB at the Qwen3-14B shape); each kept row is quantized exactly as in the whole head
+VOCAB = 8192
 
 
 @contextlib.contextmanager
@@ -42,14 +46,21 @@ def _cache_at(root: Path) -> Iterator[None]:
             os.environ["TRTINFER_CACHE"] = old
 
 
-def reduced_depth_check(resolved: Any, config: BuildConfig, num_layers: int, near: Path) -> dict[str, Any]:
-    """Build ``resolved`` (a :class:`~trtinfer.export.sources.ResolvedModel`) cut to :data:`LAYERS` layers with
-    ``config`` in a temporary folder beside ``near``; returns its checks. A failed check fails this build."""
+def reduced_depth_check(resolved: Any, config: BuildConfig, geometry: dict[str, Any], quantized: dict[str, Any],
+                        near: Path) -> dict[str, Any]:
+    """Build ``resolved`` (a :class:`~trtinfer.export.sources.ResolvedModel`) cut to :data:`LAYERS` layers and
+    :data:`VOCAB` tokens with ``config`` (``quantized``: the whole model's quantize-stage config, whose method it
+    follows) in a temporary folder beside ``near``; returns its checks. A failed check fails this build."""
     from trtinfer.builder.engine_builder import build
     from trtinfer.runtime.manifest import MANIFEST_NAME
 
+    num_layers, vocab = int(geometry["num_layers"]), min(VOCAB, int(geometry["vocab_size"]))
     layers = min(LAYERS, num_layers - 1)
-    cut = dataclasses.replace(config, export=dataclasses.replace(config.export, layers=layers))
+    quant = config.quantization
+    if quant is not None and quantized.get("method") and quant.precision == "int4":
+        quant = dataclasses.replace(quant, method=quantized["method"])  # e.g. round-to-nearest where GPTQ did not fit
+    cut = dataclasses.replace(config, quantization=quant,
+                              export=dataclasses.replace(config.export, layers=layers, vocab=vocab))
     log.info("checking the pipeline on the model's first %d of %d layers (the whole model does not fit in fp32)",
              layers, num_layers)
     with tempfile.TemporaryDirectory(prefix=".reduced-depth-", dir=near) as tmp, _cache_at(Path(tmp) / "cache"):
@@ -58,8 +69,8 @@ def reduced_depth_check(resolved: Any, config: BuildConfig, num_layers: int, nea
         except TrtInferError as e:
             raise BuildError(f"the reduced-depth check ({layers} of {num_layers} layers) failed: {e}") from e
         m = json.loads((engine / MANIFEST_NAME).read_text())
-    return {"scope": f"reduced depth: the first {layers} of {num_layers} decoder layers, read from the same "
-                     "checkpoint tensors, with the model's embeddings, final norm and LM head, built with the same "
-                     "settings; the deeper layers are not compared with eager",
-            "layers": layers, "export_validation": m["export"]["validation"], "engine_check": m.get("engine_check"),
+    return {"scope": f"reduced model: the first {layers} of {num_layers} decoder layers and the first {vocab} of "
+                     f"{geometry['vocab_size']} rows of the embedding table and LM head, read from the same checkpoint "
+                     "tensors, built with the same settings; the deeper layers and other rows are not compared with "
+                     "eager", "layers": layers, "vocab": vocab, "export_validation": m["export"]["validation"], "engine_check": m.get("engine_check"),
             "accuracy_check": m.get("accuracy_check")}

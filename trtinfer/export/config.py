@@ -16,8 +16,9 @@ class ExportConfig:
     ``logits="last"`` emits only the last position's logits (``[B,1,V]``): prefill then skips the vocab projection
     of every prompt token, which is most of TTFT on small models. ``atol`` is the logits tolerance of the
     validation against eager, scaled by ``max(1, max|logits|)``; top-1 tokens must also agree. ``layers`` exports
-    only the first N decoder layers (with the model's own embeddings, final norm and LM head): the reduced-depth
-    model a build checks in place of a model too large to run whole in fp32.
+    only the first N decoder layers, ``vocab`` only the first V rows of the embedding table and LM head (tokens
+    ``0..V-1``), read from the same checkpoint tensors: the reduced model a build checks in place of a model too
+    large to run whole in fp32.
     """
 
     opset: int = 17
@@ -25,6 +26,7 @@ class ExportConfig:
     validate: bool = True
     atol: float = 1e-4
     layers: int | None = None
+    vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.logits not in LOGITS_MODES:
@@ -35,6 +37,8 @@ class ExportConfig:
             raise ConfigError(f"atol must be > 0, got {self.atol}")
         if self.layers is not None and self.layers < 1:
             raise ConfigError(f"layers must be >= 1, got {self.layers}")
+        if self.vocab is not None and self.vocab < 2:
+            raise ConfigError(f"vocab must be >= 2, got {self.vocab}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for manifests and cache keys)."""

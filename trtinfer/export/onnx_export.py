@@ -66,29 +66,45 @@ def load_hf_config(path: Path) -> Any:
     return config
 
 
-def reduced_depth(hf_config: Any, layers: int | None) -> Any:
-    """``hf_config`` with only its first ``layers`` decoder layers (per-layer lists cut to match); as is when None."""
+def reduced_depth(hf_config: Any, layers: int | None, vocab: int | None = None) -> Any:
+    """``hf_config`` with only its first ``layers`` decoder layers (per-layer lists cut to match) and its first
+    ``vocab`` tokens; as is when both are None."""
     import copy
 
-    if layers is None or layers >= hf_config.num_hidden_layers:
+    cut_layers = layers is not None and layers < hf_config.num_hidden_layers
+    cut_vocab = vocab is not None and vocab < hf_config.vocab_size
+    if not cut_layers and not cut_vocab:
         return hf_config
     cut = copy.deepcopy(hf_config)
-    cut.num_hidden_layers = layers
-    if isinstance(getattr(cut, "layer_types", None), list):
-        cut.layer_types = cut.layer_types[:layers]
+    if cut_layers:
+        cut.num_hidden_layers = layers
+        if isinstance(getattr(cut, "layer_types", None), list):
+            cut.layer_types = cut.layer_types[:layers]
+    if cut_vocab:
+        cut.vocab_size = vocab
     return cut
 
 
 def load_hf_model(path: Path, config: Any = None) -> Any:
-    """Load a causal LM in fp32 with eager attention (``config``: e.g. a :func:`reduced_depth` one): the reference
-    the export is validated against (only where it fits in memory; the export itself never loads the model)."""
+    """A causal LM in fp32 with eager attention, its parameters read from the checkpoint in ``path`` by the export's
+    own reader (the same bytes the graph was given): the reference the export is validated against, made only
+    where it fits in memory. ``config``: the model's (default) or a :func:`reduced_depth` one, whose parameters
+    take their leading rows and layers from the same checkpoint tensors."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    load_hf_config(path)
-    kw = {"config": config} if config is not None else {}  # a reduced-depth model leaves later layers unread
+    from trtinfer.export.streamed import WRAPPER_PREFIX, SourceReader
+
+    config = config if config is not None else load_hf_config(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kw)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+        model.tie_weights()
+        reader = SourceReader(model, Checkpoint(path), row_prefix=True)
+        with torch.no_grad():
+            for name, p in model.named_parameters():  # tied parameters once
+                p.copy_(torch.from_numpy(reader.value(WRAPPER_PREFIX + name)))
+    except TrtInferError:
+        raise
     except Exception as e:
         raise ModelSourceError(f"cannot load the model in {path}: {e}") from e
     return model.eval()
@@ -126,7 +142,7 @@ def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping:
     from trtinfer.export.wrapper import DecoderWithPast, traced_attention
 
     wrapper = DecoderWithPast(model, geometry, mask_mapping, config.logits == "last").eval()
-    reader = SourceReader(wrapper.model, ckpt)  # before the parameters are taken out of the model
+    reader = SourceReader(wrapper.model, ckpt, row_prefix=config.vocab is not None)  # before the parameters go
     traced, weight_names, weights = weights_as_inputs(wrapper)
     b, s, p = 2, 7, 5  # distinct sizes so no dimension is mistaken for another
     kv, hd = geometry["num_kv_heads"], geometry["head_dim"]
@@ -192,7 +208,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     """Trace, validate and write the export stage into the existing empty ``folder``."""
     from trtinfer.export.streamed import empty_model
 
-    hf_config = reduced_depth(load_hf_config(resolved.path), config.layers)
+    hf_config = reduced_depth(load_hf_config(resolved.path), config.layers, config.vocab)
     ckpt = Checkpoint(resolved.path)  # a missing shard or truncated tensor fails here, before the trace
     spec = spec_for(hf_config)
     geometry = spec.geometry(hf_config)

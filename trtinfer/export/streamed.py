@@ -239,8 +239,8 @@ def fold_weight_chains(proto: Any, weights: set[str]) -> list[WeightSource]:
 class SourceReader:
     """Values of the weight inputs: parameters from the checkpoint (tied ones share one stored tensor)."""
 
-    def __init__(self, model: Any, ckpt: Checkpoint) -> None:
-        self.ckpt = ckpt
+    def __init__(self, model: Any, ckpt: Checkpoint, *, row_prefix: bool = False) -> None:
+        self.ckpt, self.row_prefix = ckpt, row_prefix
         self.params = dict(model.named_parameters(remove_duplicate=False))
         names: dict[int, list[str]] = defaultdict(list)
         for name, p in self.params.items():
@@ -257,15 +257,23 @@ class SourceReader:
         if tensor not in self.ckpt:
             raise ExportError(f"the checkpoint in {self.ckpt.folder} has no tensor {tensor} (parameter of shape "
                               f"{shape}); is it a checkpoint of this config's model?")
-        if self.ckpt.tensors[tensor].shape != shape:
-            raise ExportError(f"checkpoint tensor {tensor} has shape {self.ckpt.tensors[tensor].shape}; the config's "
-                              f"model wants {shape}")
+        stored = self.ckpt.tensors[tensor].shape
+        prefix = self.row_prefix and len(stored) == len(shape) and stored[1:] == shape[1:] and stored[0] > shape[0]
+        if stored != shape and not prefix:
+            raise ExportError(f"checkpoint tensor {tensor} has shape {stored}; the config's model wants {shape}")
         return tensor
+
+    def rows(self, source: str) -> int | None:
+        """How many leading rows of its checkpoint tensor a weight takes (a cut vocabulary), None when all."""
+        tensor = self.tensor(source)
+        want = int(self.params[source.removeprefix(WRAPPER_PREFIX)].shape[0])
+        return want if self.ckpt.tensors[tensor].shape[0] != want else None
 
     def value(self, source: str) -> np.ndarray:
         """The whole float32 value of one weight (one tensor in memory)."""
-        tensor = self.tensor(source)
-        return to_float32(self.ckpt.raw(tensor), self.ckpt.tensors[tensor].dtype)
+        tensor, rows = self.tensor(source), self.rows(source)
+        words = self.ckpt.raw(tensor)
+        return to_float32(words[:rows] if rows else words, self.ckpt.tensors[tensor].dtype)
 
 
 def _evaluate(src: WeightSource, reader: SourceReader) -> np.ndarray:
@@ -309,16 +317,17 @@ def refer_weights(proto: Any, sources: list[WeightSource], reader: SourceReader)
     from trtinfer.stage_weights import reference_record
 
     inputs = {i.name: i for i in proto.graph.input}
-    refs: dict[str, tuple[str, bool]] = {}
+    refs: dict[str, tuple[str, bool, int | None]] = {}
     for src in sources:
-        tensor = reader.tensor(src.source)
+        tensor, rows = reader.tensor(src.source), reader.rows(src.source)
         shape = reader.ckpt.tensors[tensor].shape
+        shape = (rows, *shape[1:]) if rows else shape
         transpose = bool(src.nodes)
         dims = inputs[src.graph_name].type.tensor_type.shape.dim
         del dims[:]
         for d in (tuple(reversed(shape)) if transpose else shape):
             dims.add().dim_value = int(d)
-        refs[src.graph_name] = (tensor, transpose)
+        refs[src.graph_name] = (tensor, transpose, rows)
     return reference_record(reader.ckpt, refs)
 
 

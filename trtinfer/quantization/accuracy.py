@@ -57,13 +57,15 @@ BOUND_HINTS = {
 }
 
 
-def held_out_ids(tokenizer_json: Path, max_tokens: int) -> list[int]:
-    """The first ``max_tokens`` tokens of the held-out text, tokenized like ``tokenizer(text)``."""
+def held_out_ids(tokenizer_json: Path, max_tokens: int, vocab_size: int | None = None) -> list[int]:
+    """The first ``max_tokens`` tokens of the held-out text, tokenized like ``tokenizer(text)``; with
+    ``vocab_size``, only ids below it (a model cut to its first tokens scores the text's tokens it has)."""
     from tokenizers import Tokenizer
 
     from trtinfer.calibration.data import builtin_text
 
-    return list(Tokenizer.from_file(str(tokenizer_json)).encode(builtin_text(EVAL_TEXT)).ids[:max_tokens])
+    ids = Tokenizer.from_file(str(tokenizer_json)).encode(builtin_text(EVAL_TEXT)).ids
+    return [i for i in ids if vocab_size is None or i < vocab_size][:max_tokens]
 
 
 def accuracy_report(fp32: StageDir, quantized_folder: Path, *, tokens: int = EVAL_TOKENS,
@@ -74,7 +76,7 @@ def accuracy_report(fp32: StageDir, quantized_folder: Path, *, tokens: int = EVA
     t0 = time.perf_counter()
     opt = fp32.history["optimize"]["config"]
     n = min(tokens, int(opt["max_seq_len"]))
-    ids = held_out_ids(fp32.path / "tokenizer.json", n)
+    ids = held_out_ids(fp32.path / "tokenizer.json", n, int(fp32.geometry["vocab_size"]))
     quantized = StageDir(quantized_folder, {**fp32.info, "io": graph_io(quantized_folder / "model.onnx")})
     from trtinfer.runtime.config import RuntimeConfig
 
