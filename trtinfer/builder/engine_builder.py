@@ -100,7 +100,8 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
 
     if stage.reference_path is None:
         why = stage.history.get("export", {}).get("reference_skipped", "exported with --logits all")
-        log.warning("%s has no engine-check reference (%s): the engine is not checked", stage.path, why)
+        log.warning("%s has no engine-check reference (%s): the engine is not compared with the fp32 graph",
+                    stage.path, why)
     with materialized(stage) as whole:  # an fp32 stage's weights may still be in the checkpoint: a whole copy
         files = backend.build(whole, dest, config)
     if stage.reference_path is None:

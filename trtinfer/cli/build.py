@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
         v, c, a = r["export_validation"] or {}, r["engine_check"] or {}, r.get("accuracy_check")
         print(f"checked on a reduced model, its first {r['layers']} of {g['num_layers']} layers and {r['vocab']} of "
               f"{g['vocab_size']} tokens (same weights; the whole model does not fit in fp32): export vs eager max|diff| {max(v.get('prefill_logits_max_abs_diff', 0), v.get('decode_logits_max_abs_diff', 0)):.3g}, "
-              f"engine vs export max|diff| {c.get('max_abs_diff', float('nan')):.3g} (top-1 {c.get('top1_agreement', 0):.0%})"
+              f"engine vs {c.get('reference', '?')} max|diff| {c.get('max_abs_diff', float('nan')):.3g} "
+              f"(top-1 {c.get('top1_agreement', 0):.0%})"
               + (f", perplexity x{a['ratio']:.3f} vs fp32" if a else ""))
     for w in (m.get("fusion_report") or {}).get("warnings", []):
         print(f"warning: {w}")
