@@ -103,4 +103,4 @@ def whole_stage(stage: Any) -> Any:
     for name in stage.info["files"]:
         if name not in (ONNX_NAME, DATA_NAME) and not (path.parent / name).exists():
             (path.parent / name).symlink_to((stage.path / name).resolve())
-    return StageDir(path.parent, stage.info)
+    return StageDir(path.parent, {**stage.info, "checkpoint_weights": 0})

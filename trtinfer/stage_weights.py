@@ -29,13 +29,14 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from trtinfer.errors import ModelSourceError
-from trtinfer.export.checkpoint import Checkpoint, to_float32
+from trtinfer.checkpoint import Checkpoint, to_float32
+from trtinfer.errors import ModelSourceError, TrtInferError
 from trtinfer.stages import DATA_NAME, ONNX_NAME, STAGE_FILE, StageDir
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "trtinfer.checkpoint"  # graph metadata: {"folder", "shards": {file: [size, mtime_ns]}, "weights"}
+CHECKPOINT_COUNT = "checkpoint_weights"  # stage.json: how many weights the stage's graph reads from its checkpoint
 BLOCK_BYTES = 64 * 2**20  # float32 bytes widened (and transposed) at a time
 ALIGN = 64 * 1024  # ONNX Runtime maps external data at offsets aligned to the allocation granularity
 
@@ -184,12 +185,13 @@ def unbind(model: ir.Model) -> int:
     return len(refs)
 
 
-def load_graph(path: Path) -> ir.Model:
-    """An ONNX file (external data beside it) with its checkpoint weights bound (:func:`bind`)."""
+def load_graph(path: Path, unreadable: type[TrtInferError] = ModelSourceError) -> ir.Model:
+    """An ONNX file (external data beside it) with its checkpoint weights bound (:func:`bind`); ``unreadable`` is
+    raised, in one line, when the file is not an ONNX model."""
     try:
         model = ir.load(str(path))
     except Exception as e:
-        raise ModelSourceError(f"{path} is not a readable ONNX model: {e}") from e
+        raise unreadable(f"{path} is not a readable ONNX model: {e}") from e
     bind(model, path)
     return model
 
@@ -219,19 +221,6 @@ def graph_weight_bytes(path: Path) -> int:
         if v.name in refs:
             total += 4 * int(np.prod([d.dim_value for d in v.type.tensor_type.shape.dim], dtype=np.int64))
     return total
-
-
-def whole_copy_fits(path: Path, where: Path | None = None) -> tuple[bool, str]:
-    """Whether a materialized copy of the graph at ``path`` fits: its weights within the memory share a graph may
-    take (:func:`~trtinfer.runtime.memory.fits_in_memory`) and on the disk holding ``where``; and the figures."""
-    from trtinfer.runtime.memory import available_memory, fits_in_memory
-
-    need = graph_weight_bytes(path)
-    free = shutil.disk_usage(where or path.parent).free
-    avail = available_memory()
-    figures = (f"the fp32 graph needs {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of disk free"
-               + (f", {avail / 2**30:.1f} GiB of memory available" if avail is not None else ""))
-    return fits_in_memory(need) and need < 0.9 * free, figures
 
 
 @contextlib.contextmanager
@@ -264,4 +253,4 @@ def materialized(stage: StageDir) -> Iterator[StageDir]:
                 os.symlink((stage.path / name).resolve(), path.parent / name)
         if (stage.path / STAGE_FILE).is_file():
             os.symlink((stage.path / STAGE_FILE).resolve(), path.parent / STAGE_FILE)
-        yield StageDir(path.parent, stage.info)
+        yield StageDir(path.parent, {**stage.info, CHECKPOINT_COUNT: 0})

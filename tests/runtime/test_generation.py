@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import ARCHS
+from tiny_models import ARCHS, whole_stage
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trtinfer
@@ -213,7 +213,7 @@ def _generate_ids(layout, tiny_model_dir, tiny_engine, monkeypatch, rows, **kw):
 
     stage = optimize_cached(export_cached(tiny_model_dir("llama"), ExportConfig()),
                             PassConfig(target="tensorrt", max_seq_len=SHORT_MAX_SEQ))
-    with open_stage_session(stage) as session:
+    with open_stage_session(whole_stage(stage)) as session:
         assert session.kv_layout == layout
         monkeypatch.setattr(session, "select_rows", _numpy_select_rows)
         tok = EngineTokenizer(stage.path, stage.info.get("tokenizer", {}))

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tiny_models import whole_stage
 
 import trtinfer
 from trtinfer.errors import ConfigError, InputError
@@ -59,7 +60,7 @@ def runner(request, tiny_model_dir, tiny_engine):
     if request.param == "scatter_buffer":  # the tensorrt target's graph, on ONNX Runtime's CPU
         stage = optimize_cached(export_cached(tiny_model_dir("llama"), ExportConfig()),
                                 PassConfig(target="tensorrt", max_seq_len=SCATTER_MAX_SEQ))
-        with open_stage_session(stage) as session:
+        with open_stage_session(whole_stage(stage)) as session:
             assert session.kv_layout == "scatter_buffer"
             yield Runner(session, EngineTokenizer(stage.path, stage.info.get("tokenizer", {})), SCATTER_MAX_SEQ, 1)
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import whole_stage
 
 import trtinfer
 from trtinfer.export import ExportConfig
@@ -30,7 +31,7 @@ def pair(request, tiny_model_dir, tiny_engine):
     stage = optimize_cached(export_cached(tiny_model_dir(arch), ExportConfig()),
                             PassConfig(target="tensorrt", max_seq_len=MAX_SEQ))
     assert stage.kv_layout == "scatter_buffer"
-    return stage, tiny_engine(arch)
+    return whole_stage(stage), tiny_engine(arch)  # a whole copy: the stage's weights stay in the checkpoint
 
 
 def test_generation_matches_the_cpu_engine(pair):

@@ -143,16 +143,20 @@ def test_windowed_perplexity(tiny_model_dir, tiny_engine):
 
 def test_stage_session_scores_the_optimize_stage(tiny_model_dir, tiny_engine, tmp_path):
     """No engine directory: the fp32 optimize stage's graph scores as the engine does."""
+    from tiny_models import whole_stage
+
     from trtinfer.export.onnx_export import export
     from trtinfer.passes import PassConfig
     from trtinfer.passes.optimize import optimize_stage
 
     exp = export(tiny_model_dir("llama"), tmp_path / "export")
+    with pytest.raises(InputError, match="reads 21 weights from the checkpoint it was exported from"):
+        open_stage_session(exp.path)  # its weights are still in the checkpoint: one line, not a session error
     with pytest.raises(InputError, match="last position only"):
-        open_stage_session(exp.path)  # the export keeps its last-token Slice
+        open_stage_session(whole_stage(exp))  # the export keeps its last-token Slice
     opt = optimize_stage(exp, tmp_path / "opt", PassConfig(target="onnxruntime-cpu", max_seq_len=64))
     ids = np.random.default_rng(2).integers(3, 300, 40).tolist()
-    with open_stage_session(opt.path) as sess:
+    with open_stage_session(whole_stage(opt)) as sess:
         got = score_ids(sess, ids)
         with pytest.raises(InputError, match="max sequence length is 64"):
             score_ids(sess, ids * 2)

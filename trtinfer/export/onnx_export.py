@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._cache import key_of
+from trtinfer.checkpoint import Checkpoint
 from trtinfer.errors import ExportError, ModelSourceError, TrtInferError, ValidationError
 from trtinfer.export.architectures import spec_for
-from trtinfer.export.checkpoint import Checkpoint
 from trtinfer.export.config import ExportConfig
 from trtinfer.export.reference import write_reference
 from trtinfer.export.sources import ResolvedModel, resolve_model
@@ -90,6 +90,7 @@ def load_hf_model(path: Path, config: Any = None) -> Any:
     own reader (the same bytes the graph was given): the reference the export is validated against, made only
     where it fits in memory. ``config``: the model's (default) or a :func:`reduced_depth` one, whose parameters
     take their leading rows and layers from the same checkpoint tensors."""
+    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -102,7 +103,7 @@ def load_hf_model(path: Path, config: Any = None) -> Any:
         reader = SourceReader(model, Checkpoint(path), row_prefix=True)
         with torch.no_grad():
             for name, p in model.named_parameters():  # tied parameters once
-                p.copy_(torch.from_numpy(reader.value(WRAPPER_PREFIX + name)))
+                p.copy_(torch.from_numpy(np.array(reader.value(WRAPPER_PREFIX + name))))  # a copy: the map is read-only
     except TrtInferError:
         raise
     except Exception as e:
@@ -224,9 +225,12 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     del model
     export_s = time.perf_counter() - t0
     log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
-    from trtinfer.stage_weights import materialized_file, whole_copy_fits
+    import onnx
 
-    runnable, run_figures = whole_copy_fits(folder / ONNX_NAME)
+    from trtinfer.runtime.memory import whole_copy_fits
+    from trtinfer.stage_weights import CHECKPOINT_COUNT, checkpoint_inputs, graph_weight_bytes, materialized_file
+
+    runnable, run_figures = whole_copy_fits(graph_weight_bytes(folder / ONNX_NAME), folder)
     fits, figures = eager_fits(fp32_bytes)
     validation, skipped = None, {}
     if config.validate and not (fits and runnable):
@@ -254,6 +258,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         "kv_layout": "concat",
         "tokenizer": tokenizer,
         "weights": weights,
+        CHECKPOINT_COUNT: len(checkpoint_inputs(onnx.load(str(folder / ONNX_NAME), load_external_data=False))),
         "history": {"export": {"config": config.to_dict(), "seconds": round(export_s, 2), "validation": validation,
                                **{f"{k}_skipped": why for k, why in skipped.items()},
                                "format": EXPORT_FORMAT, "versions": stack_versions()}},

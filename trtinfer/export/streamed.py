@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from trtinfer.checkpoint import Checkpoint, to_float32
 from trtinfer.errors import ExportError
-from trtinfer.export.checkpoint import Checkpoint, to_float32
 
 log = logging.getLogger(__name__)
 

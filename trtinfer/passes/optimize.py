@@ -18,7 +18,7 @@ from trtinfer.passes.config import PassConfig
 from trtinfer.passes.layout import CONCAT, LAYOUT_KEY
 from trtinfer.passes.registry import GEOMETRY_KEY, PassContext, get_pass, get_pipeline
 from trtinfer.passes.report import FusionReport, PassRecord
-from trtinfer.stage_weights import bind, save_graph
+from trtinfer.stage_weights import CHECKPOINT_COUNT, CHECKPOINT_KEY, load_graph, save_graph
 from trtinfer.stages import (
     ONNX_NAME,
     StageDir,
@@ -72,12 +72,7 @@ def load_model(path: Path) -> ir.Model:
     error if it is not one."""
     if not path.is_file():
         raise InputError(f"{path} does not exist; give an .onnx file")
-    try:
-        model = ir.load(str(path))
-    except Exception as e:
-        raise InputError(f"{path} is not a readable ONNX model: {e}") from e
-    bind(model, path)
-    return model
+    return load_graph(path, InputError)
 
 
 def optimize(in_path: str | Path, out_path: str | Path, config: PassConfig | None = None,
@@ -120,7 +115,8 @@ def _optimize_into(src: StageDir, folder: Path, config: PassConfig) -> StageDir:
 
     props = {p.key: p.value for p in onnx.load(str(folder / ONNX_NAME), load_external_data=False).metadata_props}
     info = {**carry_forward(src, folder), "stage": "optimize", "io": graph_io(folder / ONNX_NAME),
-            "kv_layout": props.get(LAYOUT_KEY, CONCAT)}
+            "kv_layout": props.get(LAYOUT_KEY, CONCAT),
+            CHECKPOINT_COUNT: len(json.loads(props[CHECKPOINT_KEY])["weights"]) if CHECKPOINT_KEY in props else 0}
     info["history"]["optimize"] = {"config": config.to_dict(), "seconds": round(time.perf_counter() - t0, 2),
                                    "fusion_report": report.to_dict(), "format": OPTIMIZE_FORMAT,
                                    "versions": pass_versions()}

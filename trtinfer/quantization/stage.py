@@ -90,12 +90,13 @@ def _fitted(config: QuantConfig, fits: bool, figures: str) -> tuple[QuantConfig,
 
 def _quantize_into(src: StageDir, folder: Path, config: QuantConfig, progress: bool) -> StageDir:
     from trtinfer.quantization.accuracy import FALLBACK_FP32, PERPLEXITY_BOUNDS, accuracy_report
-    from trtinfer.stage_weights import materialized, whole_copy_fits
+    from trtinfer.runtime.memory import whole_copy_fits
+    from trtinfer.stage_weights import graph_weight_bytes, materialized
 
     target = check_input(src)
     get_precision(config.precision, target)  # an unknown precision/target pair fails before any work
     t0 = time.perf_counter()
-    fits, figures = whole_copy_fits(src.onnx_path, folder)
+    fits, figures = whole_copy_fits(graph_weight_bytes(src.onnx_path), folder)
     config, changed = _fitted(config, fits, figures)
     with (materialized(src) if fits else contextlib.nullcontext(src)) as run:
         report = _rewrite(src, run, folder, config, target, progress)

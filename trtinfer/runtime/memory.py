@@ -85,3 +85,15 @@ def stage_session_options(model: Path, *, always: bool = False) -> Any:
     if lean_weights(so, model, always=always):
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return so
+
+
+def whole_copy_fits(need: int, where: Path) -> tuple[bool, str]:
+    """Whether a whole fp32 copy of a stage's graph (``need`` bytes of weights) fits: within the memory share a graph
+    may take (:func:`fits_in_memory`) and on the disk holding ``where``; and the figures, for a person."""
+    import shutil
+
+    free = shutil.disk_usage(where).free
+    avail = available_memory()
+    figures = (f"the fp32 graph needs {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of disk free"
+               + (f", {avail / 2**30:.1f} GiB of memory available" if avail is not None else ""))
+    return fits_in_memory(need) and need < 0.9 * free, figures

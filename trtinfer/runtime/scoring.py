@@ -184,10 +184,11 @@ def open_stage_session(stage: Any, config: RuntimeConfig | None = None) -> Decod
     raw = {"backend": "onnxruntime", "kind": "decoder", "geometry": st.geometry, "io": st.io,
            "kv_layout": st.kv_layout, "files": {"decoder": ONNX_NAME}, "tokenizer": st.info.get("tokenizer", {}),
            "limits": {"max_batch_size": 1, "max_seq_len": max_seq}}
-    from trtinfer.stage_weights import materialized  # stages exist only where the export stack is installed
-
-    with materialized(st) as whole:  # weights still in the checkpoint are written out; the session keeps what it read
-        session = OrtDecoderSession(whole.path, Manifest(raw), config or RuntimeConfig())
+    if st.info.get("checkpoint_weights"):
+        raise InputError(f"{st.path}'s graph reads {st.info['checkpoint_weights']} weights from the checkpoint it was "
+                         "exported from; ONNX Runtime needs them in files: score the engine built from it, or a whole "
+                         "copy (with trtinfer.stage_weights.materialized(stage) as whole: ...)")
+    session = OrtDecoderSession(st.path, Manifest(raw), config or RuntimeConfig())
     try:
         session.check_can_score()
     except InputError:
