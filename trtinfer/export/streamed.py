@@ -38,11 +38,11 @@ import numpy as np
 
 from trtinfer.checkpoint import Checkpoint, to_float32
 from trtinfer.errors import ExportError
+from trtinfer.stage_weights import ALIGN
 
 log = logging.getLogger(__name__)
 
 WRAPPER_PREFIX = "model."  # DecoderWithPast keeps the HF model as ``self.model``: weight input names carry it
-ALIGN = 64 * 1024  # ONNX Runtime maps external data only at offsets aligned to the allocation granularity
 WRAPPED_CHILD = "inner"  # the traced module's name inside the wrapper (dropped from node names after the trace)
 #: ops the exporter would have folded on a weight: followed while every other input is a constant
 FOLDABLE = frozenset({"Transpose", "Cast", "Add", "Sub", "Mul", "Div", "Identity", "Unsqueeze", "Reshape",
