@@ -1,8 +1,10 @@
 """GGUF import: each GGUF block type lands exactly on MatMulNBits / GatherBlockQuantized.
 
 Synthetic GGUF files hold every supported type (gguf-py quantizes the 32-value types; K-quant blocks are random
-bytes with sane scales, which are valid blocks); the ONNX graph is written by hand: a tied embedding, two
-projections reading the same input (one with permuted rows), one weight that is in no GGUF file.
+bytes with sane scales, which are valid blocks); a safetensors checkpoint holds their dequantized values as a
+Hugging Face folder would (q in transformers' rotary row order); the ONNX graph is written by hand and reads its
+weights from that checkpoint: a tied embedding, two projections reading the same input, one weight with no GGUF
+origin. Weights are found by the origins the export would record, never by their values.
 """
 from __future__ import annotations
 
@@ -18,15 +20,22 @@ import onnxruntime as ort
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from onnx import TensorProto, helper, numpy_helper
+from safetensors.numpy import save_file
 from tiny_models import whole_file
 
-from trtinfer.quantization.gguf import BLOCK_TYPES, decode_tensor, gguf_source, import_gguf, read_gguf
-from trtinfer.stage_weights import load_graph
+from trtinfer.checkpoint import Checkpoint
+from trtinfer.gguf_file import GGUFFile, llama_rows
+from trtinfer.quantization.gguf import BLOCK_TYPES, decode_tensor, gguf_source, import_gguf, stage_origins
+from trtinfer.stage_weights import CheckpointTensor, load_graph
 from trtinfer.stages import StageDir
 
 K = 256  # K-quants need whole 256-value super-blocks
 V = 64
+HEADS = 4  # q's rotary row order: transformers' Llama order for 4 heads of 64
 TYPES = list(BLOCK_TYPES)
+#: graph initializer -> (checkpoint tensor, read transposed)
+REFS = {"E": ("model.embed_tokens.weight", False), "Wq": ("q_proj.weight", True), "Wk": ("k_proj.weight", True),
+        "Wx": ("x_proj.weight", True), "Whead": ("model.embed_tokens.weight", True)}
 
 
 def _blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -76,8 +85,12 @@ def test_decoders_equal_gguf_dequantize(qtype: str) -> None:
     assert blocks.weight.codes.max() < 1 << blocks.weight.bits
 
 
-def _model(e: np.ndarray, wq: np.ndarray, wk: np.ndarray, wx: np.ndarray) -> ir.Model:
-    """ids -> Gather(E) -> (MatMul Wq + MatMul Wk) -> MatMul Wx -> MatMul E^T (tied LM head)."""
+def _model(e: np.ndarray, wq: np.ndarray, wk: np.ndarray, wx: np.ndarray, ckpt: Path | None = None,
+           unbound: tuple[str, ...] = ()) -> ir.Model:
+    """ids -> Gather(E) -> (MatMul Wq + MatMul Wk) -> MatMul Wx -> MatMul E^T (tied LM head).
+
+    With ``ckpt``, the weights (but ``unbound``) are read from that checkpoint, as a stage's graph reads them.
+    """
     nodes = [
         helper.make_node("Gather", ["E", "ids"], ["emb"], name="/embed/Gather"),
         helper.make_node("MatMul", ["emb", "Wq"], ["q"], name="/q_proj/MatMul"),
@@ -92,7 +105,16 @@ def _model(e: np.ndarray, wq: np.ndarray, wk: np.ndarray, wx: np.ndarray) -> ir.
         nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", V]),
          helper.make_tensor_value_info("emb", TensorProto.FLOAT, ["b", "s", K])], inits)
-    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    if ckpt is not None:
+        checkpoint = Checkpoint(ckpt)
+        for init, (tensor, transpose) in REFS.items():
+            if init not in unbound:
+                value = model.graph.initializers[init]
+                bound = CheckpointTensor(checkpoint, tensor, transpose, init)
+                np.testing.assert_array_equal(bound.numpy(), value.const_value.numpy())  # type: ignore[union-attr]
+                value.const_value = bound
+    return model
 
 
 def _session(model: ir.Model) -> ort.InferenceSession:
@@ -101,19 +123,30 @@ def _session(model: ir.Model) -> ort.InferenceSession:
     return ort.InferenceSession(ir.to_proto(model).SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _case(tmp_path: Path, emb_t: str, q_t: str, k_t: str) -> tuple[Path, dict[str, np.ndarray]]:
+def _case(tmp_path: Path, emb_t: str, q_t: str, k_t: str) -> tuple[Path, dict[str, np.ndarray], dict[str, dict]]:
+    """A GGUF file, the graph's weights (as arrays), and each checkpoint tensor's GGUF origin (the export's record).
+
+    The checkpoint (``tmp_path / "ckpt"``) holds the dequantized tensors in Hugging Face layout, q in the rotary row
+    order transformers gives Llama's q.
+    """
     rng = np.random.default_rng(hash((emb_t, q_t, k_t)) % 2**32)
     raws = {"token_embd.weight": (emb_t, _blocks(emb_t, V, K, rng)), "blk.0.attn_q.weight": (q_t, _blocks(q_t, K, K, rng)),
             "blk.0.attn_k.weight": (k_t, _blocks(k_t, K, K, rng)),
             "blk.0.attn_norm.weight": ("F32", rng.standard_normal(K).astype(np.float32))}
     path = tmp_path / "m.gguf"
     _write_gguf(path, raws)
-    perm = rng.permutation(K)  # as transformers' rotary reordering does to Llama's q/k rows
-    e = _deq(emb_t, raws["token_embd.weight"][1], V)
-    arrays = {"E": e, "Wq": np.ascontiguousarray(_deq(q_t, raws["blk.0.attn_q.weight"][1], K)[perm].T),
-              "Wk": np.ascontiguousarray(_deq(k_t, raws["blk.0.attn_k.weight"][1], K).T),
-              "Wx": (rng.standard_normal((K, K)) * 0.05).astype(np.float32)}
-    return path, arrays
+    hf = {"model.embed_tokens.weight": _deq(emb_t, raws["token_embd.weight"][1], V),
+          "q_proj.weight": _deq(q_t, raws["blk.0.attn_q.weight"][1], K)[llama_rows(K, HEADS)],
+          "k_proj.weight": _deq(k_t, raws["blk.0.attn_k.weight"][1], K),
+          "x_proj.weight": (rng.standard_normal((K, K)) * 0.05).astype(np.float32)}
+    (tmp_path / "ckpt").mkdir(exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in hf.items()}, str(tmp_path / "ckpt" / "model.safetensors"))
+    arrays = {"E": hf["model.embed_tokens.weight"], "Wq": np.ascontiguousarray(hf["q_proj.weight"].T),
+              "Wk": np.ascontiguousarray(hf["k_proj.weight"].T), "Wx": np.ascontiguousarray(hf["x_proj.weight"].T)}
+    origins = {"model.embed_tokens.weight": {"gguf": "token_embd.weight", "type": emb_t, "rows": "identity"},
+               "q_proj.weight": {"gguf": "blk.0.attn_q.weight", "type": q_t, "rows": {"heads": HEADS}},
+               "k_proj.weight": {"gguf": "blk.0.attn_k.weight", "type": k_t, "rows": "identity"}}
+    return path, arrays, origins
 
 
 COMBOS = [("Q8_0", "Q4_1", "Q4_1"), ("Q6_K", "Q4_K", "Q5_0"), ("Q4_1", "Q5_1", "Q6_K"), ("Q4_0", "Q5_K", "Q8_0"),
@@ -122,13 +155,13 @@ COMBOS = [("Q8_0", "Q4_1", "Q4_1"), ("Q6_K", "Q4_K", "Q5_0"), ("Q4_1", "Q5_1", "
 
 @pytest.mark.parametrize("emb_t,q_t,k_t", COMBOS)
 def test_import_matches_fp32_graph(tmp_path: Path, emb_t: str, q_t: str, k_t: str) -> None:
-    path, a = _case(tmp_path, emb_t, q_t, k_t)
+    path, a, origins = _case(tmp_path, emb_t, q_t, k_t)
     ref_model = _model(a["E"], a["Wq"], a["Wk"], a["Wx"])
     ref = _session(ref_model)
     outs = {}
     for level in (0, 4):
-        model = _model(a["E"], a["Wq"], a["Wk"], a["Wx"])
-        report = import_gguf(model, path, accuracy_level=level)
+        model = _model(a["E"], a["Wq"], a["Wk"], a["Wx"], tmp_path / "ckpt")
+        report = import_gguf(model, path, origins, accuracy_level=level)
         assert sum(report["counts"].values()) == 4, report  # Gather, q, k, LM head
         assert set(report["kept_float"]) == {"/x_proj/MatMul"}
         assert report["shared_embedding"]
@@ -159,12 +192,15 @@ def test_import_matches_fp32_graph(tmp_path: Path, emb_t: str, q_t: str, k_t: st
             np.testing.assert_allclose(exact_emb, want_emb, rtol=0, atol=2e-7 * np.abs(want_emb).max())
 
 
-def test_exclude_and_non_matching(tmp_path: Path) -> None:
-    path, a = _case(tmp_path, "Q8_0", "Q4_1", "Q5_0")
-    model = _model(a["E"], a["Wq"], a["Wk"] + 1e-3, a["Wx"])  # Wk no longer equals its GGUF tensor
-    report = import_gguf(model, path, exclude=lambda name: "q_proj" in name)
+def test_exclude_and_weights_without_origin(tmp_path: Path) -> None:
+    path, a, origins = _case(tmp_path, "Q8_0", "Q4_1", "Q5_0")
+    origins["k_proj.weight"]["rows"] = None  # the export found no row order that transformers' processing equals
+    model = _model(a["E"], a["Wq"], a["Wk"], a["Wx"], tmp_path / "ckpt", unbound=("Wx",))  # Wx: an initializer
+    report = import_gguf(model, path, origins, exclude=lambda name: "q_proj" in name)
     assert report["excluded"] == ["/q_proj/MatMul"]
-    assert set(report["kept_float"]) == {"/k_proj/MatMul", "/x_proj/MatMul"}
+    assert report["kept_float"] == {
+        "/k_proj/MatMul": "k_proj.weight is not a row reordering of GGUF tensor blk.0.attn_k.weight",
+        "/x_proj/MatMul": "not read from the checkpoint as stored (computed at export)"}
     assert report["counts"] == {"Q8_0 -> GatherBlockQuantized 8-bit symmetric block 32": 1,
                                 "Q8_0 -> MatMulNBits 8-bit symmetric block 32": 1}
     assert "Wq" in model.graph.initializers and "Wk" in model.graph.initializers
@@ -176,10 +212,27 @@ def test_float_gguf_tensor_is_reported(tmp_path: Path) -> None:
     path = tmp_path / "f.gguf"
     _write_gguf(path, {"blk.0.attn_q.weight": ("F32", w)})
     e = rng.standard_normal((V, K)).astype(np.float32)
-    model = _model(e, np.ascontiguousarray(w.T), np.ascontiguousarray(w.T), w)
-    report = import_gguf(model, path)
+    (tmp_path / "ckpt").mkdir()
+    save_file({"model.embed_tokens.weight": e, "q_proj.weight": w, "k_proj.weight": w, "x_proj.weight": w},
+              str(tmp_path / "ckpt" / "model.safetensors"))
+    model = _model(e, np.ascontiguousarray(w.T), np.ascontiguousarray(w.T), np.ascontiguousarray(w.T),
+                   tmp_path / "ckpt")
+    origins = {"q_proj.weight": {"gguf": "blk.0.attn_q.weight", "type": "F32", "rows": "identity"}}
+    report = import_gguf(model, path, origins)
     assert report["kept_float"]["/q_proj/MatMul"].startswith("blk.0.attn_q.weight is F32")
     assert not report["imported"]
+
+
+def test_row_order_is_transformers_llama_order() -> None:
+    """llama_rows is the order transformers' own GGUF processing gives Llama's q and k (public ``process``)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    proc = TENSOR_PROCESSORS["llama"](config={"num_attention_heads": 8, "num_key_value_heads": 2})
+    for name, n, heads in [("blk.3.attn_q.weight", 512, 8), ("blk.3.attn_k.weight", 128, 2)]:
+        idx = np.arange(n, dtype=np.float64)[:, None]
+        got = proc.process(weights=idx, name=name).weights[:, 0].astype(np.int64)
+        np.testing.assert_array_equal(got, llama_rows(n, heads))
+        assert not np.array_equal(got, np.arange(n))
 
 
 def test_gguf_source(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -192,7 +245,7 @@ def test_gguf_source(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     assert gguf_source(bad) is None and "sha256" in caplog.text
     folder = StageDir(tmp_path, {"source": {"path": str(tmp_path), "model": str(tmp_path), "kind": "folder"}})
     assert gguf_source(folder) is None
-    assert [t.name for t in read_gguf(path)] == ["a.weight"]
+    assert list(GGUFFile(path).tensors) == ["a.weight"]
 
 
 # --- real models (slow): the packaged GGUF files into their cached optimized fp32 graphs -----------------------
@@ -203,7 +256,8 @@ def _cached_optimized(cache: Path, model: str) -> Path | None:
         info = json.loads(stage_json.read_text())
         cfg = info.get("history", {}).get("optimize", {}).get("config", {})
         if info.get("source", {}).get("model") == model and cfg.get("precision") == "fp32" \
-                and cfg.get("target") == "onnxruntime-cpu" and info.get("kv_layout") == "shared_buffer":
+                and cfg.get("target") == "onnxruntime-cpu" and info.get("kv_layout") == "shared_buffer" \
+                and stage_origins(StageDir(stage_json.parent, info)):  # this export format's record
             return stage_json.parent
     return None
 
@@ -252,7 +306,7 @@ def test_real_gguf_import(tmp_path: Path, alias: str, layers: int, real_engine, 
     assert gguf_path is not None
     model = load_graph(work / ONNX_NAME)  # its weights are read from the checkpoint
     t0 = time.perf_counter()
-    report = import_gguf(model, gguf_path)
+    report = import_gguf(model, gguf_path, stage_origins(stage))
     seconds = time.perf_counter() - t0
     names = [n for names in report["imported"].values() for n in names]
     assert sum("layers." in n for n in names) == 7 * layers, report["kept_float"]
@@ -291,11 +345,11 @@ def test_packing_merges_block_sum_corrections(tmp_path: Path, q_t: str, k_t: str
     """q and k read one input: one MatMulNBits, and for types with mins one correction MatMul + Add, same logits."""
     from trtinfer.quantization.packing import pack_shared_inputs
 
-    path, a = _case(tmp_path, "Q8_0", q_t, k_t)
-    ref = _model(a["E"], a["Wq"], a["Wk"], a["Wx"])
-    import_gguf(ref, path, accuracy_level=0, rank_hint=3)
-    model = _model(a["E"], a["Wq"], a["Wk"], a["Wx"])
-    import_gguf(model, path, accuracy_level=0, rank_hint=3)
+    path, a, origins = _case(tmp_path, "Q8_0", q_t, k_t)
+    ref = _model(a["E"], a["Wq"], a["Wk"], a["Wx"], tmp_path / "ckpt")
+    import_gguf(ref, path, origins, accuracy_level=0, rank_hint=3)
+    model = _model(a["E"], a["Wq"], a["Wk"], a["Wx"], tmp_path / "ckpt")
+    import_gguf(model, path, origins, accuracy_level=0, rank_hint=3)
     before = [n.op_type for n in model.graph]
     counts = pack_shared_inputs(model.graph)
     after = [n.op_type for n in model.graph]

@@ -30,7 +30,9 @@ from trtinfer.stages import (
 
 log = logging.getLogger(__name__)
 
-EXPORT_FORMAT = 8  # 7: streamed, stage.json "weights"; 8: weights left in the checkpoint. Bump when the graph contract changes
+# Bump when the graph contract changes. 7: streamed, stage.json "weights"; 8: weights left in the checkpoint;
+# 9: weights[*].gguf (each weight's GGUF origin)
+EXPORT_FORMAT = 9
 ExportResult = StageDir  # what :func:`export` returns: the stage directory it wrote
 
 
@@ -240,6 +242,12 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         skipped["reference"] = f"the fp32 graph does not fit: {run_figures}"
         log.warning("no engine-check reference is computed (%s): engines built from it are not checked", run_figures)
     tokenizer = save_tokenizer(resolved.path, folder)
+    from trtinfer.export.gguf_convert import gguf_origins
+
+    origins = gguf_origins(resolved.path)  # a converted GGUF: which GGUF tensor each weight came from
+    for entry in weights.values():
+        if entry["tensor"] in origins:
+            entry["gguf"] = origins[entry["tensor"]]
     if runnable and (config.validate and fits or config.logits == "last"):
         with materialized_file(folder / ONNX_NAME) as whole:  # ONNX Runtime reads weights from files only
             if config.validate and fits:

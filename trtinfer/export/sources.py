@@ -1,7 +1,7 @@
 """Resolve a MODEL argument to a local Hugging Face folder: a folder, a ``.gguf`` file, or a built-in alias.
 
-GGUF files are dequantized to fp32 once by transformers and cached under ``~/.cache/trtinfer/models/<sha256>``,
-with the chat template llama.cpp would use: the GGUF's own, else a built-in one for the architecture
+GGUF files are converted to fp32 once (:mod:`trtinfer.export.gguf_convert`) and cached under
+``~/.cache/trtinfer/models/<sha256>``, with the chat template llama.cpp would use: the GGUF's own, else a built-in one for the architecture
 (:mod:`trtinfer.export.chat_templates`). Nothing here ever reaches the network.
 """
 from __future__ import annotations
@@ -9,10 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import mmap
 import os
 import shutil
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,15 +18,15 @@ from pathlib import Path
 from trtinfer._cache import cache_root, cached_dir, key_of, sha256_dir, sha256_file
 from trtinfer.errors import ModelSourceError
 from trtinfer.export.chat_templates import builtin_chat_template
-from trtinfer.export.quiet import quiet_third_party
 
 log = logging.getLogger(__name__)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-#: Bump when what ``_dequantize_gguf`` writes changes (invalidates cached model folders). 2: chat_template.jinja.
-MODELS_FORMAT = 2
+#: Bump when what ``convert_gguf`` writes changes (invalidates cached model folders). 2: chat_template.jinja;
+#: 3: written tensor by tensor, with gguf.json (each tensor's GGUF origin).
+MODELS_FORMAT = 3
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
@@ -111,65 +109,15 @@ def _hash_memo(path: Path, compute: Callable[[Path], str]) -> str:
     return memo[key]
 
 
-def _gguf_metadata_string(path: str | os.PathLike[str], key: str) -> str | None:
-    """The string value of metadata ``key`` of a GGUF file, or None if absent or not a string.
-
-    Walks the key/value section only, skipping values by their sizes. ``gguf.GGUFReader`` would give the same
-    answer but parses every element of every array first: 17 s for Gemma-3's 262k-token vocabulary, 0.2 s here.
-    """
-    from gguf import GGUF_MAGIC, GGUFValueType
-
-    sizes = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1, GGUFValueType.UINT16: 2,
-             GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-             GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if len(buf) < 24 or struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
-            raise ModelSourceError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
-        order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # as GGUFReader tells byte order
-        version, _, n_kv = struct.unpack_from(order + "IQQ", buf, 4)
-        if version not in (2, 3):
-            raise ModelSourceError(f"{path} is GGUF version {version}; versions 2 and 3 are readable")
-
-        def u32(pos: int) -> int:
-            return int(struct.unpack_from(order + "I", buf, pos)[0])
-
-        def u64(pos: int) -> int:
-            return int(struct.unpack_from(order + "Q", buf, pos)[0])
-
-        def skip(vtype: int, pos: int) -> int:
-            if vtype == GGUFValueType.STRING:
-                return pos + 8 + u64(pos)
-            if vtype == GGUFValueType.ARRAY:
-                item, count, pos = u32(pos), u64(pos + 4), pos + 12
-                if item in sizes:
-                    return pos + count * sizes[GGUFValueType(item)]
-                for _ in range(count):
-                    pos = skip(item, pos)
-                return pos
-            return pos + sizes[GGUFValueType(vtype)]
-
-        pos = 24
-        try:
-            for _ in range(n_kv):
-                name = bytes(buf[pos + 8:pos + 8 + u64(pos)]).decode("utf-8")
-                pos += 8 + u64(pos)
-                vtype, pos = u32(pos), pos + 4
-                if name == key:
-                    if vtype != GGUFValueType.STRING:
-                        return None
-                    return bytes(buf[pos + 8:pos + 8 + u64(pos)]).decode("utf-8")
-                pos = skip(vtype, pos)
-        except (struct.error, ValueError) as e:  # ValueError: an unknown value type, or bytes that are not UTF-8
-            raise ModelSourceError(f"the metadata of {path} is damaged near byte {pos}: {e}; re-download it") from e
-    return None
-
-
 def gguf_chat_template(path: str | os.PathLike[str]) -> str | None:
     """The GGUF's ``tokenizer.chat_template`` metadata, or None when it has none (reads the metadata only)."""
-    return _gguf_metadata_string(path, "tokenizer.chat_template") or None
+    from trtinfer.gguf_file import GGUFFile
+
+    template = GGUFFile(path).metadata.get("tokenizer.chat_template")
+    return template if isinstance(template, str) and template else None
 
 
-def _write_chat_template(gguf: Path, out: Path, model_type: str) -> None:
+def write_chat_template(gguf: Path, out: Path, model_type: str) -> None:
     """Leave exactly one chat template in ``out``, in ``chat_template.jinja``: the GGUF's own, else the built-in one.
 
     ``tok.save_pretrained`` may already have written the GGUF's template (transformers reads it too) to
@@ -192,33 +140,6 @@ def _write_chat_template(gguf: Path, out: Path, model_type: str) -> None:
         return
     (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
     log.info("chat template of %s: %s", gguf.name, origin)
-
-
-def _dequantize_gguf(gguf: Path, out: Path) -> None:
-    """Load a GGUF through transformers (dequantized to fp32) and save it as a plain HF folder."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("dequantizing %s to fp32 (once; cached)", gguf.name)
-    try:
-        with quiet_third_party():  # transformers' own conversion bar; ours is the log line above
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as e:  # transformers raises many types for unreadable files
-        if isinstance(e, ImportError) or "accelerate" in str(e):  # a package its GGUF loader needs, not the file
-            # transformers 5.23/5.24: ValueError("accelerate is required when loading a GGUF file ...")
-            raise ModelSourceError(f"could not load GGUF {gguf}: {e}; install the export stack, which declares it: "
-                                   "pip install 'trtinfer[export]'") from e
-        raise ModelSourceError(f"could not load GGUF {gguf}: {e}; is it a complete GGUF of a supported model?") from e
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights are plain fp32 now
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.generation_config = model.generation_config
-    plain.save_pretrained(out)
-    tok.save_pretrained(out)
-    _write_chat_template(gguf, out, config.model_type)
 
 
 def resolve_model(model: str | os.PathLike[str]) -> ResolvedModel:
@@ -252,8 +173,9 @@ def resolve_model(model: str | os.PathLike[str]) -> ResolvedModel:
     from importlib.metadata import version  # not `import transformers`: a cache hit should not pay its import
 
     from trtinfer.export.chat_templates import CHAT_TEMPLATES
+    from trtinfer.export.gguf_convert import convert_gguf
 
     # the folder holds transformers' conversion and possibly a built-in chat template: both are part of the key
     key = f"{digest[:32]}-f{MODELS_FORMAT}-tf{version('transformers')}-ct{key_of(CHAT_TEMPLATES)[:8]}"
-    folder = cached_dir("models", key, lambda out: _dequantize_gguf(gguf, out))
+    folder = cached_dir("models", key, lambda out: convert_gguf(gguf, out))
     return ResolvedModel(folder, text, digest, kind)

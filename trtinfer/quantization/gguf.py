@@ -1,9 +1,11 @@
 """Import a GGUF file's own quantized blocks, exactly, onto ONNX Runtime's ``com.microsoft`` weight-only ops.
 
-The fp32 graph was exported from the GGUF's dequantized weights, so each MatMul weight *is* a GGUF tensor (up to
-fp32 rounding and, for Llama's q/k, transformers' rotary row permutation). Re-rounding those values onto a new
-4-bit grid doubles the error (NOTES.md: 1.17-1.48x perplexity); here each GGUF block becomes a symmetric
-``MatMulNBits`` block holding the same integers, so the graph computes what llama.cpp computes.
+The fp32 graph was exported from the GGUF's dequantized weights, and the export recorded which GGUF tensor (name, ggml
+type, row order: transformers' rotary order for Llama's q/k) each checkpoint tensor came from
+(:mod:`trtinfer.export.gguf_convert`, ``stage.json`` ``weights[*].gguf``). Each MatMul / Gather weight that the graph
+reads from the checkpoint is therefore found by name. Re-rounding those values onto a new 4-bit grid doubles the
+error (NOTES.md: 1.17-1.48x perplexity); here each GGUF block becomes a symmetric ``MatMulNBits`` block holding the
+same integers, so the graph computes what llama.cpp computes.
 
 Every supported type is read as ``w[n, k] = s[n, k/block] * (code[n, k] - 2^(bits-1)) + c[n, k/32]``:
 
@@ -26,14 +28,14 @@ float zero points (ORT's slow path) and no asymmetric codes (the AVX2 batch-1 bu
 
 The token embedding becomes ``GatherBlockQuantized`` on the same codes; with tied embeddings it reads the LM
 head's ``B`` through a Reshape, so one copy is stored. A table with offsets adds them back exactly
-(``Gather(C^T)`` expanded by a 0/1 matrix). Anything else (F32/F16/BF16 tensors, other GGUF types, weights that
-match no tensor) stays as it was and is reported.
+(``Gather(C^T)`` expanded by a 0/1 matrix). Anything else (F32/F16/BF16 tensors, other GGUF types, weights with no
+recorded GGUF origin) stays as it was and is reported.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,8 +43,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
+from trtinfer.gguf_file import GGUFFile, row_order
 from trtinfer.quantization.blocks import BlockWeight
 from trtinfer.quantization.weights import MS_DOMAIN, add_initializer
+from trtinfer.stage_weights import CheckpointTensor
 
 if TYPE_CHECKING:
     from trtinfer.stages import StageDir
@@ -50,8 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SUM_BLOCK = 32  # offsets are per 32 values in every type that has them
-#: weights equal a GGUF tensor when every value is within this much of it, relative to the tensor's largest value
-MATCH_RTOL = 2e-6
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -208,156 +210,6 @@ def decode_tensor(name: str, qtype: str, raw: np.ndarray, k: int) -> GGUFBlocks:
 
 
 @dataclass
-class _Tensor:
-    """A 2-D GGUF tensor: decoded blocks when its type is supported, else only its dequantized rows."""
-
-    name: str
-    qtype: str
-    shape: tuple[int, int]  # (N, K)
-    raw: np.ndarray  # [N, bytes per row], a view of the file
-    blocks: GGUFBlocks | None
-    proj: np.ndarray | None = None
-    sorted_proj: np.ndarray | None = None
-
-    def rows(self) -> np.ndarray:
-        """The tensor's float32 values ``[N, K]``."""
-        if self.blocks is not None:
-            return self.blocks.rows()
-        from gguf import GGMLQuantizationType, quants
-
-        return np.asarray(quants.dequantize(self.raw, GGMLQuantizationType[self.qtype]), np.float32).reshape(self.shape)
-
-
-_SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
-           12: "<f8"}
-
-
-def _tensor_infos(path: Path) -> tuple[list[tuple[str, list[int], int, int]], int]:
-    """GGUF header -> (name, dims, type id, offset) per tensor and the data section's start.
-
-    ``gguf.GGUFReader`` builds a numpy view per metadata item: 34 s for Gemma-3's 262,144-token vocabulary.
-    Skipping the metadata by its lengths takes well under a second.
-    """
-    with open(path, "rb") as f:
-        buf = f.read(1 << 20)
-        pos = 0
-
-        def need(n: int) -> None:
-            nonlocal buf
-            while pos + n > len(buf):
-                more = f.read(max(1 << 20, n))
-                if not more:
-                    raise ValueError(f"{path} ends inside its header")
-                buf += more
-
-        def u(fmt: str) -> int:
-            nonlocal pos
-            size = np.dtype(fmt).itemsize
-            need(size)
-            v = int(np.frombuffer(buf, fmt, 1, pos)[0]) if fmt[1] != "f" else 0
-            pos += size
-            return v
-
-        def string() -> str:
-            nonlocal pos
-            n = u("<u8")
-            need(n)
-            pos += n
-            return buf[pos - n:pos].decode("utf-8", "replace")
-
-        def skip(vtype: int) -> int | None:
-            nonlocal pos
-            if vtype == 8:
-                string()
-            elif vtype == 9:
-                itype, count = u("<u4"), u("<u8")
-                if itype in _SCALAR:
-                    size = np.dtype(_SCALAR[itype]).itemsize * count
-                    need(size)
-                    pos += size
-                else:
-                    for _ in range(count):
-                        skip(itype)
-            else:
-                return u(_SCALAR[vtype])
-            return None
-
-        need(24)
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        pos = 8
-        n_tensors, n_kv = u("<u8"), u("<u8")
-        alignment = 32
-        for _ in range(n_kv):
-            key = string()
-            value = skip(u("<u4"))
-            if key == "general.alignment" and value:
-                alignment = value
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            dims = [u("<u8") for _ in range(u("<u4"))]
-            infos.append((name, dims, u("<u4"), u("<u8")))
-        start = (pos + alignment - 1) // alignment * alignment
-    return infos, start
-
-
-def read_gguf(path: str | Path) -> list[_Tensor]:
-    """Every 2-D tensor of a GGUF file (memory-mapped), decoded when its type is in :data:`BLOCK_TYPES`."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    path = Path(path)
-    infos, start = _tensor_infos(path)
-    data = np.memmap(path, np.uint8, mode="r")
-    out = []
-    for name, dims, type_id, offset in infos:
-        if len(dims) < 2 or any(d > 1 for d in dims[2:]):
-            continue
-        k, n = dims[0], dims[1]
-        try:
-            qtype = GGMLQuantizationType(type_id).name
-        except ValueError:
-            continue
-        elems, size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
-        row = k // elems * size
-        raw = data[start + offset:start + offset + n * row].reshape(n, row)
-        ok = qtype in BLOCK_TYPES and k % BLOCK_TYPES[qtype].elems == 0
-        out.append(_Tensor(name, qtype, (n, k), raw, decode_tensor(name, qtype, raw, k) if ok else None))
-    return out
-
-
-def _probe(k: int) -> np.ndarray:
-    return np.random.default_rng(k).standard_normal(k)
-
-
-def _match(rows: np.ndarray, tensors: list[_Tensor]) -> tuple[_Tensor, np.ndarray] | str:
-    """The GGUF tensor whose rows, reordered, equal ``rows [N, K]``, and that order; else why none does.
-
-    Rows are matched by content: each row's projection on a fixed random vector is its fingerprint, so a row
-    permutation (transformers' rotary layout for Llama q/k) is found by sorting, then checked value by value.
-    """
-    n, k = rows.shape
-    proj = rows @ _probe(k)
-    order = np.argsort(proj, kind="stable")
-    sp = proj[order]
-    scale = float(np.abs(sp).max()) or 1.0
-    same_shape = [t for t in tensors if t.shape == (n, k)]
-    if not same_shape:
-        return "no GGUF tensor of this shape"
-    for t in same_shape:
-        assert t.sorted_proj is not None and t.proj is not None
-        if np.abs(t.sorted_proj - sp).max() > 1e-4 * scale:
-            continue
-        perm = np.empty(n, np.int64)
-        perm[order] = np.argsort(t.proj, kind="stable")
-        ref = t.rows()[perm]
-        tol = MATCH_RTOL * float(np.abs(ref).max()) + 1e-30
-        if np.abs(ref - rows).max() <= tol:
-            return t, perm
-    return "no GGUF tensor holds these values"
-
-
-@dataclass
 class _Rewriter:
     graph: ir.Graph
     accuracy_level: int
@@ -454,38 +306,59 @@ class _Rewriter:
         ir.convenience.replace_nodes_and_values(self.graph, node, [node], new, [node.outputs[0]], [out])
 
 
-def _const_2d(v: ir.Value | None) -> np.ndarray | None:
+def _weight_2d(v: ir.Value | None) -> bool:
+    """Whether ``v`` is a constant 2-D float weight (an initializer, not a computed value)."""
     if v is None or v.const_value is None or v.producer() is not None:
-        return None
-    if v.const_value.dtype != ir.DataType.FLOAT or len(v.const_value.shape) != 2:
-        return None
-    return np.asarray(v.const_value.numpy(), np.float32)
+        return False
+    return v.const_value.dtype == ir.DataType.FLOAT and len(v.const_value.shape) == 2
 
 
 def _nbytes(v: ir.Value) -> int:
     assert v.const_value is not None
-    return int(v.const_value.nbytes)
+    return 4 * int(np.prod(v.const_value.shape.numpy(), dtype=np.int64))  # from the shape: nothing is read
 
 
-def import_gguf(model: ir.Model, gguf_path: str | Path, *, accuracy_level: int = 4,
-                exclude: Callable[[str], bool] | None = None, rank_hint: int | None = None) -> dict[str, Any]:
-    """Rewrite, in place, every MatMul/Gather whose constant weight is a GGUF tensor onto that tensor's own blocks.
+def _origin(weight: ir.Value, is_gather: bool, origins: Mapping[str, Mapping[str, Any]]) -> \
+        tuple[Mapping[str, Any], int | None] | str:
+    """The GGUF origin of ``weight`` and its rows used (a cut vocabulary), or why it has none.
 
-    ``MatMul(x, W [K, N])`` with ``W^T`` equal (up to fp32 rounding, rows in any order) to a tensor of
-    ``gguf_path`` becomes ``MatMulNBits`` (plus the block-sum correction for types with mins); ``Gather(E, ids)``
-    becomes ``GatherBlockQuantized``, sharing the LM head's stored codes when the two are tied. ``exclude(node
-    name)`` keeps a node as it is. ``rank_hint``: the rank of MatMul inputs where the graph carries no shapes (3 for
-    trtinfer decoders), so block sums reshape by a constant instead of a shape subgraph. Returns a report: counts per GGUF type and ORT form, what stayed float and why,
-    and the weight bytes before and after.
+    A Gather reads its table as the checkpoint stores it; a MatMul reads a Linear weight transposed.
+    """
+    value = weight.const_value
+    if not isinstance(value, CheckpointTensor):
+        return "not read from the checkpoint as stored (computed at export)"
+    if value.transpose == is_gather:
+        return f"reads {value.tensor} {'transposed' if is_gather else 'as stored'}, not as a GGUF tensor's rows"
+    origin = origins.get(value.tensor)
+    if origin is None:
+        return f"no GGUF tensor recorded for {value.tensor}"
+    if origin.get("rows") is None:
+        return f"{value.tensor} is not a row reordering of GGUF tensor {origin['gguf']}"
+    return origin, value.rows_used
+
+
+def import_gguf(model: ir.Model, gguf_path: str | Path, origins: Mapping[str, Mapping[str, Any]], *,
+                accuracy_level: int = 4, exclude: Callable[[str], bool] | None = None,
+                rank_hint: int | None = None) -> dict[str, Any]:
+    """Rewrite, in place, every MatMul/Gather whose weight came from a GGUF tensor onto that tensor's own blocks.
+
+    ``origins``: checkpoint tensor name -> ``{"gguf": name, "type": ggml type, "rows": row order}``, as the export
+    recorded them (:func:`stage_origins`). A weight is found by the checkpoint tensor it reads (a
+    :class:`~trtinfer.stage_weights.CheckpointTensor`): ``MatMul(x, W [K, N])`` reading a Linear's ``W.T``
+    becomes ``MatMulNBits`` (plus the block-sum correction for types with mins); ``Gather(E, ids)`` becomes
+    ``GatherBlockQuantized``, sharing the LM head's stored codes when the two are tied. ``exclude(node name)``
+    keeps a node as it is. ``rank_hint``: the rank of MatMul inputs where the graph carries no shapes (3 for
+    trtinfer decoders), so block sums reshape by a constant instead of a shape subgraph. Returns a report: counts
+    per GGUF type and ORT form, what stayed float and why, and the weight bytes before and after.
     """
     graph = model.graph
     sites: list[tuple[ir.Node, ir.Value, bool]] = []  # (node, weight, is_gather)
     for node in graph:
         if node.domain not in ("", "ai.onnx"):
             continue
-        if node.op_type == "MatMul" and _const_2d(node.inputs[1]) is not None:
+        if node.op_type == "MatMul" and _weight_2d(node.inputs[1]):
             sites.append((node, node.inputs[1], False))  # type: ignore[arg-type]
-        elif (node.op_type == "Gather" and _const_2d(node.inputs[0]) is not None
+        elif (node.op_type == "Gather" and _weight_2d(node.inputs[0])
               and (node.attributes.get_int("axis", 0) or 0) == 0):
             sites.append((node, node.inputs[0], True))  # type: ignore[arg-type]
     report: dict[str, Any] = {"gguf_types": {}, "imported": {}, "kept_float": {}, "excluded": [],
@@ -493,52 +366,51 @@ def import_gguf(model: ir.Model, gguf_path: str | Path, *, accuracy_level: int =
     if not sites:
         return report
 
-    tensors = read_gguf(gguf_path)
-    for t in tensors:
-        report["gguf_types"][t.qtype] = report["gguf_types"].get(t.qtype, 0) + 1
-    wanted = {_rows_shape(w, g) for _, w, g in sites}
-    for t in tensors:
-        if t.shape in wanted:
-            rows = t.rows()
-            t.proj = rows @ _probe(t.shape[1])
-            t.sorted_proj = np.sort(t.proj)
-
+    file = GGUFFile(gguf_path)
+    for t in file.tensors.values():
+        if len(t.shape) == 2:
+            report["gguf_types"][t.qtype] = report["gguf_types"].get(t.qtype, 0) + 1
+    decoded: dict[str, GGUFBlocks] = {}
     rw = _Rewriter(graph, accuracy_level, report, rank_hint=rank_hint)
-    matched: dict[int, tuple[_Tensor, np.ndarray] | str] = {}
     weights_before: dict[int, ir.Value] = {}
     for node, weight, is_gather in sites:
         name = node.name or weight.name or "?"
         if exclude is not None and exclude(name):
             report["excluded"].append(name)
             continue
-        if id(weight) not in matched:
-            arr = _const_2d(weight)
-            assert arr is not None
-            matched[id(weight)] = _match(arr if is_gather else np.ascontiguousarray(arr.T), tensors)
-        found = matched[id(weight)]
+        found = _origin(weight, is_gather, origins)
         if isinstance(found, str):
             report["kept_float"][name] = found
             continue
-        t, perm = found
-        if t.blocks is None:
+        origin, rows_used = found
+        t = file.tensors.get(str(origin["gguf"]))
+        if t is None:
+            report["kept_float"][name] = f"{origin['gguf']} is not in {Path(gguf_path).name}"
+            continue
+        if t.qtype not in BLOCK_TYPES or len(t.shape) != 2 or t.shape[1] % BLOCK_TYPES[t.qtype].elems:
             report["kept_float"][name] = f"{t.name} is {t.qtype} in the GGUF (no exact ORT block form)"
             continue
+        if t.name not in decoded:
+            decoded[t.name] = decode_tensor(t.name, t.qtype, file.raw(t.name), t.shape[1])
+        order = row_order(origin["rows"], t.shape[0])
+        perm = np.arange(t.shape[0]) if order is None else order
+        perm = perm[:rows_used] if rows_used else perm
         weights_before[id(weight)] = weight
-        form = BLOCK_TYPES[t.qtype].form + (" + block-sum offsets" if t.blocks.offsets is not None else "")
+        blocks = decoded[t.name]
+        form = BLOCK_TYPES[t.qtype].form + (" + block-sum offsets" if blocks.offsets is not None else "")
         op = "GatherBlockQuantized" if is_gather else "MatMulNBits"
-        entry = report["imported"].setdefault(f"{t.qtype} -> {op} {form}", [])
-        entry.append(name)
+        report["imported"].setdefault(f"{t.qtype} -> {op} {form}", []).append(name)
         if is_gather:
-            rw.gather(node, t.blocks, perm)
+            rw.gather(node, blocks, perm)
         else:
-            rw.matmul(node, t.blocks, perm)
+            rw.matmul(node, blocks, perm)
 
     report["bytes_before"] = sum(_nbytes(w) for w in weights_before.values())
     for w in weights_before.values():
         if not w.uses() and not w.is_graph_output() and w.name is not None and w.name in graph.initializers:
             del graph.initializers[w.name]
     after = {id(v): v for trio in rw.packed.values() for v in trio if v is not None}
-    report["bytes_after"] = sum(_nbytes(v) for v in after.values())
+    report["bytes_after"] = sum(int(v.const_value.nbytes) for v in after.values())  # type: ignore[union-attr]
     gathers = [n for n in graph if n.op_type == "GatherBlockQuantized"]
     heads = {id(n.inputs[1]) for n in graph if n.op_type == "MatMulNBits"}
     report["shared_embedding"] = any(id(g.inputs[0].producer().inputs[0]) in heads  # type: ignore[union-attr]
@@ -553,11 +425,10 @@ def import_gguf(model: ir.Model, gguf_path: str | Path, *, accuracy_level: int =
     return report
 
 
-def _rows_shape(w: ir.Value, is_gather: bool) -> tuple[int, int]:
-    """``(N, K)`` of the GGUF tensor a weight would be: a Gather table is ``[V, K]``, a MatMul weight ``[K, N]``."""
-    assert w.const_value is not None
-    a, b = w.const_value.shape.numpy()
-    return (a, b) if is_gather else (b, a)
+def stage_origins(stage: StageDir) -> dict[str, dict[str, Any]]:
+    """Checkpoint tensor -> GGUF origin, from the export's record in ``stage.json`` (``weights[*].gguf``)."""
+    return {str(w["tensor"]): w["gguf"] for w in stage.info.get("weights", {}).values()
+            if isinstance(w, dict) and w.get("gguf")}
 
 
 def gguf_source(stage: StageDir) -> Path | None:

@@ -1,0 +1,85 @@
+"""A GGUF becomes a Hugging Face folder tensor by tensor: the same values transformers' own loader gives, and each
+tensor's GGUF origin (name, ggml type, row order) recorded for GGUF-exact quantization."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from trtinfer.errors import ModelSourceError
+from trtinfer.gguf_file import GGUFFile, row_order
+
+
+def _write(path: Path) -> np.ndarray:
+    w = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    writer = GGUFWriter(str(path), arch="llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.asarray(quants.quantize(w, GGMLQuantizationType.Q8_0)),
+                      raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", w[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return w
+
+
+def test_reader_reads_tensors_by_name(tmp_path: Path) -> None:
+    w = _write(tmp_path / "m.gguf")
+    f = GGUFFile(tmp_path / "m.gguf")
+    assert f.metadata["general.architecture"] == "llama"
+    q = f.tensors["blk.0.attn_q.weight"]
+    assert (q.qtype, q.shape) == ("Q8_0", (64, 256))
+    np.testing.assert_allclose(f.dequantize(q.name), w, atol=np.abs(w).max() / 100)
+    np.testing.assert_array_equal(f.dequantize(q.name, slice(8, 16)), f.dequantize(q.name)[8:16])
+    np.testing.assert_array_equal(f.dequantize("blk.0.attn_norm.weight"), w[0])
+
+
+def test_truncated_gguf_is_one_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    _write(path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ModelSourceError, match="blk.0.attn_norm.weight .* truncated; download it again"):
+        GGUFFile(path)
+    path.write_bytes(b"GGUF" + bytes(20))
+    with pytest.raises(ModelSourceError, match="version 0"):
+        GGUFFile(path)
+
+
+@pytest.mark.slow
+def test_conversion_equals_transformers_loader(tmp_path: Path) -> None:
+    """SmolLM2's Q4_1 GGUF: every tensor bit-equal to transformers' from_pretrained(gguf_file=...) in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trtinfer.checkpoint import Checkpoint
+    from trtinfer.export.gguf_convert import convert_gguf, gguf_origins
+    from trtinfer.export.sources import ALIASES
+
+    gguf = ALIASES["smollm2-135m"]()
+    out = tmp_path / "hf"
+    out.mkdir()
+    convert_gguf(gguf, out)
+    ours = Checkpoint(out)
+    ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}  # tied: stored once
+    assert set(ours.tensors) == set(state)
+    for name, value in state.items():
+        np.testing.assert_array_equal(np.asarray(ours.raw(name)), value.numpy(), err_msg=name)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    origins = gguf_origins(out)
+    assert set(origins) == set(state)
+    file = GGUFFile(gguf)
+    for name, o in origins.items():
+        assert file.tensors[o["gguf"]].qtype == o["type"]
+    q, k = origins["model.layers.0.self_attn.q_proj.weight"], origins["model.layers.0.self_attn.k_proj.weight"]
+    assert (q["gguf"], q["rows"], k["rows"]) == ("blk.0.attn_q.weight", {"heads": 9}, {"heads": 3})
+    assert origins["model.layers.0.mlp.down_proj.weight"]["rows"] == "identity"
+    assert origins["model.norm.weight"]["rows"] is None  # 1-D: no blocks to import
+    # the recorded order reproduces the values from the GGUF's own rows
+    order = row_order(q["rows"], 576)
+    assert order is not None
+    np.testing.assert_array_equal(file.dequantize("blk.0.attn_q.weight")[order],
+                                  state["model.layers.0.self_attn.q_proj.weight"].numpy())

@@ -1,0 +1,158 @@
+"""A GGUF file as a Hugging Face folder, written tensor by tensor, with each tensor's GGUF origin recorded.
+
+transformers reads a GGUF's configuration and tokenizer; the weights are not loaded through it (its loader
+dequantizes the whole model into memory, then ``save_pretrained`` copies it again). Here:
+
+- names: transformers' own GGUF -> Hugging Face map (``get_gguf_hf_weights_map`` on a meta-device model, i.e. gguf-py's
+  ``TensorNameMap``), so every tensor lands under the name transformers would give it;
+- values: ggml's dequantization (gguf-py) of each tensor, passed through transformers' per-architecture tensor
+  processor (Llama's rotary row order for q/k, Gemma's norm offsets). A 2-D tensor whose processing is a pure row
+  reordering (checked on an index probe) is written a chunk of rows at a time: the export's peak is one chunk;
+- origins: ``gguf.json`` beside the weights names, for every Hugging Face tensor, the GGUF tensor, its ggml type and
+  the row order; the export copies it into ``stage.json`` so GGUF-exact quantization reads each weight's blocks by
+  name (``trtinfer.quantization.gguf``).
+
+The folder holds fp32 values, exactly what ggml computes (bf16 or fp16 would round ``d * scale * q``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trtinfer.errors import ModelSourceError
+from trtinfer.export.quiet import quiet_third_party
+from trtinfer.gguf_file import GGUFFile, describe_rows
+
+log = logging.getLogger(__name__)
+
+ORIGINS_NAME = "gguf.json"
+WEIGHTS_NAME = "model.safetensors"
+CHUNK_BYTES = 64 << 20  # fp32 bytes dequantized at a time for row-reorderable tensors
+
+
+def _load_config_and_tokenizer(gguf: Path) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        with quiet_third_party():
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many types for unreadable files
+        if isinstance(e, ImportError) or "accelerate" in str(e):  # a package its GGUF loader needs, not the file
+            raise ModelSourceError(f"could not load GGUF {gguf}: {e}; install the export stack, which declares it: "
+                                   "pip install 'trtinfer[export]'") from e
+        raise ModelSourceError(f"could not load GGUF {gguf}: {e}; is it a complete GGUF of a supported model?") from e
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the folder's weights are plain fp32
+    return config, tok
+
+
+def _row_probe(processor: Any, name: str, n: int, key_map: dict[str, str], config: dict[str, Any]) -> np.ndarray | None:
+    """The row order ``processor`` gives GGUF tensor ``name`` of ``n`` rows, if processing it only reorders rows."""
+    probe = np.stack([np.arange(n, dtype=np.float64), np.arange(n, dtype=np.float64) * 2 + 0.5], axis=1)
+    try:
+        out = processor.process(weights=probe.copy(), name=name, tensor_key_mapping=key_map,
+                                parsed_parameters={"config": dict(config), "tensors": {}}).weights
+    except Exception:  # noqa: BLE001 - a processor that expects the real shape: process the whole tensor instead
+        return None
+    out = np.asarray(out)
+    if out.shape != probe.shape or not np.array_equal(out[:, 1], out[:, 0] * 2 + 0.5):
+        return None
+    order = out[:, 0].astype(np.int64)
+    return order if np.array_equal(np.sort(order), np.arange(n)) else None
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Write ``gguf`` into the empty folder ``out`` as config, fp32 ``model.safetensors``, tokenizer and origins."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    from trtinfer.export.sources import write_chat_template
+
+    log.info("converting %s to a Hugging Face folder, tensor by tensor (once; cached)", gguf.name)
+    file = GGUFFile(gguf)
+    config, tok = _load_config_and_tokenizer(gguf)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    arch = str(file.metadata.get("general.architecture") or config.model_type)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    try:
+        key_map = get_gguf_hf_weights_map(model, processor)
+    except NotImplementedError as e:
+        raise ModelSourceError(f"{gguf}: {e}") from e
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    heads = [getattr(config, "num_attention_heads", 0) or 0, getattr(config, "num_key_value_heads", 0) or 0]
+
+    plan: list[tuple[str, str, np.ndarray | None]] = []  # (gguf name, hf name, row order or None)
+    origins: dict[str, dict[str, Any]] = {}
+    for name, t in file.tensors.items():
+        hf = key_map.get(name)
+        if hf is None or hf in origins:
+            continue
+        if hf not in expected or int(np.prod(expected[hf])) != int(np.prod(t.shape)):
+            raise ModelSourceError(f"{gguf}: tensor {name} {list(t.shape)} does not fit {hf} "
+                                   f"{list(expected.get(hf, ()))} of a {config.model_type} model; is the GGUF damaged?")
+        order = _row_probe(processor, name, t.shape[0], key_map, config.to_dict()) if len(t.shape) == 2 else None
+        plan.append((name, hf, order))
+        rows = describe_rows(order, heads) if order is not None else None
+        origins[hf] = {"gguf": name, "type": t.qtype, "rows": rows}
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [k for k in expected if k not in origins and not (tied and k == "lm_head.weight")]
+    if missing:
+        raise ModelSourceError(f"{gguf} has no tensor for {len(missing)} of the model's weights ({missing[0]}, ...): "
+                               "is it a complete GGUF of a supported model?")
+    _write_weights(file, plan, expected, processor, key_map, config.to_dict(), out / WEIGHTS_NAME)
+    config.dtype = torch.float32
+    config.architectures = [type(model).__name__]  # as save_pretrained of the loaded model writes it
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tok.save_pretrained(out)
+    write_chat_template(gguf, out, config.model_type)
+    (out / ORIGINS_NAME).write_text(json.dumps({"gguf": gguf.name, "tensors": origins}, indent=1) + "\n")
+
+
+def _write_weights(file: GGUFFile, plan: list[tuple[str, str, np.ndarray | None]], expected: dict[str, tuple[int, ...]],
+                   processor: Any, key_map: dict[str, str], config: dict[str, Any], path: Path) -> None:
+    """Stream ``plan``'s tensors into one fp32 safetensors file (shapes known up front, so the header is too)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for _, hf, _ in plan:
+        n = 4 * int(np.prod(expected[hf]))
+        header[hf] = {"dtype": "F32", "shape": list(expected[hf]), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, hf, order in plan:
+            if order is not None:  # a pure row reordering: a chunk of rows at a time, in the HF order
+                n, k = file.tensors[name].shape
+                step = max(1, CHUNK_BYTES // (4 * k))
+                for a in range(0, n, step):
+                    rows = order[a:a + step]
+                    if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
+                        chunk = file.dequantize(name, slice(int(rows[0]), int(rows[0]) + len(rows)))
+                    else:
+                        chunk = file.dequantize(name, slice(int(rows.min()), int(rows.max()) + 1))
+                        chunk = chunk[rows - rows.min()]
+                    f.write(np.ascontiguousarray(chunk, np.float32).data)
+                continue
+            values = file.dequantize(name)
+            values = processor.process(weights=values, name=name, tensor_key_mapping=key_map,
+                                       parsed_parameters={"config": dict(config), "tensors": {}}).weights
+            f.write(np.ascontiguousarray(np.asarray(values, np.float32).reshape(expected[hf])).data)
+
+
+def gguf_origins(folder: Path) -> dict[str, dict[str, Any]]:
+    """Hugging Face tensor name -> ``{"gguf", "type", "rows"}`` of a converted GGUF folder ({} for other folders)."""
+    record = folder / ORIGINS_NAME
+    if not record.is_file():
+        return {}
+    return dict(json.loads(record.read_text())["tensors"])
+
