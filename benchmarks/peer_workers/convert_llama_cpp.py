@@ -13,7 +13,7 @@ from pathlib import Path
 
 script = Path(sys.argv[1]).resolve()
 sys.path[:0] = [str(script.parent), str(script.parent / "gguf-py")]
-from conversion import base  # noqa: E402  (llama.cpp's conversion package beside the script)
+from conversion import base
 
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 sys.argv = sys.argv[1:]

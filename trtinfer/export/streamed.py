@@ -85,8 +85,13 @@ class WeightSource:
 def empty_model(config: Any) -> Any:
     """A causal LM of ``config`` whose parameters live on the meta device (buffers are real)."""
     import torch
-    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
+
+    try:
+        from accelerate import init_empty_weights
+    except ImportError as e:
+        raise ExportError(f"the export needs accelerate ({e}); install the export stack, which declares it: "
+                          "pip install 'trtinfer[export]'") from e
 
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
