@@ -5,7 +5,7 @@ steps get to the machine's measured memory bandwidth.
 usage: python benchmarks/real_size.py (--checkpoint DIR | --preset NAME [--layers N] [--vocab V])
            [--precisions fp32,int8,int4] [--method M] [--cache DIR] [--work DIR] [--batch-sizes 1,8]
            [--prompt-len 512] [--batch-prompt-len 32] [--new-tokens 32] [--buffer-mib 1024] [--oga-python PY]
-           [--keep] [--out PREFIX]
+           [--llama-cpp-python PY --llama-cpp-convert SCRIPT [--llama-cpp-types Q4_0,Q4_K_M]] [--keep] [--out PREFIX]
 
 1. Checkpoint: ``--checkpoint DIR`` (a Hugging Face folder), or ``--preset`` (``make_checkpoint.py``'s presets and
    slices), written once to ``WORK/checkpoints/<preset>[-lN][-vV]`` and reused by later runs.
@@ -22,6 +22,13 @@ usage: python benchmarks/real_size.py (--checkpoint DIR | --preset NAME [--layer
    time / the ``read`` bandwidth probed (``roofline.probe_bandwidth``) before and after all engines, the best of
    the two. Batch 1 runs with the ``--prompt-len`` prompt (512 tokens: its TTFT is the 512-token TTFT), larger
    batches with ``--batch-prompt-len`` (each run prefills 9 times; a long prompt at batch 8 costs minutes at 8B).
+
+4. Peers on the same checkpoint in the same run: onnxruntime-genai's builder (``-p int4 -e cpu``) and llama.cpp: the
+   checkpoint converted to a bf16 GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` (``peer_workers/convert_llama_cpp.py``
+   names our tokenizer's pre-tokenizer), quantized by ``llama_model_quantize`` (``peer_workers/quantize_llama_cpp.py``)
+   to each ``--llama-cpp-types``; build wall time = conversion + quantization, build peak = the larger of the two.
+   llama-cpp-python generates one sequence at a time: its larger batches are rows with that error. Its roofline
+   fraction counts the quantized file's tensor bytes as one decode step's reads (every weight once; KV not counted).
 
 Each engine is deleted once measured and the run folder (engines, logs, the default cache) at the end, unless
 ``--keep``; ``--cache DIR`` is never deleted. Prints one table, writes PREFIX.json (raw figures, CPU flags,
@@ -177,6 +184,76 @@ def oga_row(ckpt: Path, python: str, out: Path, batch_sizes: Sequence[int], prom
     return row
 
 
+def _timed(cmd: list[str], log_path: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    with log_path.open("w+") as stderr:
+        proc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                              check=False)
+        stderr.seek(0)
+        return proc, parse_time_v(stderr.read())
+
+
+def llama_cpp_rows(ckpt: Path, python: str, convert: Path, out: Path, types: Sequence[str],
+                   batch_sizes: Sequence[int], prompt_len: int, new_tokens: int) -> list[dict[str, Any]]:
+    """llama.cpp's converter (bf16 GGUF) and quantizer on the checkpoint, then ``peer_workers/run_llama_cpp.py`` at batch
+    1 with the ``prompt_len`` prompt; one row per quantization type (a failure is a row with its error)."""
+    from tokenizers import Tokenizer
+
+    from trtinfer.bench import PROMPT_TEXT
+
+    out.mkdir(parents=True, exist_ok=True)
+    bf16 = out / "model-bf16.gguf"
+    conv_cmd = [sys.executable, str(HERE / "peer_workers" / "convert_llama_cpp.py"), str(convert), str(ckpt),
+                "--outtype", "bf16", "--outfile", str(bf16)]
+    log.info("converting the checkpoint with llama.cpp's convert_hf_to_gguf.py (log: %s)", out / "convert.log")
+    conv, conv_t = _timed(conv_cmd, out / "convert.log")
+    ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(PROMPT_TEXT).ids
+    ids_file = out / f"ids-{prompt_len}.json"
+    ids_file.write_text(json.dumps(ids[:prompt_len]))
+    rows = []
+    for kind in types:
+        row: dict[str, Any] = {"precision": f"llama.cpp {kind}", "peer": True, "command": [conv_cmd],
+                               "cache_growth_bytes": 0, "convert": {"wall_s": conv_t["wall_s"],
+                                                                    "peak_rss_bytes": conv_t["peak_rss_bytes"]}}
+        rows.append(row)
+        if conv.returncode or not bf16.is_file():
+            row.update(error=f"convert_hf_to_gguf.py: {conv_t['last_line']}", build_wall_s=conv_t["wall_s"],
+                       build_peak_rss_bytes=conv_t["peak_rss_bytes"], stderr_tail=conv_t["tail"])
+            continue
+        gguf = out / f"model-{kind}.gguf"
+        q_cmd = [python, str(HERE / "peer_workers" / "quantize_llama_cpp.py"), str(bf16), str(gguf), kind]
+        log.info("quantizing to %s with llama_model_quantize", kind)
+        quant, quant_t = _timed(q_cmd, out / f"quantize-{kind}.log")
+        row["command"].append(q_cmd)
+        row.update(build_wall_s=(conv_t["wall_s"] or 0) + (quant_t["wall_s"] or 0),
+                   build_peak_rss_bytes=max(conv_t["peak_rss_bytes"] or 0, quant_t["peak_rss_bytes"] or 0),
+                   quantize={"wall_s": quant_t["wall_s"], "peak_rss_bytes": quant_t["peak_rss_bytes"]})
+        if quant.returncode or not gguf.is_file():
+            row.update(error=f"llama_model_quantize: {quant_t['last_line']}", stderr_tail=quant_t["tail"])
+            continue
+        row["engine_bytes"] = tree_bytes(gguf)
+        row["version"] = quant.stdout.strip().splitlines()[-1] if quant.stdout.strip() else None
+        row["runs"] = []
+        for bs in batch_sizes:
+            if bs != 1:
+                row["runs"].append({"batch_size": bs, "error": "llama-cpp-python generates one sequence at a time"})
+                continue
+            log.info("measuring llama.cpp %s at batch 1 (prompt %d)", kind, prompt_len)
+            run = subprocess.run([python, str(HERE / "peer_workers" / "run_llama_cpp.py"), "--model", str(gguf),
+                                  "--ids", str(ids_file), "--bs", "1", "--new-tokens", str(new_tokens)],
+                                 check=False, capture_output=True, text=True)
+            if run.returncode:
+                row["runs"].append({"batch_size": 1, "prompt_len": prompt_len,
+                                    "error": (run.stderr.strip() or "no output").splitlines()[-1]})
+                continue
+            res = json.loads(run.stdout.strip().splitlines()[-1])
+            # every weight read once per step (the file's bytes; KV not counted): a lower bound on its reads
+            res["achieved_gb_s"] = row["engine_bytes"] * res["decode_tok_s"] / 1e9
+            row["runs"].append({**res, "batch_size": 1})
+        gguf.unlink()
+    bf16.unlink(missing_ok=True)
+    return rows
+
+
 def measure_row(row: dict[str, Any], engine: Path, batch_sizes: Sequence[int], prompt_len: int,
                 batch_prompt_len: int, new_tokens: int, ceiling: dict[str, float]) -> None:
     """Add ``runs`` to ``row``: one roofline row per batch size (``error`` where the measurement failed)."""
@@ -314,6 +391,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--buffer-mib", type=float, default=1024, help="bandwidth probe array size")
     ap.add_argument("--oga-python", help="a Python with onnxruntime-genai (benchmarks/peer_workers/setup.sh): adds "
                     "its int4 model, built from the same checkpoint, as a row")
+    ap.add_argument("--llama-cpp-python", help="a Python with llama_cpp (benchmarks/peer_workers/setup.sh): adds "
+                    "llama.cpp rows, the checkpoint converted and quantized by llama.cpp's own tools")
+    ap.add_argument("--llama-cpp-convert", type=Path, help="llama.cpp's convert_hf_to_gguf.py (with its conversion/ "
+                    "and gguf-py/ beside it: vendor/llama.cpp of llama-cpp-python's source distribution)")
+    ap.add_argument("--llama-cpp-types", type=_csv(str), default=["Q4_0", "Q4_K_M"])
     ap.add_argument("--keep", action="store_true", help="keep the run folder (engines, build logs, default cache)")
     ap.add_argument("--out", type=Path, help="PREFIX of PREFIX.json and PREFIX.png")
     args = ap.parse_args(argv)
@@ -348,6 +430,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             rows.append(oga_row(ckpt, args.oga_python, run_dir / "engines" / "oga-int4", args.batch_sizes,
                                 args.prompt_len, args.batch_prompt_len, args.new_tokens))
             shutil.rmtree(run_dir / "engines" / "oga-int4", ignore_errors=True)
+        if args.llama_cpp_python:
+            if not args.llama_cpp_convert:
+                ap.error("--llama-cpp-python needs --llama-cpp-convert (llama.cpp's convert_hf_to_gguf.py)")
+            rows += llama_cpp_rows(ckpt, args.llama_cpp_python, args.llama_cpp_convert.expanduser(),
+                                   run_dir / "engines" / "llama.cpp", args.llama_cpp_types, args.batch_sizes,
+                                   args.prompt_len, args.new_tokens)
         probe_after = roofline.probe_bandwidth(args.buffer_mib)  # a shared machine's bandwidth drifts
     finally:
         if not args.keep:

@@ -4,10 +4,16 @@
 #            torch/transformers/onnx)
 #   optimum  optimum-onnx 0.1.0 (its own transformers < 4.58) on torch 2.13.0, the CPU wheel
 #   lcpp     llama-cpp-python 0.3.36 (compiles llama.cpp for this CPU: ~10 min on 2 cores)
+#   llama.cpp-src  vendor/llama.cpp of the same source distribution: convert_hf_to_gguf.py with its conversion/ and
+#            gguf-py/ (real_size.py --llama-cpp-convert; it runs with this environment's torch/transformers and needs
+#            sentencepiece here)
 set -euo pipefail
 D=${1:-$HOME/.cache/trtinfer/peer-venvs}
 mkdir -p "$D"
 [ -x "$D/oga/bin/python" ] || { python -m venv --system-site-packages "$D/oga" && "$D/oga/bin/pip" install -q --no-deps onnxruntime-genai==0.18.0; }
 [ -x "$D/optimum/bin/optimum-cli" ] || { python -m venv "$D/optimum" && "$D/optimum/bin/pip" install -q torch==2.13.0 && "$D/optimum/bin/pip" install -q "optimum-onnx[onnxruntime]==0.1.0"; }
 [ -x "$D/lcpp/bin/python" ] && "$D/lcpp/bin/python" -c "import llama_cpp" 2>/dev/null || { python -m venv "$D/lcpp" && "$D/lcpp/bin/pip" install -q llama-cpp-python==0.3.36; }
+[ -f "$D/llama.cpp-src/convert_hf_to_gguf.py" ] || { pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$D/sdist" && mkdir -p "$D/llama.cpp-src" && tar xzf "$D"/sdist/llama_cpp_python-0.3.36.tar.gz -C "$D/llama.cpp-src" --strip-components=3 llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py llama_cpp_python-0.3.36/vendor/llama.cpp/conversion llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py; }
+python -c "import sentencepiece" 2>/dev/null || pip install -q sentencepiece
+echo "python benchmarks/real_size.py --preset llama-3.2-1b --oga-python $D/oga/bin/python --llama-cpp-python $D/lcpp/bin/python --llama-cpp-convert $D/llama.cpp-src/convert_hf_to_gguf.py"
 echo "python benchmarks/vs_peers.py --oga-python $D/oga/bin/python --optimum-python $D/optimum/bin/python --llama-cpp-python $D/lcpp/bin/python"
