@@ -5,7 +5,7 @@ usage: python benchmarks/roofline.py ENGINE_DIR [ENGINE_DIR ...] [--batch-sizes 
                                      [--threads N] [--prompt-len 128] [--new-tokens 64] [--out FILE.json]
 
 1. Probe: STREAM-style kernels run as one-node ONNX Runtime graphs with ``intra_op_num_threads`` set as the engine
-   sets it (``trtinfer.runtime.session.default_intra_op_threads``: the allowed physical cores, 0 = ONNX Runtime's own default),
+   sets it (``trtinfer.runtime.ort_env.default_intra_op_threads``: the allowed physical cores, 0 = ONNX Runtime's own default),
    over arrays of ``--buffer-mib`` each (far past the caches), inputs and outputs bound once (no allocation, no page
    faults in the timed call), best of ``--repeats``. Bytes as STREAM counts them: read = 1 array (``ReduceMax`` over
    rows, which ONNX Runtime splits over its threads; a full reduction to one scalar runs on one thread), copy = 2
@@ -54,13 +54,13 @@ PROBE_OPS = {"read": "ReduceMax(axis 1) over [1024, n]", "copy": "Mul(x, 1)", "a
 
 def engine_threads() -> int:
     """``intra_op_num_threads`` as the engine's session sets it by default (0: ONNX Runtime's default)."""
-    from trtinfer.runtime.session import default_intra_op_threads
+    from trtinfer.runtime.ort_env import default_intra_op_threads
 
     return default_intra_op_threads()
 
 
 def _physical_cores() -> int:
-    from trtinfer.runtime.session import physical_cores
+    from trtinfer.runtime.ort_env import physical_cores
 
     return physical_cores(os.sched_getaffinity(0))
 

@@ -46,13 +46,14 @@ _CHANGE_OUTPUT = "choose another -o"
 _CHANGE_CACHE = "point TRTINFER_CACHE at another folder"
 
 
-def _root_path() -> Path:
+def cache_path() -> Path:
+    """Where the cache is (``$TRTINFER_CACHE``, default ``~/.cache/trtinfer``), not created: :func:`cache_root` creates it."""
     return Path(os.environ.get("TRTINFER_CACHE", Path.home() / ".cache" / "trtinfer"))
 
 
 def cache_root() -> Path:
     """Return the cache root, creating it if needed."""
-    root = _root_path()
+    root = cache_path()
     try:
         root.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:  # a file where the cache or a folder above it should be
@@ -549,7 +550,7 @@ def cached_dir(kind: str, key: str, make: Callable[[Path], object], *, verify: s
     try:
         kind_dir = cache_root() / kind
     except OSError as e:
-        err = _output_error(e, _root_path() / kind / key, None, _CHANGE_CACHE)
+        err = _output_error(e, cache_path() / kind / key, None, _CHANGE_CACHE)
         if err is None:
             raise
         raise err from e

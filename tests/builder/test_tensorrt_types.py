@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TRT_MODULES = ["trtinfer/builder/trt_backend.py", "trtinfer/builder/trt_plan.py", "trtinfer/runtime/trt_session.py",
+TRT_MODULES = ["trtinfer/builder/trt_backend.py", "trtinfer/runtime/trt_plan.py", "trtinfer/runtime/trt_session.py",
                "trtinfer/runtime/cuda.py"]
 MYPY_INI = """[mypy]
 python_version = 3.10

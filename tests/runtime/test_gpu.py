@@ -48,7 +48,7 @@ def test_cuda_engine_matches_cpu(arch, tiny_engine):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_half_precision_cuda_engine_follows_fp32(arch, precision, tiny_engine):
     with _cpu(tiny_engine, arch) as cpu_eng, _cuda(tiny_engine, arch, precision) as eng:
-        assert eng.session._kv_dtype == {"fp16": "float16", "bf16": "bfloat16"}[precision]
+        assert eng.session.kv_dtype == {"fp16": "float16", "bf16": "bfloat16"}[precision]
         cpu = cpu_eng.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
         gpu = eng.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
         for c, g in zip(cpu, gpu):

@@ -23,13 +23,8 @@ import trtinfer
 from trtinfer.errors import BackendUnavailableError, ConfigError
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.manifest import Manifest, read_manifest
-from trtinfer.runtime.session import (
-    OrtDecoderSession,
-    PinnedInputs,
-    engine_precision,
-    ort_providers,
-    trt_cache_paths,
-)
+from trtinfer.runtime.ort_env import PinnedInputs, engine_precision, ort_providers, trt_cache_paths
+from trtinfer.runtime.ort_session import OrtDecoderSession
 
 PROMPTS = ["The history of the city", "Hello", "A quick brown fox jumps over the lazy dog while the cat"]
 OTHER = ["Once upon a time", "What is the capital of"]

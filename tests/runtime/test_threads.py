@@ -13,7 +13,7 @@ CHILD = r"""
 import json, os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 import trtinfer
-from trtinfer.runtime.session import default_intra_op_threads
+from trtinfer.runtime.ort_env import default_intra_op_threads
 kw = json.loads(sys.argv[2])
 with trtinfer.load(sys.argv[1], **kw) as eng:
     text = eng.generate(["Hello there"], max_new_tokens=3, do_sample=False)[0].text

@@ -86,9 +86,9 @@ def _check_onnxruntime(config: BuildConfig) -> None:
         return
     import onnxruntime as ort
 
-    from trtinfer.runtime.session import _preload_cuda_libraries
+    from trtinfer.runtime.ort_env import preload_cuda_libraries
 
-    _preload_cuda_libraries(ort)
+    preload_cuda_libraries(ort)
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise BackendUnavailableError("target 'cuda' needs onnxruntime-gpu (CUDAExecutionProvider) on the build "
                                       "machine; build with --target cpu or install 'trtinfer[gpu]'")

@@ -17,7 +17,7 @@ Python API reference, docs.nvidia.com/deeplearning/tensorrt/latest/_static/pytho
 The network is **strongly typed**: every tensor's type comes from the graph (fp16/bf16 from the precision pass, INT8
 and INT4 from the quantize stage's Q/DQ nodes), so no builder precision flag (FP16, INT8, ...) is set and no
 calibrator exists (TensorRT 10.1 deprecated implicit INT8 calibration; strongly typed networks refuse those flags).
-Profile shapes are planned in plain Python (:mod:`trtinfer.builder.trt_plan`).
+Profile shapes are planned in plain Python (:mod:`trtinfer.runtime.trt_plan`).
 
 Not executed in this repository: TensorRT cannot be installed on any machine we have (README "what is verified
 where"). The code type-checks against ``tensorrt-stubs`` (tests/builder/test_tensorrt_types.py) and the planning is
@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 from trtinfer._cache import cache_root
 from trtinfer.builder.backends import register_build_backend
 from trtinfer.builder.config import BuildConfig
-from trtinfer.builder.trt_plan import ProfilePlan, plan_profiles
 from trtinfer.errors import BackendUnavailableError, BuildError
+from trtinfer.runtime.trt_plan import ProfilePlan, plan_profiles
 from trtinfer.stages import ONNX_NAME, StageDir, graph_io
 
 if TYPE_CHECKING:

@@ -35,21 +35,14 @@ from trtinfer.runtime.generator import (
     eos_ids,
     run_logits_processor,
 )
-from trtinfer.runtime.sampling import _top_ids, apply_processors
+from trtinfer.runtime.probes import log_softmax
+from trtinfer.runtime.sampling import apply_processors, top_ids
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.tokenizer import EngineTokenizer
 
 log = logging.getLogger(__name__)
 
 _NEG = -1.0e9  # transformers' "impossible" score: added, never compared for equality
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float32 log-softmax over the last axis (transformers computes it on float32 logits)."""
-    x = np.asarray(logits, dtype=np.float32)
-    m = x.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, np.float32(0))
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -133,7 +126,7 @@ class BeamSearch:
         step = 0
         while True:
             seen = [np.asarray(states[i].ids + beam, np.int64) for i in active for beam in states[i].running]
-            scores = apply_processors(log_softmax(logits), cfg, seen, step, self.eos)
+            scores = apply_processors(log_softmax(logits, np.float32), cfg, seen, step, self.eos)
             if self.logits_processor is not None:
                 scores = run_logits_processor(self.logits_processor, scores, seen)
             cancelled = self.should_stop is not None and bool(self.should_stop())
@@ -167,7 +160,7 @@ class BeamSearch:
         total = scores + st.running_scores[:, None]
         # the best keep_k of all beams' continuations are among each beam's own best keep_k (a partial selection per
         # row, not over num_beams * V), then ordered best first (equal scores: lower beam, then lower token first)
-        cand = _top_ids(total, keep_k)
+        cand = top_ids(total, keep_k)
         vals = np.take_along_axis(total, cand, -1).reshape(-1)
         flat = (np.arange(nb)[:, None] * vocab + cand).reshape(-1)
         order = np.lexsort((flat, -vals))[:keep_k]

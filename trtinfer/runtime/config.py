@@ -13,13 +13,13 @@ PROVIDERS = ("cpu", "cuda", "tensorrt")
 GPU_PROVIDERS = ("cuda", "tensorrt")  # ONNX Runtime providers that keep the KV cache on a CUDA device
 
 
-def _found(value: Any) -> str:
+def describe(value: Any) -> str:
     """``2.5 (float)``: the value and its type, for "expected X, got Y" messages."""
     text = repr(value)
     return f"{text[:60]}... ({type(value).__name__})" if len(text) > 60 else f"{text} ({type(value).__name__})"
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     # numbers.Integral takes numpy ints too; True is an int to Python, not to a user
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -30,13 +30,13 @@ def _is_number(value: Any) -> bool:
 
 def _check_types(obj: Any, kinds: dict[str, str]) -> None:
     """Raise ConfigError for the first field of ``obj`` whose value is not of its kind (int, number or bool)."""
-    tests = {"int": (_is_int, "an integer"), "number": (_is_number, "a finite number"),
+    tests = {"int": (is_int, "an integer"), "number": (_is_number, "a finite number"),
              "bool": (lambda v: isinstance(v, bool), "True or False")}
     for name, kind in kinds.items():
         ok, expected = tests[kind]
         value = getattr(obj, name)
         if not ok(value):
-            raise ConfigError(f"{name} must be {expected}, got {_found(value)}", field=name)
+            raise ConfigError(f"{name} must be {expected}, got {describe(value)}", field=name)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.provider, str) or self.provider not in PROVIDERS:
-            raise ConfigError(f"provider must be one of {PROVIDERS}, got {_found(self.provider)}", field="provider")
+            raise ConfigError(f"provider must be one of {PROVIDERS}, got {describe(self.provider)}", field="provider")
         _check_types(self, {"device_id": "int", "intra_op_threads": "int", "trt_timing_cache": "bool",
                             "trt_max_workspace_size": "int", "cuda_graphs": "bool"})
         if self.device_id < 0:
@@ -88,7 +88,7 @@ class RuntimeConfig:
         if self.trt_cache_dir is not None:
             folder = os.fspath(self.trt_cache_dir) if isinstance(self.trt_cache_dir, os.PathLike) else self.trt_cache_dir
             if not (isinstance(folder, str) and folder):
-                raise ConfigError(f"trt_cache_dir must be a folder path or None, got {_found(self.trt_cache_dir)}",
+                raise ConfigError(f"trt_cache_dir must be a folder path or None, got {describe(self.trt_cache_dir)}",
                                   field="trt_cache_dir")
             object.__setattr__(self, "trt_cache_dir", folder)  # a Path is stored as its string (frozen: normalized here)
 
@@ -162,19 +162,19 @@ class GenerationConfig:
         if self.num_assistant_tokens_schedule not in ("heuristic", "heuristic_transient", "constant"):
             raise ConfigError("num_assistant_tokens_schedule must be \"heuristic\", \"heuristic_transient\" or "
                               "\"constant\", got "
-                              f"{_found(self.num_assistant_tokens_schedule)}", field="num_assistant_tokens_schedule")
+                              f"{describe(self.num_assistant_tokens_schedule)}", field="num_assistant_tokens_schedule")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
-            raise ConfigError(f"early_stopping must be True, False or \"never\", got {_found(self.early_stopping)}",
+            raise ConfigError(f"early_stopping must be True, False or \"never\", got {describe(self.early_stopping)}",
                               field="early_stopping")
         lookup = self.prompt_lookup_num_tokens
-        if lookup is not None and not (_is_int(lookup) and lookup >= 1):
-            raise ConfigError(f"prompt_lookup_num_tokens must be a positive integer or None, got {_found(lookup)}",
+        if lookup is not None and not (is_int(lookup) and lookup >= 1):
+            raise ConfigError(f"prompt_lookup_num_tokens must be a positive integer or None, got {describe(lookup)}",
                               field="prompt_lookup_num_tokens")
         if self.max_time is not None and not (_is_number(self.max_time) and self.max_time > 0):
-            raise ConfigError(f"max_time must be a positive number of seconds or None, got {_found(self.max_time)}",
+            raise ConfigError(f"max_time must be a positive number of seconds or None, got {describe(self.max_time)}",
                               field="max_time")
-        if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
-            raise ConfigError(f"seed must be a non-negative integer or None, got {_found(self.seed)}", field="seed")
+        if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
+            raise ConfigError(f"seed must be a non-negative integer or None, got {describe(self.seed)}", field="seed")
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
             ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,
@@ -228,11 +228,11 @@ class GenerationConfig:
         # frozen: object.__setattr__ is the dataclass way to normalize in __post_init__
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ConfigError(f"stop must be a list of non-empty strings, got {_found(self.stop)}", field="stop")
+            raise ConfigError(f"stop must be a list of non-empty strings, got {describe(self.stop)}", field="stop")
         object.__setattr__(self, "stop", tuple(stop))
         eos = self.eos_token_ids
         if eos is not None:
-            if not isinstance(eos, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in eos):
-                raise ConfigError(f"eos_token_ids must be a list of non-negative token ids or None, got {_found(eos)}",
+            if not isinstance(eos, (list, tuple)) or not all(is_int(t) and t >= 0 for t in eos):
+                raise ConfigError(f"eos_token_ids must be a list of non-negative token ids or None, got {describe(eos)}",
                                   field="eos_token_ids")
             object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in eos))

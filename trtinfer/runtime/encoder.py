@@ -30,7 +30,7 @@ class EncoderEngine:
         tok.enable_truncation(self.max_seq_len)
         tok.enable_padding(pad_id=int(self.manifest.raw.get("tokenizer", {}).get("pad_token_id") or 0))
         self._tok = tok
-        from trtinfer.runtime.session import open_ort_session
+        from trtinfer.runtime.ort_env import open_ort_session
 
         # the provider the config names (CPU, CUDA, TensorRT), with the same checks as decoder engines
         self.sess: Any = open_ort_session(self.path / self.manifest.files["encoder"], self.path, self.manifest,

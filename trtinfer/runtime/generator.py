@@ -17,7 +17,7 @@ import numpy as np
 from trtinfer.errors import ConfigError, EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.forward import Context, Group
-from trtinfer.runtime.probes import Argmax
+from trtinfer.runtime.probes import Argmax, log_softmax
 from trtinfer.runtime.sampling import is_plain_greedy, select_next
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.tokenizer import EngineTokenizer, IncrementalDecoder
@@ -87,9 +87,7 @@ class TokenLogprob:
 
 def token_logprobs(logits: np.ndarray, tokens: np.ndarray, k: int) -> list[TokenLogprob]:
     """Per row of ``logits [B,V]``: the chosen token's log-softmax and the top ``k`` (float64 math)."""
-    x = logits.astype(np.float64)
-    lse = x.max(axis=-1, keepdims=True)
-    lp = x - lse - np.log(np.exp(x - lse).sum(axis=-1, keepdims=True))
+    lp = log_softmax(logits)
     out = []
     for r, t in enumerate(tokens):
         top: tuple[tuple[int, float], ...] = ()

@@ -69,7 +69,7 @@ def read_manifest(engine_dir: Path) -> Manifest:
     if not isinstance(raw, dict):
         raise EngineLoadError(f"{path} should hold a JSON object, found {_show(raw)}; rebuild the engine")
     version = raw.get("manifest_version")
-    if not _is_int(version) or version != MANIFEST_VERSION:
+    if not is_int(version) or version != MANIFEST_VERSION:
         raise EngineLoadError(
             f"{path} has manifest version {version}, this trtinfer reads {MANIFEST_VERSION}; rebuild the engine"
         )
@@ -92,7 +92,7 @@ _FILE_ROLES = {"decoder": ("decoder", "kv_select"), "encoder": ("encoder",)}
 _KV_LAYOUTS = ("concat", "shared_buffer", "scatter_buffer")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -104,16 +104,16 @@ def _show(value: Any) -> str:
 
 # (description, test) pairs: the description completes "KEY should be ..."
 _Rule = tuple[str, Callable[[Any], bool]]
-_POSITIVE_INT: _Rule = ("a positive integer", lambda v: _is_int(v) and v > 0)
-_TOKEN_ID: _Rule = ("a token id (integer >= 0) or null", lambda v: v is None or (_is_int(v) and v >= 0))
+_POSITIVE_INT: _Rule = ("a positive integer", lambda v: is_int(v) and v > 0)
+_TOKEN_ID: _Rule = ("a token id (integer >= 0) or null", lambda v: v is None or (is_int(v) and v >= 0))
 _TOKEN_IDS: _Rule = ("a list of token ids (integers >= 0) or null",
-                     lambda v: v is None or (isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)))
+                     lambda v: v is None or (isinstance(v, list) and all(is_int(t) and t >= 0 for t in v)))
 _NAME: _Rule = ("a non-empty string", lambda v: isinstance(v, str) and bool(v))
 _TEXT_OR_NULL: _Rule = ("a string or null", lambda v: v is None or isinstance(v, str))
 _OBJECT: _Rule = ("a JSON object", lambda v: isinstance(v, dict))
 _LIST: _Rule = ("a JSON list", lambda v: isinstance(v, list))
 _SHAPE: _Rule = ("a list of dimensions (integers or names)",
-                 lambda v: isinstance(v, list) and all(_is_int(d) or isinstance(d, str) for d in v))
+                 lambda v: isinstance(v, list) and all(is_int(d) or isinstance(d, str) for d in v))
 
 
 def _one_of(choices: tuple[str, ...]) -> _Rule:

@@ -15,11 +15,14 @@ import numpy as np
 from trtinfer.errors import InputError
 
 
-def log_softmax(row: np.ndarray) -> np.ndarray:
-    """float64 log-softmax of one row of logits."""
-    x = row.astype(np.float64)
-    m = x.max()
-    return x - m - np.log(np.exp(x - m).sum())  # type: ignore[no-any-return]
+def log_softmax(logits: np.ndarray, dtype: type = np.float64) -> np.ndarray:
+    """Log-softmax over the last axis, computed in ``dtype`` (float64 by default; beam search asks float32, as
+    transformers computes it on float32 logits). A row whose maximum is not finite (all ``-inf``) is shifted by 0.
+    The runtime's one log-softmax: probes, logprobs, beam search and scoring all call it."""
+    x = np.asarray(logits, dtype=dtype)
+    m = x.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, x.dtype.type(0))
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)

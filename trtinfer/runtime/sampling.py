@@ -23,7 +23,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from trtinfer.runtime.config import GenerationConfig
 
 CANDIDATES = 2048  # top-p without top-k: the candidate set a row tries before sorting its whole row
-_NEAR, _NEAR_MAX_WIDTH, _NEAR_MAX_CANDIDATES = 8.0, 256, 8192  # _top_ids' first look: logits within 8 of the max
+_NEAR, _NEAR_MAX_WIDTH, _NEAR_MAX_CANDIDATES = 8.0, 256, 8192  # top_ids' first look: logits within 8 of the max
 _BLOCK = 256  # inverse CDF over a whole row: find the block of the vocabulary first, then the token inside it
 
 
@@ -133,7 +133,7 @@ def _sort_desc(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return out_ids, np.where(high >= _SIGN, high ^ _SIGN, ~high).view(np.float32)
 
 
-def _top_ids(x: np.ndarray, width: int) -> np.ndarray:
+def top_ids(x: np.ndarray, width: int) -> np.ndarray:
     """``[R, width]`` ids of each row's ``width`` largest logits, in no particular order.
 
     A row first looks among its logits within :data:`_NEAR` of its maximum (one comparison over the row): when at
@@ -164,7 +164,7 @@ def _top_ids(x: np.ndarray, width: int) -> np.ndarray:
 def _top_k_candidates(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Ids and logits of every token >= its row's k-th largest logit (transformers keeps the ties with the k-th too);
     rows with fewer than the widest row are padded with id -1, logit -inf."""
-    ids = _top_ids(x, k)
+    ids = top_ids(x, k)
     vals = np.take_along_axis(x, ids, -1)
     kth = vals.min(axis=-1)
     n_ge = (x >= kth[:, None]).sum(axis=-1)
@@ -199,7 +199,7 @@ def _top_p_candidates(x: np.ndarray, top_p: float) -> list[_Kept]:
     """Top-p without top-k. Each row first tries its top :data:`CANDIDATES` tokens; a row whose nucleus reaches the
     smallest logit of that set (a token tied with it may lie outside) goes on to :func:`_top_p_whole_rows`."""
     vocab = x.shape[-1]
-    ids = _top_ids(x, CANDIDATES)
+    ids = top_ids(x, CANDIDATES)
     ids, vals = _sort_desc(ids, np.take_along_axis(x, ids, -1))
     m = _finite(vals[:, :1])  # the row max is the first candidate
     e_all = np.subtract(x, m, dtype=np.float32)

@@ -19,6 +19,7 @@ import numpy as np
 
 from trtinfer.errors import InputError
 from trtinfer.runtime.config import RuntimeConfig
+from trtinfer.runtime.probes import log_softmax
 from trtinfer.runtime.session import DecoderSession
 
 log = logging.getLogger(__name__)
@@ -88,12 +89,9 @@ def chunk_tokens(vocab_size: int) -> int:
 
 
 def log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``log_softmax(logits)[i, targets[i]]`` (float32, summed in float64) and each row's argmax (int64)."""
-    x = np.asarray(logits, dtype=np.float32)
-    shifted = x - x.max(axis=-1, keepdims=True)  # <= 0: exp never overflows
-    lse = np.log(np.exp(shifted).sum(axis=-1, dtype=np.float64))
-    picked = shifted[np.arange(len(targets)), targets].astype(np.float64)
-    return (picked - lse).astype(np.float32), x.argmax(axis=-1).astype(np.int64)
+    """``log_softmax(logits)[i, targets[i]]`` (computed in float64, returned as float32) and each row's argmax."""
+    lp = log_softmax(logits)
+    return lp[np.arange(len(targets)), targets].astype(np.float32), lp.argmax(axis=-1).astype(np.int64)
 
 
 def sequence_logprobs(session: DecoderSession, ids: Sequence[int], first: int = 1,
@@ -175,7 +173,7 @@ def open_stage_session(stage: Any, config: RuntimeConfig | None = None) -> Decod
     with ``--logits all``. The session runs one sequence at a time (it has no row-selection graph for batches).
     """
     from trtinfer.runtime.manifest import Manifest
-    from trtinfer.runtime.session import OrtDecoderSession
+    from trtinfer.runtime.ort_session import OrtDecoderSession
     from trtinfer.stages import ONNX_NAME, StageDir, default_max_seq_len, read_stage
 
     st = stage if isinstance(stage, StageDir) else read_stage(Path(stage), verify=False)

@@ -36,7 +36,7 @@ class SlotCache:
     """
 
     def __init__(self, session: Any, slots: int, capacity: int) -> None:
-        if getattr(session, "kv_layout", None) != "shared_buffer" or not hasattr(session, "_kv_value"):
+        if getattr(session, "kv_layout", None) != "shared_buffer" or not hasattr(session, "kv_value"):
             raise EngineLoadError(
                 f"continuous batching runs ONNX Runtime engines with the shared_buffer KV layout; this engine has the "
                 f"{getattr(session, 'kv_layout', '?')} layout on {type(session).__name__}: rebuild it for ONNX Runtime "
@@ -44,12 +44,12 @@ class SlotCache:
         session.check_can_score()  # a chunk's logits are read at its last token: needs logits_positions
         self.session = session
         self.slots, self.capacity = slots, capacity
-        kvh, hd = session._kv_shape
+        kvh, hd = session.kv_shape
         self._row_shape = [1, kvh, capacity, hd]
-        self._elem = _ONNX_TYPES[str(session._kv_dtype)]
+        self._elem = _ONNX_TYPES[str(session.kv_dtype)]
         self._row_bytes = kvh * capacity * hd * (4 if self._elem == 1 else 2)
         # zeros: a row never read past its length still holds finite values (0 * x, never NaN)
-        self.values = [session._kv_value((slots, kvh, capacity, hd)) for _ in session.past_names]
+        self.values = [session.kv_value((slots, kvh, capacity, hd)) for _ in session.past_names]
         self.nbytes = self._row_bytes * slots * len(self.values)
         if session.device == "cpu":
             # reserve the memory now: GroupQueryAttention touches a row's whole capacity on its first prefill, and
@@ -57,17 +57,17 @@ class SlotCache:
             for val in self.values:
                 ctypes.memset(val.data_ptr(), 0, self._row_bytes * slots)
         self.lengths = np.zeros(slots, dtype=np.int64)
-        self._staging = session._new_staging()  # this cache's host input buffers (CUDA), reused step to step
+        self._staging = session.new_staging()  # this cache's host input buffers (CUDA), reused step to step
 
     def _run(self, feeds: dict[str, np.ndarray], first_row: int, rows: int, positions: np.ndarray) -> np.ndarray:
         """One pass over buffer rows ``first_row .. first_row + rows - 1``; logits ``[rows, K, V]`` at ``positions``."""
         s = self.session
-        if not s._needs_positions:
+        if not s.needs_positions:
             feeds.pop("position_ids", None)
         feeds[LOGITS_POSITIONS] = np.ascontiguousarray(positions, dtype=np.int64)
         io = s.sess.io_binding()
         for name, arr in feeds.items():
-            s._bind_host_input(io, name, arr, self._staging)
+            s.bind_host_input(io, name, arr, self._staging)
         io.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
         shape = [rows, *self._row_shape[1:]]
         device, device_id = s.device, s.config.device_id
@@ -76,7 +76,7 @@ class SlotCache:
             io.bind_input(past, device, device_id, self._elem, shape, ptr)
             io.bind_output(present, device, device_id, self._elem, shape, ptr)  # written in place
         s.sess.run_with_iobinding(io)
-        return s._select(io.get_outputs()[0].numpy(), positions)  # type: ignore[no-any-return]
+        return s.select(io.get_outputs()[0].numpy(), positions)  # type: ignore[no-any-return]
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
         """Feed the next ``tokens`` of slot ``slot``'s sequence (one batch-1 call); logits ``[V]`` after the last."""

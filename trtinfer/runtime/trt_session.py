@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trtinfer.builder.trt_plan import DTYPE_BYTES, ProfilePlan, check_compatible, select_profile
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, InputError
 from trtinfer.runtime import cuda
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.kv_feeds import chunk_feeds, decode_feeds, prefill_feeds
 from trtinfer.runtime.manifest import Manifest
 from trtinfer.runtime.session import LOGITS_POSITIONS, DecoderSession, KVCache, register_backend
+from trtinfer.runtime.trt_plan import DTYPE_BYTES, ProfilePlan, check_compatible, select_profile
 
 if TYPE_CHECKING:
     import tensorrt as trt

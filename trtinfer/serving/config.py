@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trtinfer.errors import ConfigError
-from trtinfer.runtime.config import PROVIDERS, RuntimeConfig, _found, _is_int
+from trtinfer.runtime.config import PROVIDERS, RuntimeConfig, describe, is_int
 
 
 @dataclass(frozen=True)
@@ -39,25 +39,25 @@ there a moment before a slot takes it, so at least 1).
 
     def __post_init__(self) -> None:
         if not (isinstance(self.host, str) and self.host):
-            raise ConfigError(f"host must be a host name or address, got {_found(self.host)}", field="host")
+            raise ConfigError(f"host must be a host name or address, got {describe(self.host)}", field="host")
         for name, low in (("port", 0), ("max_queue", 1), ("max_body_bytes", 1), ("prefill_chunk", 1), ("max_n", 1),
                           ("intra_op_threads", 0)):
             value = getattr(self, name)
-            if not (_is_int(value) and value >= low):
-                raise ConfigError(f"{name} must be an integer >= {low}, got {_found(value)}", field=name)
+            if not (is_int(value) and value >= low):
+                raise ConfigError(f"{name} must be an integer >= {low}, got {describe(value)}", field=name)
         for name, low in (("max_slots", 1), ("max_model_len", 2)):
             value = getattr(self, name)
-            if value is not None and not (_is_int(value) and value >= low):
-                raise ConfigError(f"{name} must be an integer >= {low} or None, got {_found(value)}", field=name)
+            if value is not None and not (is_int(value) and value >= low):
+                raise ConfigError(f"{name} must be an integer >= {low} or None, got {describe(value)}", field=name)
         if self.port > 65535:
             raise ConfigError(f"port must be within 0..65535 (0: a free one), got {self.port}", field="port")
         for name in ("api_key", "model_name"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value.strip() and value.isprintable()):
-                raise ConfigError(f"{name} must be a non-empty printable string or None, got {_found(value)}",
+                raise ConfigError(f"{name} must be a non-empty printable string or None, got {describe(value)}",
                                   field=name)
         if self.provider not in PROVIDERS:
-            raise ConfigError(f"provider must be one of {PROVIDERS}, got {_found(self.provider)}", field="provider")
+            raise ConfigError(f"provider must be one of {PROVIDERS}, got {describe(self.provider)}", field="provider")
 
     def runtime(self) -> RuntimeConfig:
         """The engine's runtime settings."""

@@ -40,7 +40,7 @@ except ModuleNotFoundError:  # the [ray] extra is optional; name "ray" lets the 
                               name="ray") from None
 
 from trtinfer.errors import ConfigError, EngineLoadError, InputError
-from trtinfer.runtime.config import _found, _is_int
+from trtinfer.runtime.config import describe, is_int
 from trtinfer.runtime.engine import Engine
 from trtinfer.serving import app as app_module
 from trtinfer.serving.config import ServeConfig
@@ -78,21 +78,21 @@ class RayConfig:
     graceful_shutdown_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
-        if not (_is_int(self.replicas) and self.replicas >= 1):
-            raise ConfigError(f"replicas must be an integer >= 1, got {_found(self.replicas)}", field="replicas")
+        if not (is_int(self.replicas) and self.replicas >= 1):
+            raise ConfigError(f"replicas must be an integer >= 1, got {describe(self.replicas)}", field="replicas")
         for name in ("replica_cpus", "health_check_period_s", "graceful_shutdown_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
-                raise ConfigError(f"{name} must be a number > 0, got {_found(value)}", field=name)
-        if self.max_ongoing_requests is not None and not (_is_int(self.max_ongoing_requests)
+                raise ConfigError(f"{name} must be a number > 0, got {describe(value)}", field=name)
+        if self.max_ongoing_requests is not None and not (is_int(self.max_ongoing_requests)
                                                           and self.max_ongoing_requests >= 1):
             raise ConfigError(f"max_ongoing_requests must be an integer >= 1 or None, got "
-                              f"{_found(self.max_ongoing_requests)}", field="max_ongoing_requests")
+                              f"{describe(self.max_ongoing_requests)}", field="max_ongoing_requests")
         for name in ("address", "app_name"):
             value = getattr(self, name)
             if (value is not None or name == "app_name") and not (isinstance(value, str) and value.strip()):
-                raise ConfigError(f"{name} must be a non-empty string, got {_found(value)}", field=name)
+                raise ConfigError(f"{name} must be a non-empty string, got {describe(value)}", field=name)
 
 
 def max_ongoing(max_batch_size: int, max_queue: int) -> int:

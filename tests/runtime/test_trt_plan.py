@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from trtinfer.builder.trt_plan import (
+from trtinfer.errors import ConfigError, EngineLoadError
+from trtinfer.runtime.trt_plan import (
     DimRange,
     ProfilePlan,
     check_compatible,
@@ -15,7 +16,6 @@ from trtinfer.builder.trt_plan import (
     select_profile,
     tensor_bytes,
 )
-from trtinfer.errors import ConfigError, EngineLoadError
 
 # the I/O of a tensorrt-target graph (scatter_buffer layout): 2 layers, 2 KV heads, head dim 16, 64 KV slots
 IO = {

@@ -1,0 +1,329 @@
+"""ONNX Runtime's environment for trtinfer's sessions: execution providers, CUDA library preloading, page-locked
+input staging, thread counts, and opening an ``InferenceSession`` that refuses a silent provider fallback.
+
+Nothing here knows the KV cache or the graph's inputs: :mod:`trtinfer.runtime.ort_session` runs decoders on top of
+it, :mod:`trtinfer.runtime.encoder` encoders, and the builder's engine checks both.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.metadata
+import io as _io
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trtinfer.errors import BackendUnavailableError, EngineLoadError, OutputError
+from trtinfer.runtime.config import RuntimeConfig
+from trtinfer.runtime.manifest import Manifest, kv_dtype
+from trtinfer.runtime.memory import lean_weights
+
+log = logging.getLogger(__name__)
+
+
+def preload_cuda_libraries(ort: Any) -> None:
+    """Load CUDA/cuDNN from the nvidia-* pip packages (``onnxruntime-gpu[cuda,cudnn]``) before the CUDA provider.
+
+    Where the libraries are on the loader's path anyway this changes nothing; ONNX Runtime prints what it could not
+    load, which goes to the debug log instead of stdout (a missing library surfaces as the provider failing to start).
+    """
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
+    if preload is None:
+        return
+    out = _io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            preload()
+        except (RuntimeError, OSError) as e:  # a broken nvidia-* install: the provider check says it more clearly
+            log.debug("onnxruntime.preload_dlls failed: %s", e)
+    if out.getvalue().strip():
+        log.debug("onnxruntime.preload_dlls: %s", out.getvalue().strip())
+
+
+def _pinned_memory_info(ort: Any, device_id: int) -> Any:
+    """The OrtMemoryInfo of ONNX Runtime's page-locked host memory for CUDA device ``device_id``, or None.
+
+    ONNX Runtime (>= 1.23) hands out its CUDA provider's allocators through the provider's EP devices; the classic
+    onnxruntime-gpu wheel lists none until its provider library is registered as a plugin, which is done once here.
+    """
+    if not all(hasattr(ort, n) for n in ("get_ep_devices", "OrtDeviceMemoryType", "register_execution_provider_library")):
+        return None
+    cuda = [d for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider"]
+    if not cuda:
+        lib = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
+        try:
+            ort.register_execution_provider_library("CUDAExecutionProvider", str(lib))
+        except RuntimeError as e:  # ONNX Runtime's errors (Fail, InvalidArgument, ...) are RuntimeErrors
+            log.debug("could not register %s for its pinned allocator: %s", lib, e)
+            return None
+        cuda = [d for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider"]
+    if not cuda:
+        return None
+    dev = cuda[device_id] if device_id < len(cuda) else cuda[0]
+    info = dev.memory_info(ort.OrtDeviceMemoryType.HOST_ACCESSIBLE)
+    # the values it allocates report device "cuda" (device_name() has no memory type): the info says they are host memory
+    host = info is not None and info.device_mem_type == ort.OrtDeviceMemoryType.HOST_ACCESSIBLE
+    return info if host else None
+
+
+def staging_memory_info(ort: Any, device_id: int) -> Any:
+    """:func:`_pinned_memory_info`, or None where this onnxruntime's EP-device API differs (inputs then go pageable)."""
+    try:
+        return _pinned_memory_info(ort, device_id)
+    except (RuntimeError, AttributeError, TypeError) as e:
+        log.debug("no pinned allocator: %s", e)
+        return None
+
+
+class PinnedInputs:
+    """One generation's host inputs of CUDA runs, staged in page-locked OrtValues from ONNX Runtime's CUDA pinned
+    allocator (numpy and OrtValues only: no torch).
+
+    Owned by one generation, never by the session: :meth:`OrtDecoderSession.prefill` (or a first ``run_chunk``) makes
+    one and puts it in the :attr:`KVCache.staging` of the caches it and its successors return, so generations running
+    on one session at once from different threads each write their own buffers, and the pinned memory held is a few
+    small buffers per live generation: it goes back to ONNX Runtime's allocator when the generation's last cache is
+    dropped (or at :meth:`release`). Not thread-safe itself: the steps of one generation run one after another.
+
+    One buffer per input, kept while the input's shape and dtype stay the same: decode steps of a shared-buffer
+    engine reuse theirs (ids, positions and lengths keep their shape); an input whose shape changes (the growing
+    attention mask of a concat engine, prefill then decode) gets a new buffer and the old one goes back to ONNX
+    Runtime's allocator. Each step writes the values through a numpy view of the buffer and binds the buffer as host
+    memory: ONNX Runtime copies it to the GPU where a kernel reads it there (a DMA, the pages being locked) and hands
+    it as is to kernels that read an input on the CPU (GroupQueryAttention's ``total_sequence_length``). Binding the
+    OrtValue itself does not do: its device reads "cuda", and those kernels then read garbage.
+    ``run_with_iobinding`` returns only after the copies, so the next step may overwrite the buffer. Where this
+    onnxruntime has no pinned allocator (``memory_info`` None), inputs are bound from pageable numpy memory
+    (``pinned`` is then False): slower copies, same results.
+    """
+
+    def __init__(self, ort: Any, memory_info: Any) -> None:
+        self._ort = ort
+        self._memory_info = memory_info
+        self.buffers: dict[str, tuple[tuple[tuple[int, ...], str], Any, np.ndarray]] = {}  # name -> (key, value, view)
+        self.allocations = 0  # buffers made so far (a decode step of a shared-buffer engine makes none)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether inputs go through page-locked buffers (False: bound from pageable numpy arrays)."""
+        return self._memory_info is not None
+
+    def bind(self, io: Any, name: str, arr: np.ndarray) -> None:
+        """Bind host array ``arr`` as input ``name`` of ``io``, through its pinned buffer when there is one."""
+        arr = np.ascontiguousarray(arr)
+        if self._memory_info is None:
+            io.bind_cpu_input(name, arr)
+            return
+        key = (tuple(arr.shape), arr.dtype.str)
+        if name not in self.buffers or self.buffers[name][0] != key:
+            self.buffers[name] = (key, *self._allocate(arr.shape, arr.dtype))  # the old buffer (if any) is freed
+            self.allocations += 1
+        _, val, view = self.buffers[name]
+        view[...] = arr
+        io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), val.data_ptr())
+
+    def release(self) -> None:
+        """Give every buffer back to ONNX Runtime's allocator now (a later :meth:`bind` makes new ones)."""
+        self.buffers.clear()
+
+    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, np.ndarray]:
+        """A pinned OrtValue of ``shape``/``dtype`` and a numpy view of its memory (host memory: writable in place)."""
+        val = self._ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type, memory_info=self._memory_info)
+        count = int(np.prod(shape, dtype=np.int64))
+        raw = (ctypes.c_char * max(count * dtype.itemsize, 1)).from_address(val.data_ptr())
+        return val, np.frombuffer(memoryview(raw), dtype=dtype, count=count).reshape(shape)
+
+
+# --- execution providers ------------------------------------------------------------------------------------------
+#: trtinfer's provider name -> ONNX Runtime's execution provider
+ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+                 "tensorrt": "TensorrtExecutionProvider"}
+#: pip distributions whose version is that of the TensorRT libraries (any of them may be installed)
+_TENSORRT_DISTS = ("tensorrt", "tensorrt-cu12", "tensorrt-cu13", "tensorrt-cu12-libs", "tensorrt-cu13-libs")
+_INSTALL_HINT = {
+    "cuda": "install 'trtinfer[gpu]'",
+    "tensorrt": "install 'trtinfer[gpu]' (onnxruntime-gpu ships the TensorRT provider) and TensorRT 10 "
+                "('trtinfer[tensorrt]')",
+}
+
+
+def _dist_versions(names: Sequence[str]) -> dict[str, str]:
+    """Installed version of each of the pip distributions ``names`` (those absent are left out)."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def engine_precision(manifest: Manifest) -> str:
+    """The engine's precision (``fp32``, ``fp16``, ``bf16``, ``int4``, ...): the manifest's, or its KV type's."""
+    if "precision" in manifest.raw:
+        return str(manifest.raw["precision"])
+    # a stage opened for scoring has no build record: its KV dtype says the float precision
+    return {"float16": "fp16", "bfloat16": "bf16"}.get(kv_dtype(manifest.raw["io"]), "fp32")
+
+
+def trt_cache_paths(engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> tuple[Path, Path]:
+    """The folders of ONNX Runtime's TensorRT engine cache and timing cache for this engine: ``(engines, timing)``.
+
+    ``config.trt_cache_dir`` holds both when given. Otherwise engines go to ``<cache>/ort-trt/<key>`` and the timing
+    cache (kernel timings only, valid for any model on this GPU) to ``<cache>/ort-trt``, ``<cache>`` being
+    ``$TRTINFER_CACHE`` (default ``~/.cache/trtinfer``). ``<key>`` hashes the manifest, the size and modification
+    time of each engine file and the installed onnxruntime and TensorRT versions: ONNX Runtime names its cached
+    engines after the graph's structure, not its weights, and reloads them unchecked, so an engine rebuilt in place
+    or a new onnxruntime/TensorRT must land in a new folder rather than reuse a stale TensorRT engine (the
+    documentation's warning, see :func:`ort_providers`). A TensorRT installed outside pip is not seen: after
+    upgrading it, remove ``ort-trt``. Nothing is created here.
+    """
+    if config.trt_cache_dir is not None:
+        folder = Path(config.trt_cache_dir).expanduser()
+        return folder, folder
+    from trtinfer._cache import cache_path, key_of  # stdlib only: the runtime stays light
+
+    stamps = {}
+    for role, name in sorted(manifest.files.items()):
+        path = Path(engine_dir) / name
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # the session reports a missing decoder; a key does not need every file
+        stamps[role] = [name, st.st_size, st.st_mtime_ns]
+    versions = _dist_versions(("onnxruntime-gpu", "onnxruntime", *_TENSORRT_DISTS))
+    root = cache_path() / "ort-trt"
+    return root / key_of([manifest.raw, stamps, versions]), root
+
+
+def ort_providers(config: RuntimeConfig, manifest: Manifest, engine_dir: Path) -> list[Any]:
+    """``RuntimeConfig`` + manifest -> the ``providers`` list of ``onnxruntime.InferenceSession``, first choice first.
+
+    ``cpu``: CPU. ``cuda``: CUDA, then CPU. ``tensorrt``: TensorRT, then CUDA for the nodes TensorRT does not take,
+    then CPU; TensorRT's engine cache is on (:func:`trt_cache_paths`), its timing cache as ``config`` says, fp16
+    kernels allowed for fp16 engines, the workspace capped at ``config.trt_max_workspace_size`` when not 0. Plain data:
+    nothing is loaded, nothing created (:class:`OrtDecoderSession` creates the cache folders).
+    """
+    # Option names and value types (bools as True/False in Python):
+    # https://onnxruntime.ai/docs/execution-providers/TensorRT-ExecutionProvider.html#configurations
+    cpu = ORT_PROVIDERS["cpu"]
+    if config.provider == "cpu":
+        return [cpu]
+    cuda = (ORT_PROVIDERS["cuda"], {"device_id": config.device_id})
+    if config.provider == "cuda":
+        return [cuda, cpu]
+    engines, timing = trt_cache_paths(engine_dir, manifest, config)
+    trt: dict[str, Any] = {
+        "device_id": config.device_id,
+        "trt_engine_cache_enable": True,
+        "trt_engine_cache_path": str(engines),
+        "trt_timing_cache_enable": config.trt_timing_cache,
+        "trt_fp16_enable": engine_precision(manifest) == "fp16",
+    }
+    if config.trt_timing_cache:
+        trt["trt_timing_cache_path"] = str(timing)
+    if config.trt_max_workspace_size:
+        trt["trt_max_workspace_size"] = config.trt_max_workspace_size
+    return [(ORT_PROVIDERS["tensorrt"], trt), cuda, cpu]
+
+
+def check_provider_available(ort: Any, provider: str) -> None:
+    """Raise :class:`BackendUnavailableError` (one line: what is missing, what to do) when this onnxruntime lacks the
+    execution provider of ``provider``."""
+    name = ORT_PROVIDERS[provider]
+    offered = ort.get_available_providers()
+    if name not in offered:
+        others = "'cuda' or 'cpu'" if provider == "tensorrt" else "'cpu'"
+        raise BackendUnavailableError(
+            f"provider '{provider}' needs onnxruntime-gpu with {name}; this onnxruntime offers {offered}; "
+            f"{_INSTALL_HINT[provider]} or use provider {others}")
+
+
+def _make_dirs(folders: Sequence[Path]) -> None:
+    """Create the TensorRT cache folders (ONNX Runtime creates only the last level of a path itself)."""
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            err = OutputError(f"cannot create the TensorRT cache folder {folder} ({e.strerror or e}); set "
+                              "RuntimeConfig.trt_cache_dir (or TRTINFER_CACHE) to a writable folder")
+            err.path = str(folder)
+            raise err from e
+
+
+def physical_cores(cpus: set[int] | frozenset[int]) -> int:
+    """How many physical cores ``cpus`` (CPU numbers) span: hyper-threads of one core count once, as ONNX Runtime
+    counts them; a CPU without topology information counts as its own core."""
+    cores = set()
+    for cpu in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topo / "physical_package_id").read_text().strip() + ":" + (topo / "core_id").read_text().strip())
+        except OSError:
+            cores.add(f"cpu{cpu}")  # no topology: count the CPU itself
+    return len(cores)
+
+
+def default_intra_op_threads() -> int:
+    """The physical cores this process may run on when that is fewer than the machine's (``taskset``, a container's
+    cpuset), else 0: ONNX Runtime's default of one thread per physical core of the machine, which would
+    oversubscribe the allowed CPUs."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not on Linux
+        return 0
+    if len(allowed) >= (os.cpu_count() or len(allowed)):
+        return 0
+    return physical_cores(allowed)
+
+
+def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> Any:
+    """An ``onnxruntime.InferenceSession`` on ``model`` for ``config.provider``, or one line saying what is missing.
+
+    GPU providers: the CUDA libraries of the nvidia-* wheels are preloaded, the provider must be offered, TensorRT's
+    cache folders are made, and a session that fell back to another provider (ONNX Runtime does that silently when a
+    CUDA, cuDNN or TensorRT library cannot load) is refused instead of running on the fallback. The graph was
+    optimized offline at build time, so ONNX Runtime does not redo it on every load.
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = config.intra_op_threads or default_intra_op_threads()
+    so.log_severity_level = 3
+    if config.provider == "cpu" and config.prepack_weights is not True:
+        lean_weights(so, model, always=config.prepack_weights is False)  # no second copy of a model that big
+    else:
+        preload_cuda_libraries(ort)
+        check_provider_available(ort, config.provider)
+    if config.provider == "tensorrt":
+        _make_dirs(trt_cache_paths(engine_dir, manifest, config))
+    providers = ort_providers(config, manifest, engine_dir)
+    if config.provider != "cpu" and engine_precision(manifest) == "fp32":
+        # ONNX Runtime's CUDA provider runs fp32 MatMuls in TF32 (10-bit mantissa) on Ampere and newer unless told
+        # not to: an fp32 engine would then miss its fp32 engine check (SmolLM2-135M on an H100: 0.045 on logits of 29)
+        providers = [(p[0], {**p[1], "use_tf32": 0}) if isinstance(p, tuple) and p[0] == ORT_PROVIDERS["cuda"] else p
+                     for p in providers]
+    try:
+        sess = ort.InferenceSession(str(model), so, providers=providers)
+    except Exception as e:
+        raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
+    if config.provider == "cpu":
+        return sess
+    name = ORT_PROVIDERS[config.provider]
+    started = sess.get_providers()
+    if started[0] != name:
+        if config.provider == "cuda":
+            fix = ("install the CUDA libraries it needs ('onnxruntime-gpu[cuda,cudnn]' or a CUDA toolkit of the "
+                   "version it was built for) or use provider 'cpu'")
+        else:
+            fix = ("install TensorRT 10 ('trtinfer[tensorrt]') and put its libraries on the loader path (e.g. "
+                   "LD_LIBRARY_PATH=<site-packages>/tensorrt_libs), or use provider 'cuda'")
+        raise BackendUnavailableError(f"ONNX Runtime could not start its {name} for {model} (session providers: "
+                                      f"{started}); {fix}")
+    return sess
