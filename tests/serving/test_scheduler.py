@@ -283,6 +283,43 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(llama, monk
         same(sched.submit(p1, GREEDY).result(timeout=30), alone(llama, p1, GREEDY))
 
 
+def test_on_finish_sees_finished_and_cancelled_requests_not_failed_ones(llama, monkeypatch, caplog):
+    """The hook the server's latency histograms hang on: each finished or cancelled request once, before the
+    scheduler counts it and before its reader sees the end; never a failed one; a hook that raises fails nothing."""
+    p1, p2, p3 = prompts((5, 6, 4), seed=3)
+    seen = []
+
+    def hook(req, last):
+        seen.append((req.id, last.finish_reason, req.done, sched.stats()["requests_finished"].get(last.finish_reason)))
+
+    sched = Scheduler(llama, max_slots=2, on_finish=hook)
+    a, gone = sched.submit(p1, GREEDY), sched.submit(p2, GREEDY)
+    gone.cancel()
+    run_all(sched)
+    real = sched.cache.prefill
+
+    def prefill(slot, tokens):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(sched.cache, "prefill", prefill)
+    bad = sched.submit(p3, GREEDY)
+    sched.step()
+    with pytest.raises(ServingError, match="boom"):
+        bad.result(timeout=5)
+    monkeypatch.setattr(sched.cache, "prefill", real)
+    assert sorted(seen) == [(a.id, "length", False, None), (gone.id, "cancelled", False, None)]
+    assert sched.stats()["requests_finished"] == {"length": 1, "cancelled": 1, "error": 1}
+    sched.close()
+
+    def broken(req, last):
+        raise RuntimeError("a bug in a metric")
+
+    with Scheduler(llama, on_finish=broken) as sched, caplog.at_level("ERROR", logger="trtinfer"):
+        same(sched.submit(p1, GREEDY).result(timeout=30), alone(llama, p1, GREEDY))
+        assert sched.stats()["requests_finished"] == {"length": 1}
+    assert "on_finish failed" in caplog.text
+
+
 def test_close_fails_unfinished_requests(llama):
     sched = Scheduler(llama)
     r = sched.submit([1, 2, 3], GREEDY)

@@ -148,6 +148,20 @@ def test_models_and_health(live, client):
     assert httpx.get(f"{live.url}/health").status_code == 200  # no key needed
 
 
+def test_model_retrieve(live, client):
+    m = client.models.retrieve(MODEL)
+    listed = client.models.list().data[0]
+    assert (m.id, m.object, m.owned_by, m.created) == (MODEL, "model", "trtinfer", listed.created)
+    assert 0 < m.created <= time.time()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.status_code == 404
+    assert (e.value.body["param"], e.value.body["code"]) == ("model", "model_not_found")
+    assert "'gpt-4o'" in e.value.body["message"]
+    err = error_of(httpx.get(f"{live.url}/v1/models/org/other", headers=auth()), 404, "model")  # a name with a slash
+    assert "'org/other'" in err["message"] and err["type"] == "not_found_error"
+
+
 def test_completion_equals_generate(client, ref):
     for prompt in PROMPTS[:3]:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
@@ -212,6 +226,28 @@ def test_stream_equals_whole(client):
     assert chunks_chat[-1].usage == whole_chat.usage
     plain = list(client.chat.completions.create(messages=messages, stream=True, **kw))  # no usage chunk asked
     assert all(c.choices for c in plain) and all(c.usage is None for c in plain)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats(client, chat):
+    """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far; the last with choices the final one."""
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 9, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    create = client.chat.completions.create if chat else client.completions.create
+    kw.update({"messages": [{"role": "user", "content": PROMPTS[1]}]} if chat else {"prompt": PROMPTS[1]})
+    whole = create(**kw)
+    chunks = list(create(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+    assert all(c.usage is not None for c in chunks)
+    assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens and
+               c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    with_choices = [c for c in chunks if c.choices]
+    so_far = [c.usage.completion_tokens for c in with_choices]
+    assert so_far == sorted(set(so_far)), so_far  # strictly increasing
+    assert (so_far[0] == 0) == chat  # chat's first chunk is the role alone, before any token
+    assert with_choices[-1].usage == chunks[-1].usage == whole.usage and whole.usage.completion_tokens == 9
+    assert chunks[-1].choices == []
+    # without include_usage it is ignored, as vLLM does
+    plain = list(create(stream=True, stream_options={"continuous_usage_stats": True}, **kw))
+    assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
 
 
 def test_stream_ends_with_done(live):
@@ -347,6 +383,46 @@ def test_metrics_move(live, client):
     assert metric(after, "trtinfer:num_requests_running") == 0
 
 
+def metric_total(text: str, name: str) -> float:
+    """The sum of a metric's samples over all its labels."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+
+
+def test_success_and_latency_count_the_same_requests(live, client, slow_decode):
+    """request_success (over its reasons) and the e2e histogram move together: finished and cancelled requests,
+    streamed or whole, n > 1, submitted around the app; a refused request moves neither."""
+    service = live.service
+
+    def counted() -> int:
+        return sum(n for reason, n in service.stats()["requests_finished"].items() if reason != "error")
+
+    before, start = httpx.get(f"{live.url}/metrics", headers=auth()).text, counted()
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0, n=2)
+    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                        stream=True))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=-1)
+    cfg = dataclasses.replace(service.engine.generation_defaults, max_new_tokens=3)
+    service.scheduler.submit(service.engine.tokenizer.encode("Hello"), cfg).result(timeout=30)  # not through a route
+    slow_decode(0.01)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, headers=auth()) as r:
+        assert next(r.iter_lines()).startswith("data: ")  # then the client leaves: abort
+    deadline = time.monotonic() + 10
+    while counted() < start + 6:
+        assert time.monotonic() < deadline, service.stats()
+        time.sleep(0.01)
+    after = httpx.get(f"{live.url}/metrics", headers=auth()).text
+    successes = metric_total(after, "trtinfer:request_success_total") - \
+        metric_total(before, "trtinfer:request_success_total")
+    observed = metric(after, "trtinfer:e2e_request_latency_seconds_count") - \
+        metric(before, "trtinfer:e2e_request_latency_seconds_count")
+    assert successes == observed == 6
+    assert metric(after, "trtinfer:request_success_total", finished_reason="abort") == \
+        metric(before, "trtinfer:request_success_total", finished_reason="abort") + 1
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # refusals: 4xx with OpenAI's error body, and the server keeps serving
 
@@ -444,6 +520,20 @@ def test_bad_chat_parameters(live, body, param):
     error_of(r, 400, param)
 
 
+def test_unknown_role_is_refused(live, client):
+    messages = [{"role": "user", "content": "Hello"}, {"role": "wizard", "content": "Hello"}]
+    r = httpx.post(f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2},
+                   headers=auth())
+    err = error_of(r, 400, "messages.1.role")
+    assert "wizard" in err["message"] and err["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "narrator", "content": "hi"}], max_tokens=2)
+    assert e.value.body["param"] == "messages.0.role" and "narrator" in e.value.body["message"]
+    ok = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    assert client.chat.completions.create(model=MODEL, messages=ok, max_tokens=2).choices[0].message.role == \
+        "assistant"
+
+
 def test_bad_request_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=-1)
@@ -477,6 +567,12 @@ def test_queue_full_is_429(live, slow_decode):
         r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2},
                        headers=auth())
         assert error_of(r, 429)["type"] == "rate_limit_error"
+        assert r.headers["Retry-After"] == str(app_module.RETRY_AFTER_S) and app_module.RETRY_AFTER_S >= 1
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0)
+        with pytest.raises(openai.RateLimitError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           stream=True)
+        assert int(e.value.response.headers["retry-after"]) == app_module.RETRY_AFTER_S
     finally:
         scheduler.max_queue = queue
         for h in held:

@@ -5,7 +5,7 @@
     client ── _Gate (API key, body limit) ── FastAPI routes ── Service ── Scheduler (continuous batching) ── Engine
                                                /v1/completions        submit() -> Request; Request.stream() events
                                                /v1/chat/completions   cancel() when the client goes away
-                                               /v1/models, /health, /metrics
+                                               /v1/models[/{id}], /health, /metrics
 
 The engine loads in a background thread when the app starts, so ``/health`` answers 503 until it is ready (and the
 generation routes answer 503 too). Every refusal is an OpenAI-shaped error body (``{"error": {"message", "type",
@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from trtinfer.errors import ConfigError, InputError, ServingError, TrtInferError
+from trtinfer.errors import ConfigError, InputError, QueueFullError, ServingError, TrtInferError
 from trtinfer.runtime.engine import Engine
 from trtinfer.runtime.generator import TokenLogprob
 from trtinfer.serving import protocol as P
@@ -51,6 +51,11 @@ Send = Callable[[Message], Awaitable[None]]
 
 #: routes open without the API key (a load balancer's probe carries no key)
 OPEN_PATHS = frozenset({"/health"})
+#: ``Retry-After`` of a 429 (queue full), in seconds. The queue drains as running requests end, which under
+#: continuous batching is every few decode steps, but how long depends on load we cannot foresee: the shortest
+#: whole second HTTP can say brings clients (the openai client honours it) back soon, and a queue still full
+#: answers them another cheap 429.
+RETRY_AFTER_S = 1
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -66,6 +71,8 @@ class Service:
     """The engine and its scheduler: ``loading`` until :meth:`start`'s thread is done, then ``ready`` or ``failed``.
 
     ``on_failure`` callbacks run (on the loading thread) when loading fails: ``trtinfer serve`` stops there.
+    ``on_finish`` callbacks run (on the scheduler's thread) as each request finishes or is cancelled, before the
+    scheduler counts it (the :class:`Scheduler`'s ``on_finish``): the latency histograms.
     """
 
     def __init__(self, source: Engine | str | Path, config: ServeConfig) -> None:
@@ -80,6 +87,7 @@ class Service:
         self.error: BaseException | None = None
         self.created = P.now()
         self.on_failure: list[Callable[[BaseException], None]] = []
+        self.on_finish: list[Callable[[Submitted, Event], None]] = []
         self._closing = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -105,7 +113,8 @@ class Service:
             m = engine.manifest
             scheduler = Scheduler(engine, max_queue=self.config.max_queue, prefill_chunk=self.config.prefill_chunk,
                                   max_slots=self.config.slots_for(m.max_batch_size),
-                                  max_model_len=self.config.model_len_for(m.max_seq_len))
+                                  max_model_len=self.config.model_len_for(m.max_seq_len),
+                                  on_finish=self._finished)
             scheduler.start()
         except Exception as e:  # reported through /health and on_failure, never lost
             if engine is not None and self._owns_engine:
@@ -142,6 +151,10 @@ class Service:
         if engine is not None and self._owns_engine:
             engine.close()
 
+    def _finished(self, req: Submitted, last: Event) -> None:
+        for fn in self.on_finish:
+            fn(req, last)
+
     def token_text(self, token_id: int) -> str:
         """A token's text alone (special tokens shown), as logprobs name tokens."""
         return self._token_text(token_id)
@@ -159,6 +172,12 @@ class Service:
                 f"the model failed to load: {self.error}"
             raise P.BadRequest(why, status=503, code="model_not_ready")
         return engine, scheduler
+
+    def check_model(self, name: str) -> None:
+        """404 (OpenAI's ``model_not_found``) unless ``name`` is the served model's."""
+        if name != self.model_name:
+            raise P.BadRequest(f"the model {name!r} does not exist here; this server serves {self.model_name!r}",
+                               param="model", status=404, code="model_not_found")
 
 
 def _load_engine(path: str | Path, config: ServeConfig) -> Engine:
@@ -316,17 +335,16 @@ class _EventStream(StreamingResponse):
 class Handler:
     """The two generation routes over one :class:`Service`: parse, submit, then answer whole or streamed."""
 
-    def __init__(self, service: Service, metrics: ServerMetrics) -> None:
-        self.service, self.metrics = service, metrics
+    def __init__(self, service: Service) -> None:
+        self.service = service
         self.config = service.config
 
     async def handle(self, req: P.CompletionRequest | P.ChatCompletionRequest, request: Request) -> Response:
         """Serve one completion or chat request."""
         engine, scheduler = self.service.ready()
         chat = isinstance(req, P.ChatCompletionRequest)
-        if req.model and req.model != self.service.model_name:
-            raise P.BadRequest(f"the model {req.model!r} does not exist here; this server serves "
-                               f"{self.service.model_name!r}", param="model", status=404, code="model_not_found")
+        if req.model:
+            self.service.check_model(req.model)
         P.check_unsupported(req, self.config.max_n)
         extra = P.unknown_fields(req)
         if extra:
@@ -349,8 +367,11 @@ class Handler:
         prompt_tokens = sum(len(ids) for ids in prompts)
         text_of = self.service.token_text
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._events(submitted, rid, chat, prompt_tokens, include_usage, text_of)
+            opts = req.stream_options
+            usage: Literal["last", "continuous"] | None = None
+            if opts is not None and opts.include_usage:  # vLLM: continuous_usage_stats only with include_usage
+                usage = "continuous" if opts.continuous_usage_stats else "last"
+            body = self._events(submitted, rid, chat, prompt_tokens, usage, text_of)
             return _EventStream(body, lambda: self._cancel(submitted))
         collect = asyncio.ensure_future(self._collect(submitted))
         gone = asyncio.ensure_future(_disconnected(request.receive))
@@ -375,11 +396,12 @@ class Handler:
     async def _collect(self, requests: list[Submitted]) -> list[_Streamed]:
         out = [_Streamed() for _ in requests]
         async for i, ev in _merged(requests):
-            self._add(requests[i], out[i], ev)
+            self._add(out[i], ev)
         return out
 
-    def _add(self, req: Submitted, s: _Streamed, ev: Event) -> None:
-        """Fold one event into its choice; record the request's metrics at its last event."""
+    @staticmethod
+    def _add(s: _Streamed, ev: Event) -> None:
+        """Fold one event into its choice."""
         if ev.token_id is not None:
             s.token_ids.append(ev.token_id)
         if ev.text:
@@ -388,8 +410,6 @@ class Handler:
             s.logprobs.append(ev.logprob)
         if ev.finish_reason is not None:
             s.finish_reason, s.stop_reason = ev.finish_reason, ev.stop_reason
-            if ev.finish_reason != "cancelled":
-                self.metrics.finished(req.t_submit, req.t_first_token, req.token_times, ev.time)
 
     @staticmethod
     def _cancel(requests: list[Submitted]) -> None:
@@ -398,15 +418,23 @@ class Handler:
             if not r.done:
                 r.cancel()
 
-    async def _events(self, requests: list[Submitted], rid: str, chat: bool, prompt_tokens: int, include_usage: bool,
+    async def _events(self, requests: list[Submitted], rid: str, chat: bool, prompt_tokens: int,
+                      usage: Literal["last", "continuous"] | None,
                       text_of: Callable[[int], str]) -> AsyncIterator[str]:
-        """The SSE body: a chunk per event that carries something, the usage chunk if asked, then ``[DONE]``."""
+        """The SSE body: a chunk per event that carries something, the usage chunk if asked, then ``[DONE]``.
+
+        ``usage``: None, none; ``"last"``: a last chunk with the usage (``include_usage``); ``"continuous"``: that,
+        and every chunk with the usage so far (vLLM's ``continuous_usage_stats``). The usage so far counts every
+        choice's tokens, as the last chunk does (vLLM counts each choice's own), so the last chunk with choices
+        carries the final usage.
+        """
         kind: Literal["completion", "chat"] = "chat" if chat else "completion"
         model, created = self.service.model_name, P.now()
         states = [_Streamed() for _ in requests]
 
         def sse(choices: list[dict[str, Any]]) -> str:
-            data = P.chunk(kind, rid, model, created, choices, None, include_usage)
+            so_far = P.usage(prompt_tokens, sum(len(s.token_ids) for s in states)) if usage == "continuous" else None
+            data = P.chunk(kind, rid, model, created, choices, so_far, usage is not None)
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         try:
@@ -416,7 +444,7 @@ class Handler:
                                 "finish_reason": None}])
             async for i, ev in _merged(requests):
                 s = states[i]
-                self._add(requests[i], s, ev)
+                self._add(s, ev)
                 lp = ev.logprob
                 if not ev.text and lp is None and ev.finish_reason is None:
                     continue
@@ -431,7 +459,7 @@ class Handler:
                 if ev.finish_reason is not None:
                     choice["stop_reason"] = s.stop_reason
                 yield sse([choice])
-            if include_usage:
+            if usage is not None:
                 used = P.usage(prompt_tokens, sum(len(s.token_ids) for s in states))
                 data = P.chunk(kind, rid, model, created, [], used, True)
                 yield f"data: {json.dumps(data)}\n\n"
@@ -489,14 +517,16 @@ def _status_of(e: BaseException) -> tuple[int, str]:
 def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving ``engine`` (a directory, loaded in the background, or an Engine).
 
-    Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (503 while
-    loading), ``GET /metrics`` (Prometheus). ``app.state.service`` is the :class:`Service` (engine, scheduler,
-    ``stats()``); ``app.state.metrics`` the :class:`ServerMetrics`.
+    Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
+    ``GET /health`` (503 while loading), ``GET /metrics`` (Prometheus). ``app.state.service`` is the :class:`Service`
+    (engine, scheduler, ``stats()``); ``app.state.metrics`` the :class:`ServerMetrics`.
     """
     config = config or ServeConfig()
     service = Service(engine, config)
     metrics = ServerMetrics(service.model_name, service.stats)
-    handler = Handler(service, metrics)
+    service.on_finish.append(lambda req, last: metrics.finished(req.t_submit, req.t_first_token, req.token_times,
+                                                                last.time))
+    handler = Handler(service)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -533,7 +563,8 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
         if status >= 500:
             log.error("request failed: %s", exc, exc_info=exc)
         return _error(status, message, getattr(exc, "param", None) or getattr(exc, "field", None),
-                      getattr(exc, "code", None))
+                      getattr(exc, "code", None),
+                      {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFullError) else None)
 
     @app.exception_handler(Exception)
     async def failed(_: Request, exc: Exception) -> JSONResponse:
@@ -551,6 +582,12 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
     async def models() -> Response:
         _, scheduler = service.ready()
         return JSONResponse(P.models_list(service.model_name, scheduler.max_seq_len, service.created))
+
+    @app.get("/v1/models/{model_id:path}")  # :path: a served name may hold a slash (org/model)
+    async def model(model_id: str) -> Response:
+        _, scheduler = service.ready()
+        service.check_model(model_id)
+        return JSONResponse(P.model_card(service.model_name, scheduler.max_seq_len, service.created))
 
     @app.get("/metrics")
     async def prometheus() -> Response:

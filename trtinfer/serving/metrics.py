@@ -1,8 +1,15 @@
 """Prometheus metrics of the server, named after vLLM's with a ``trtinfer:`` prefix, in a registry per app.
 
 Gauges and counters (tokens, finished requests) are read from the scheduler's ``stats()`` when scraped (one source
-of truth: the scheduler counts, the exposition reads); latency histograms are observed by the app as each request
-ends, from the request's own timestamps.
+of truth: the scheduler counts, the exposition reads); latency histograms are observed from the request's own
+timestamps by :meth:`ServerMetrics.finished`, which the scheduler's ``on_finish`` hook calls as each request ends.
+
+``request_success`` and the histograms count the same requests, each once, as vLLM's do (both from its finished
+requests): every request that finishes (``stop``, ``length``) or is cancelled (``abort``: the client went away),
+whoever submitted it and whether or not anyone still reads it. A request that fails (the scheduler's ``error``) is
+in neither. So ``e2e_request_latency_seconds_count`` equals the sum of ``request_success`` over its reasons (the hook
+runs before the scheduler counts: a scrape never sees the count ahead of the histogram); ``time_to_first_token``
+counts those of them that produced a token.
 """
 from __future__ import annotations
 
@@ -74,8 +81,9 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
         self.itl = Histogram("trtinfer:inter_token_latency_seconds", "Time between consecutive tokens.", names,
                              buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("trtinfer:e2e_request_latency_seconds", "Request latency, submit to last token.", names,
-                             buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("trtinfer:e2e_request_latency_seconds",
+                             "Request latency, submit to last token (or cancellation).", names, buckets=E2E_BUCKETS,
+                             registry=self.registry).labels(model_name)
 
     def finished(self, t_submit: float | None, t_first: float | None, token_times: Sequence[float] | None,
                  t_end: float | None) -> None:

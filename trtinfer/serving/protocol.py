@@ -50,9 +50,11 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices."""
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices; with it, vLLM's
+    ``continuous_usage_stats`` puts the usage so far on every chunk too."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Body):
@@ -96,10 +98,14 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+#: the roles OpenAI's chat API knows; any other is refused (400, ``messages.K.role``) before a template sees it
+Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
+
+
 class ChatMessage(_Body):
     """A chat message: a role and its content (text, or text parts)."""
 
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -349,7 +355,12 @@ def chunk(kind: Literal["completion", "chat"], rid: str, model: str, created: in
     return out
 
 
+def model_card(name: str, max_seq_len: int, created: int) -> dict[str, Any]:
+    """``GET /v1/models/{name}``: OpenAI's model object, plus vLLM's ``root`` and ``max_model_len``."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "trtinfer", "root": name,
+            "max_model_len": max_seq_len}
+
+
 def models_list(name: str, max_seq_len: int, created: int) -> dict[str, Any]:
     """``GET /v1/models``: the one served model."""
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "trtinfer",
-                                        "root": name, "max_model_len": max_seq_len}]}
+    return {"object": "list", "data": [model_card(name, max_seq_len, created)]}

@@ -219,10 +219,15 @@ class Scheduler:
     scheduler starts (CPU: ``slots * max_model_len * layers * 2 * kv_heads * head_dim * 4`` bytes, e.g. 754 MiB
     for SmolLM2-135M at 8 x 2048); up to ``max_queue`` more wait for a slot. A request needs prompt +
     ``max_new_tokens`` <= ``max_model_len``.
+
+    ``on_finish(request, last_event)`` runs on the stepping thread for every request that ends finished or cancelled
+    (not one that fails), before ``requests_finished`` counts it and before its reader sees the last event: what
+    it records is in place once the count or the answer is.
     """
 
     def __init__(self, engine: Any, max_queue: int = 64, prefill_chunk: int = 256,
-                 max_slots: int | None = None, max_model_len: int | None = None) -> None:
+                 max_slots: int | None = None, max_model_len: int | None = None,
+                 on_finish: Callable[[Request, Event], None] | None = None) -> None:
         limit = int(engine.manifest.max_batch_size)
         slots = limit if max_slots is None else max_slots
         if not 1 <= slots <= limit:
@@ -248,6 +253,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._prompt_tokens = self._generation_tokens = self._steps = 0
         self._finished: dict[str, int] = {}
+        self._on_finish = on_finish
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def __enter__(self) -> Scheduler:  # noqa: PYI034
@@ -469,6 +475,11 @@ class Scheduler:
 
     def _finish(self, req: Request, finish: str, stop: str | int | None, last: Event) -> None:
         self._release(req)
+        if self._on_finish is not None:
+            try:
+                self._on_finish(req, last)
+            except Exception:  # a hook's bug (metrics) must not fail a request that finished
+                log.exception("on_finish failed for request %s", req.id)
         self._count(finish)
         times = [req.t_admit or req.t_submit, *req.token_times]
         timings = Timings(prompt_tokens=len(req.prompt_ids), batch_size=req._batch_size,
