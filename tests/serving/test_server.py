@@ -632,13 +632,13 @@ def test_still_serving_after_all_that(live, client, ref):
 
 def test_health_503_while_loading(engine_dir, monkeypatch):
     gate = threading.Event()
-    real = app_module._load_engine
+    real = app_module.load_engine
 
     def held_back(*a: Any) -> Any:
         gate.wait(30)
         return real(*a)
 
-    monkeypatch.setattr(app_module, "_load_engine", held_back)
+    monkeypatch.setattr(app_module, "load_engine", held_back)
     server = Live(create_app(engine_dir, ServeConfig(port=0)))
     try:
         err = error_of(httpx.get(f"{server.url}/health"), 503)
@@ -660,7 +660,7 @@ def test_failed_load_is_reported(tmp_path, monkeypatch):
     def broken(*a: Any) -> Any:
         raise trtinfer.errors.EngineLoadError("no such engine")
 
-    monkeypatch.setattr(app_module, "_load_engine", broken)
+    monkeypatch.setattr(app_module, "load_engine", broken)
     app = create_app(tmp_path, ServeConfig(port=0))
     failures: list[BaseException] = []
     app.state.service.on_failure.append(failures.append)

@@ -19,7 +19,7 @@ def log_softmax(logits: np.ndarray, dtype: type = np.float64) -> np.ndarray:
     """Log-softmax over the last axis, computed in ``dtype`` (float64 by default; beam search asks float32, as
     transformers computes it on float32 logits). A row whose maximum is not finite (all ``-inf``) is shifted by 0.
     The runtime's one log-softmax: probes, logprobs, beam search and scoring all call it."""
-    x = np.asarray(logits, dtype=dtype)
+    x: np.ndarray = np.asarray(logits, dtype=dtype)
     m = x.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, x.dtype.type(0))
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))  # type: ignore[no-any-return]

@@ -109,7 +109,7 @@ class Service:
         engine = None
         try:
             t0 = time.perf_counter()
-            engine = self._source if isinstance(self._source, Engine) else _load_engine(self._source, self.config)
+            engine = self._source if isinstance(self._source, Engine) else load_engine(self._source, self.config)
             m = engine.manifest
             scheduler = Scheduler(engine, max_queue=self.config.max_queue, prefill_chunk=self.config.prefill_chunk,
                                   max_slots=self.config.slots_for(m.max_batch_size),
@@ -180,7 +180,7 @@ class Service:
                                param="model", status=404, code="model_not_found")
 
 
-def _load_engine(path: str | Path, config: ServeConfig) -> Engine:
+def load_engine(path: str | Path, config: ServeConfig) -> Engine:
     """The engine of a directory (a seam for tests that hold loading back)."""
     from trtinfer.runtime.engine import load
 

@@ -142,7 +142,7 @@ class EngineReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
         t0 = time.perf_counter()
         # off the replica's event loop: Ray's own calls to this actor keep being answered while it loads
-        self.engine: Engine | None = await asyncio.to_thread(app_module._load_engine, engine_dir, config)
+        self.engine: Engine | None = await asyncio.to_thread(app_module.load_engine, engine_dir, config)
         self.service: app_module.Service | None = None
         log.info("replica %s loaded %s in %.1f s (%d ONNX Runtime threads)", self.replica, engine_dir,
                  time.perf_counter() - t0, config.intra_op_threads)
