@@ -367,7 +367,8 @@ def test_metrics_move(live, client):
     for name in ("trtinfer:num_requests_running", "trtinfer:num_requests_waiting", "trtinfer:kv_cache_usage_perc",
                  "trtinfer:prompt_tokens_total", "trtinfer:generation_tokens_total",
                  "trtinfer:time_to_first_token_seconds_bucket", "trtinfer:inter_token_latency_seconds_bucket",
-                 "trtinfer:e2e_request_latency_seconds_bucket", "trtinfer:request_success_total"):
+                 "trtinfer:e2e_request_latency_seconds_bucket", "trtinfer:request_success_total",
+                 "trtinfer:prefix_cache_queries_total", "trtinfer:prefix_cache_hits_total"):
         assert name in before, name
     r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=7, temperature=0,
                                   extra_body={"ignore_eos": True})

@@ -24,6 +24,7 @@ import numpy as np
 
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.kv_feeds import LOGITS_POSITIONS
+from trtinfer.runtime.prefix_cache import PrefixIndex
 
 #: ONNX element types of the KV dtypes (IOBinding takes these for pointer bindings; numpy has no bfloat16)
 _ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}
@@ -57,6 +58,7 @@ class SlotCache:
             for val in self.values:
                 ctypes.memset(val.data_ptr(), 0, self._row_bytes * slots)
         self.lengths = np.zeros(slots, dtype=np.int64)
+        self.index = PrefixIndex(slots)  # the tokens each row's KV holds (prefix caching reads it)
         self._staging = session.new_staging()  # this cache's host input buffers (CUDA), reused step to step
 
     def _run(self, feeds: dict[str, np.ndarray], first_row: int, rows: int, positions: np.ndarray) -> np.ndarray:
@@ -89,6 +91,7 @@ class SlotCache:
                  "total_sequence_length": np.array(start + n, dtype=np.int32)}
         logits = self._run(feeds, slot, 1, np.array([[n - 1]], dtype=np.int64))
         self.lengths[slot] = start + n
+        self.index.extend(slot, tokens)
         return logits[0, -1]
 
     def decode(self, tokens: dict[int, int]) -> dict[int, np.ndarray]:
@@ -107,13 +110,42 @@ class SlotCache:
                  "seqlens_k": lengths.astype(np.int32),
                  "total_sequence_length": np.array(int(lengths.max()) + 1, dtype=np.int32)}
         logits = self._run(feeds, 0, rows, np.zeros((rows, 1), dtype=np.int64))
-        for s in tokens:
+        for s, t in tokens.items():
             self.lengths[s] += 1
+            self.index.extend(s, (t,))
         return {s: logits[s, -1] for s in tokens}
 
     def free(self, slot: int) -> None:
         """Forget slot ``slot``'s tokens (its buffers are overwritten by the next request, never cleared)."""
-        self.lengths[slot] = 0
+        self.keep(slot, 0)
+
+    def keep(self, slot: int, n: int) -> None:
+        """Slot ``slot`` keeps the KV of its first ``n`` tokens (a reused prefix); the next prefill writes after it."""
+        if not 0 <= n <= int(self.lengths[slot]):
+            raise InputError(f"slot {slot} holds {int(self.lengths[slot])} tokens; it cannot keep {n}")
+        self.lengths[slot] = n
+        self.index.cut(slot, n)
+
+    @property
+    def can_copy(self) -> bool:
+        """Whether :meth:`copy_prefix` works here: rows are copied in host memory (the CPU provider)."""
+        return self.session.device == "cpu"
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slot ``dst`` gets the KV of slot ``src``'s first ``n`` tokens (and holds nothing after them)."""
+        if not self.can_copy:
+            raise InputError("KV rows are copied in host memory: prefix copies need the CPU provider")
+        if src == dst or not 0 < n <= int(self.lengths[src]):
+            raise InputError(f"cannot copy {n} tokens of slot {src} (holding {int(self.lengths[src])}) to slot {dst}")
+        kvh, cap, hd = self._row_shape[1:]
+        dtype = np.float32 if self._elem == 1 else np.uint16  # fp16/bf16: the bits, copied as they are
+        for val in self.values:
+            raw = (ctypes.c_char * (self._row_bytes * self.slots)).from_address(val.data_ptr())
+            rows = np.frombuffer(memoryview(raw), dtype=dtype).reshape(self.slots, kvh, cap, hd)
+            rows[dst, :, :n] = rows[src, :, :n]
+        self.lengths[dst] = n
+        self.index.cut(dst, 0)
+        self.index.extend(dst, self.index.tokens[src][:n])
 
     def close(self) -> None:
         """Drop the buffers (and the host staging)."""

@@ -114,7 +114,7 @@ class Service:
             scheduler = Scheduler(engine, max_queue=self.config.max_queue, prefill_chunk=self.config.prefill_chunk,
                                   max_slots=self.config.slots_for(m.max_batch_size),
                                   max_model_len=self.config.model_len_for(m.max_seq_len),
-                                  on_finish=self._finished)
+                                  on_finish=self._finished, prefix_caching=self.config.prefix_caching)
             scheduler.start()
         except Exception as e:  # reported through /health and on_failure, never lost
             if engine is not None and self._owns_engine:

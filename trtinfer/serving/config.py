@@ -22,6 +22,8 @@ there a moment before a slot takes it, so at least 1).
     ``max_slots``: requests decoded at once (default: the engine's max batch size, at most 8); ``max_model_len``:
     positions per request, prompt + output (default: the engine's max sequence length, at most 2048). Both size the
     KV cache the server reserves when it starts (slots x positions; e.g. 754 MiB for SmolLM2-135M at 8 x 2048).
+    ``prefix_caching``: a request reuses the KV of the longest prompt prefix a batch row holds (see
+    :mod:`trtinfer.serving.scheduler`); False prefills every prompt whole.
     """
 
     host: str = "127.0.0.1"
@@ -36,6 +38,7 @@ there a moment before a slot takes it, so at least 1).
     intra_op_threads: int = 0
     max_slots: int | None = None
     max_model_len: int | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.host, str) and self.host):
@@ -49,6 +52,9 @@ there a moment before a slot takes it, so at least 1).
             value = getattr(self, name)
             if value is not None and not (is_int(value) and value >= low):
                 raise ConfigError(f"{name} must be an integer >= {low} or None, got {describe(value)}", field=name)
+        if not isinstance(self.prefix_caching, bool):
+            raise ConfigError(f"prefix_caching must be True or False, got {describe(self.prefix_caching)}",
+                              field="prefix_caching")
         if self.port > 65535:
             raise ConfigError(f"port must be within 0..65535 (0: a free one), got {self.port}", field="port")
         for name in ("api_key", "model_name"):

@@ -59,7 +59,11 @@ class _SchedulerCollector(Collector):
         yield gauge("trtinfer:num_requests_waiting", "Requests queued for a batch slot.", s.get("waiting", 0))
         yield gauge("trtinfer:kv_cache_usage_perc", "Fraction of KV cache slots in use (1 = full).",
                     (s.get("slots_used", 0) / total) if total else 0.0)
-        yield counter("trtinfer:prompt_tokens", "Prompt tokens prefilled.", s.get("prompt_tokens", 0))
+        yield counter("trtinfer:prompt_tokens", "Prompt tokens processed (prefilled, or reused from the prefix cache).", s.get("prompt_tokens", 0))
+        yield counter("trtinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.get("prefix_cache_queries", 0))
+        yield counter("trtinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
+                      s.get("prefix_cache_hits", 0))
         yield counter("trtinfer:generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
         done = CounterMetricFamily("trtinfer:request_success", "Finished requests by finish reason (abort: cancelled, "
                                    "e.g. the client went away).", labels=[*names, "finished_reason"])

@@ -9,7 +9,12 @@ Every :meth:`Scheduler.step` retires cancelled requests, admits waiting ones int
 ``prefill_chunk`` prompt tokens (so a long prompt never stalls the running decodes for more than one chunk), then
 runs ONE batched decode step for every request that is decoding. A slot is a row of the session's slot KV cache
 (:class:`~trtinfer.runtime.slots.SlotCache`): a request is admitted only when its prompt + ``max_new_tokens`` fits
-the engine's max sequence length, so it never runs out of room and nothing is ever evicted.
+the engine's max sequence length, so it never runs out of room and nothing running is ever evicted.
+
+Automatic prefix caching (``prefix_caching``, on by default): a finished request's row keeps its KV, and a new
+request starts from the longest prefix any row holds (:class:`~trtinfer.runtime.prefix_cache.PrefixIndex`): a free
+row holding it is taken as it is, a running row's prefix is copied into a free row (CPU); only the rest is
+prefilled. With no match of at least :data:`MIN_REUSE` tokens the least recently used free row is evicted.
 
 A request's tokens depend on its own prompt, settings and seed only: selection runs per request with its own
 generator (``SeedSequence(seed).spawn(1)[0]``, as ``engine.generate`` seeds a batch of one), so its output equals
@@ -47,6 +52,10 @@ from trtinfer.runtime.slots import SlotCache
 from trtinfer.runtime.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
+
+#: the shortest prefix worth reusing (vLLM's default block size): a shorter match (a BOS token, a chat template's
+#: first tokens) would evict a row holding more for a few tokens' prefill
+MIN_REUSE = 16
 
 
 @dataclass(frozen=True)
@@ -227,7 +236,7 @@ class Scheduler:
 
     def __init__(self, engine: Any, max_queue: int = 64, prefill_chunk: int = 256,
                  max_slots: int | None = None, max_model_len: int | None = None,
-                 on_finish: Callable[[Request, Event], None] | None = None) -> None:
+                 on_finish: Callable[[Request, Event], None] | None = None, prefix_caching: bool = True) -> None:
         limit = int(engine.manifest.max_batch_size)
         slots = limit if max_slots is None else max_slots
         if not 1 <= slots <= limit:
@@ -254,6 +263,8 @@ class Scheduler:
         self._prompt_tokens = self._generation_tokens = self._steps = 0
         self._finished: dict[str, int] = {}
         self._on_finish = on_finish
+        self.prefix_caching = prefix_caching
+        self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up / found in a row's KV
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def __enter__(self) -> Scheduler:  # noqa: PYI034
@@ -344,14 +355,16 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (thread-safe): ``running`` (requests holding a slot, prefilling or decoding),
         ``waiting`` (queued for a slot), ``slots_used``, ``slots_total``, ``queue_capacity``, the counters
-        ``prompt_tokens`` (prefilled) and ``generation_tokens`` (generated), ``requests_finished`` (by finish reason,
-        ``"error"`` included) and ``steps``."""
+        ``prompt_tokens`` (prompt tokens in the KV: prefilled or reused) and ``generation_tokens`` (generated), ``requests_finished`` (by finish reason,
+        ``"error"`` included), ``steps``, and the prefix cache's ``prefix_cache_queries`` (prompt tokens looked up) and
+        ``prefix_cache_hits`` (of those, found in a row's KV and not prefilled)."""
         with self._cond:
             used = sum(r is not None for r in self._slots)
             return {"running": used, "waiting": len(self._waiting), "slots_used": used, "slots_total": len(self._slots),
                     "queue_capacity": self.max_queue, "prompt_tokens": self._prompt_tokens,
                     "generation_tokens": self._generation_tokens, "requests_finished": dict(self._finished),
-                    "steps": self._steps}
+                    "steps": self._steps, "prefix_cache_queries": self._prefix_queries,
+                    "prefix_cache_hits": self._prefix_hits}
 
     # --- one step -----------------------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -381,11 +394,37 @@ class Scheduler:
                                                        time.perf_counter()))
 
     def _admit(self) -> None:
-        with self._cond:
-            while self._waiting and None in self._slots:
+        while True:
+            with self._cond:
+                if not self._waiting or None not in self._slots:
+                    return
                 req = self._waiting.popleft()
-                slot = self._slots.index(None)  # the lowest: keeps the decode range 0..highest short
+                free = [s for s, r in enumerate(self._slots) if r is None]
+            slot = self._place(req, free) if self.prefix_caching else free[0]  # lowest: short decode range
+            with self._cond:
                 self._slots[slot], req.slot, req.t_admit = req, slot, time.perf_counter()
+
+    def _place(self, req: Request, free: list[int]) -> int:
+        """The free row a request takes, holding the longest reusable prefix of its prompt (its ``num_computed``)."""
+        busy = [s for s, r in enumerate(self._slots) if r is not None] if self.cache.can_copy else []
+        # the last prompt token is always prefilled: its logits choose the first new token
+        row, n = self.cache.index.longest(req.prompt_ids[:-1], free + busy)
+        if n < MIN_REUSE:
+            row, n = None, 0
+        if row is not None and row in free:
+            slot = row
+            self.cache.keep(slot, n)
+        else:
+            slot = self.cache.index.least_recent(free)
+            self.cache.keep(slot, 0)
+            if row is not None:
+                self.cache.copy_prefix(row, slot, n)
+        req.num_computed = n
+        with self._cond:
+            self._prefix_queries += len(req.prompt_ids)
+            self._prefix_hits += n
+            self._prompt_tokens += n  # counted as vLLM does: every prompt token, reused or prefilled
+        return slot
 
     def _prefill(self) -> None:
         """Up to ``prefill_chunk`` prompt tokens, oldest request first, each chunk one batch-1 call into its slot."""
@@ -464,7 +503,8 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Free the request's slot (if it holds one)."""
         if req.slot is not None:
-            self.cache.free(req.slot)
+            if not self.prefix_caching:  # else the row keeps its KV for later requests until it is evicted
+                self.cache.free(req.slot)
             self._slots[req.slot] = None
             req.slot = None
         req.next_token = None

@@ -1,0 +1,162 @@
+"""Automatic prefix caching: a request reuses the KV of the longest prefix a row holds, and its output is the same
+as without it (greedy and seeded sampling), whether the row was free (taken in place) or running (copied)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import trtinfer
+from tests.serving.test_scheduler import GREEDY, alone, run_all, same
+from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.prefix_cache import PrefixIndex
+from trtinfer.serving.scheduler import MIN_REUSE, Scheduler
+
+SAMPLED = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def engine(request, tiny_engine):
+    with trtinfer.load(tiny_engine(request.param)) as eng:
+        yield eng
+
+
+def _texts(seed: int, system: int = 40, suffixes: tuple[int, ...] = (5, 9, 3)) -> list[list[int]]:
+    """Prompts sharing a ``system``-token prefix, each with its own suffix."""
+    rng = np.random.default_rng(seed)
+    head = rng.integers(3, 300, size=system).tolist()
+    return [head + rng.integers(3, 300, size=n).tolist() for n in suffixes]
+
+
+def test_index_longest_prefix_and_lru():
+    idx = PrefixIndex(3)
+    idx.extend(0, [1, 2, 3, 4])
+    idx.extend(1, [1, 2, 9])
+    assert idx.longest([1, 2, 3, 5], [0, 1, 2]) == (0, 3)
+    assert idx.longest([1, 2, 9, 9], [0, 1, 2]) == (1, 3)
+    assert idx.longest([7, 7], [0, 1, 2]) == (None, 0)
+    assert idx.longest([1, 2, 3], [1, 2]) == (1, 2)  # only the rows asked about
+    assert idx.least_recent([0, 1, 2]) == 2  # never used
+    idx.extend(2, [5])
+    assert idx.least_recent([0, 1, 2]) == 0
+    idx.cut(0, 1)
+    assert idx.tokens[0] == [1] and idx.least_recent([0, 1, 2]) == 1
+
+
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_a_later_request_reuses_a_finished_rows_prefix_and_answers_the_same(engine, cfg):
+    first, second, _ = _texts(1)
+    with Scheduler(engine, max_slots=2) as sched:
+        a = sched.submit(first, cfg).result(timeout=60)
+        before = sched.stats()
+        b = sched.submit(second, cfg).result(timeout=60)
+        after = sched.stats()
+    same(a, alone(engine, first, cfg))
+    same(b, alone(engine, second, cfg))
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hits == 40  # the shared system prompt, found in the finished row
+    assert after["prompt_tokens"] - before["prompt_tokens"] == len(second)  # counted whole, as vLLM counts them
+
+
+def test_prefix_is_copied_from_a_running_row(engine):
+    """B arrives while A decodes: A's row is busy, so B gets a copy of its prefix in a free row."""
+    first, second, third = _texts(2)
+    long = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    sched = Scheduler(engine, max_slots=3)
+    a = sched.submit(first, long)
+    for _ in range(4):
+        sched.step()
+    assert a.next_token is not None  # decoding
+    b, c = sched.submit(second, GREEDY), sched.submit(third, GREEDY)
+    run_all(sched)
+    stats = sched.stats()
+    sched.close()
+    same(a.result(), alone(engine, first, long))
+    same(b.result(), alone(engine, second, GREEDY))
+    same(c.result(), alone(engine, third, GREEDY))
+    assert stats["prefix_cache_hits"] >= 2 * 40
+    assert {a.slot, b.slot, c.slot} == {None}
+
+
+def test_a_conversation_reuses_the_earlier_turn_with_its_answer(engine):
+    """Turn 2's prompt = turn 1's prompt + its answer + more: the answer's KV (fed back tokens) is reused too."""
+    first = _texts(3)[0]
+    with Scheduler(engine, max_slots=2) as sched:
+        r1 = sched.submit(first, GREEDY).result(timeout=60)
+        turn2 = first + r1.token_ids + [5, 6, 7, 8]
+        before = sched.stats()["prefix_cache_hits"]
+        r2 = sched.submit(turn2, GREEDY).result(timeout=60)
+        hits = sched.stats()["prefix_cache_hits"] - before
+    same(r2, alone(engine, turn2, GREEDY))
+    assert hits == len(first) + len(r1.token_ids) - 1  # all but the last answer token (never fed back)
+
+
+def test_no_prefix_caching_prefills_everything_and_answers_the_same(engine):
+    first, second, _ = _texts(4)
+    with Scheduler(engine, max_slots=2, prefix_caching=False) as sched:
+        a = sched.submit(first, GREEDY).result(timeout=60)
+        b = sched.submit(second, GREEDY).result(timeout=60)
+        stats = sched.stats()
+    same(a, alone(engine, first, GREEDY))
+    same(b, alone(engine, second, GREEDY))
+    assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_queries"] == 0
+    assert stats["prompt_tokens"] == len(first) + len(second)
+
+
+def test_short_matches_are_not_reused_and_lru_rows_are_evicted(engine):
+    """Two slots, three different prefixes in turn: the least recently used row is evicted; a match shorter than
+    MIN_REUSE (a shared first token) does not take a row."""
+    rng = np.random.default_rng(5)
+    a, b, c = ([1] + rng.integers(3, 300, size=30).tolist() for _ in range(3))
+    with Scheduler(engine, max_slots=2) as sched:
+        for p in (a, b):
+            sched.submit(p, GREEDY).result(timeout=60)
+        rows = [list(t) for t in sched.cache.index.tokens]
+        assert any(r[:31] == a for r in rows) and any(r[:31] == b for r in rows)
+        sched.submit(c, GREEDY).result(timeout=60)  # evicts a's row (least recently used)
+        rows = [list(t) for t in sched.cache.index.tokens]
+        assert not any(r[:31] == a for r in rows) and any(r[:31] == b for r in rows)
+        again = b[:MIN_REUSE + 4] + [7, 8]
+        before = sched.stats()["prefix_cache_hits"]
+        got = sched.submit(again, GREEDY).result(timeout=60)
+        assert sched.stats()["prefix_cache_hits"] - before == MIN_REUSE + 4
+    same(got, alone(engine, again, GREEDY))
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_server_reports_prefix_hits_and_answers_the_same(tiny_engine, caching):
+    """A live server: two completions sharing a long prompt prefix; /metrics counts the reused tokens (none with
+    --no-prefix-caching), and the answers equal generate's either way."""
+    import httpx
+    import openai
+
+    from tests.serving.test_server import Live, metric
+    from trtinfer.serving.app import create_app
+    from trtinfer.serving.config import ServeConfig
+
+    engine_dir = tiny_engine("llama")
+    first, second, _ = _texts(6)
+    server = Live(create_app(engine_dir, ServeConfig(port=0, prefix_caching=caching)))
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        got = [client.completions.create(model="engine", prompt=p, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text for p in (first, second)]
+        text = httpx.get(f"{server.url}/metrics").text
+    finally:
+        server.stop()
+    with trtinfer.load(engine_dir) as ref:
+        want = [r.text for r in ref.generate(input_ids=[first, second], max_new_tokens=6, ignore_eos=True)]
+    assert got == want
+    assert metric(text, "trtinfer:prefix_cache_hits_total") == (40 if caching else 0)
+    assert metric(text, "trtinfer:prefix_cache_queries_total") == (len(first) + len(second) if caching else 0)
+
+
+def test_cli_flag_turns_prefix_caching_off():
+    import argparse
+
+    from trtinfer.cli import serve as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    assert serve_cli.config_from_args(parser.parse_args(["serve", "e"])).prefix_caching is True
+    assert serve_cli.config_from_args(parser.parse_args(["serve", "e", "--no-prefix-caching"])).prefix_caching is False

@@ -1,0 +1,61 @@
+"""Automatic prefix caching over a slot KV cache: a new request reuses the KV of the longest prefix some row holds.
+
+::
+
+    row 0  [system prompt ........ | user A | answer A]      running or finished (finished rows keep their KV)
+    row 1  [system prompt ........ | user B]                 prefilling
+    new    [system prompt ........ | user C]  -> longest common prefix with row 0 or 1: the system prompt
+           free row holding it: taken in place (its length cut to the prefix)   busy row: prefix copied to a free row
+
+Every row remembers the tokens whose KV it holds (prompt and fed-back generated tokens), so a match is exact and
+any length, not rounded to blocks. vLLM hashes blocks because its KV is thousands of pages shared by reference; here
+the KV budget is a handful of rows, and comparing a prompt with each row's tokens (one vectorised comparison a row)
+costs less than hashing it. Rows of finished requests stay matchable until a new request needs their room:
+least recently used first (eviction under the KV budget). A request always prefills at least its last prompt
+token (its logits choose the first new token), so the reuse is at most ``len(prompt) - 1``.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class PrefixIndex:
+    """What each of ``rows`` rows holds (token ids whose KV is in it) and when it was last used."""
+
+    def __init__(self, rows: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self._used = [0] * rows  # a tick of the last use (0: never): the LRU order
+        self._clock = itertools.count(1)
+
+    def extend(self, row: int, tokens: Sequence[int]) -> None:
+        """Row ``row`` now also holds ``tokens`` after what it held."""
+        self.tokens[row].extend(int(t) for t in tokens)
+        self._used[row] = next(self._clock)
+
+    def cut(self, row: int, n: int) -> None:
+        """Row ``row`` keeps its first ``n`` tokens (the rest will be overwritten)."""
+        del self.tokens[row][n:]
+        self._used[row] = next(self._clock)
+
+    def longest(self, prompt: Sequence[int], rows: Sequence[int]) -> tuple[int | None, int]:
+        """``(row, n)``: the row among ``rows`` sharing the longest prefix with ``prompt`` and its length (``(None,
+        0)`` when none shares a token). Ties go to the most recently used row."""
+        want = np.asarray(prompt, dtype=np.int64)
+        best: tuple[int | None, int] = (None, 0)
+        for row in sorted(rows, key=lambda r: -self._used[r]):
+            held = self.tokens[row]
+            n = min(len(held), len(want))
+            if n <= best[1]:
+                continue
+            diff = np.flatnonzero(np.asarray(held[:n], dtype=np.int64) != want[:n])
+            common = int(diff[0]) if diff.size else n
+            if common > best[1]:
+                best = (row, common)
+        return best
+
+    def least_recent(self, rows: Sequence[int]) -> int:
+        """The least recently used of ``rows`` (an empty row first): the one to evict."""
+        return min(rows, key=lambda r: (self._used[r], r))
