@@ -66,3 +66,27 @@ def test_a_sequence_longer_than_the_buffers_is_an_input_error(pair):
 
     with open_stage_session(stage) as session, pytest.raises(InputError, match="KV buffers"):
         session.prefill([list(range(3, 3 + MAX_SEQ + 1))], MAX_SEQ)
+
+
+def test_served_by_the_scheduler_with_prefix_caching(pair):
+    """The same runner code serves the scatter graph: continuous batching (batched fresh prefill, chunks after a
+    reused prefix, batched decode) gives the CPU engine's greedy tokens."""
+    from types import SimpleNamespace
+
+    from trtinfer.serving.scheduler import Scheduler
+
+    stage, engine = pair
+    cfg = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    shared = [5, 17, 42, 99, 7, 3, 250, 11, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]
+    prompts = [*PROMPTS, shared + [1, 2], shared + [3]]
+    with open_stage_session(stage) as session, trtinfer.load(engine) as ref:
+        served = SimpleNamespace(session=session, manifest=ref.manifest, generation_defaults=cfg,
+                                 tokenizer=EngineTokenizer(stage.path, stage.info.get("tokenizer", {})))
+        with Scheduler(served, max_slots=3, max_model_len=MAX_SEQ, prefill_chunk=64) as sched:
+            assert sched.cache.capacity == MAX_SEQ and sched.cache.layout.name == "scatter_buffer"
+            got = [r.result(timeout=60) for r in [sched.submit(p, cfg) for p in prompts[:3]]]
+            got += [sched.submit(p, cfg).result(timeout=60) for p in prompts[3:]]
+            hits = sched.stats()["prefix_cache_hits"]
+        want = [ref.generate(input_ids=[p], config=cfg)[0] for p in prompts]
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert hits >= 16

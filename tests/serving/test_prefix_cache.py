@@ -160,3 +160,33 @@ def test_cli_flag_turns_prefix_caching_off():
     serve_cli.add_parser(parser.add_subparsers())
     assert serve_cli.config_from_args(parser.parse_args(["serve", "e"])).prefix_caching is True
     assert serve_cli.config_from_args(parser.parse_args(["serve", "e", "--no-prefix-caching"])).prefix_caching is False
+
+
+@pytest.mark.parametrize("chunk", [256, 40])
+def test_new_prompts_in_neighbouring_rows_prefill_as_one_call(engine, chunk):
+    """Three new ragged prompts: with room in the step's budget they prefill in ONE batched call (no batch-1
+    chunks); with a budget smaller than rows x the longest they go in chunks. Outputs equal generate alone."""
+    rng = np.random.default_rng(8)
+    ps = [rng.integers(3, 300, size=n).tolist() for n in (11, 4, 17)]
+    sched = Scheduler(engine, max_slots=3, prefill_chunk=chunk)
+    calls: dict[str, list[int]] = {"rows": [], "chunk": []}
+    rows, one = sched.cache.prefill_rows, sched.cache.prefill
+
+    def spy_rows(first, prompts):
+        calls["rows"].append(len(prompts))
+        return rows(first, prompts)
+
+    def spy_one(slot, tokens):
+        calls["chunk"].append(len(tokens))
+        return one(slot, tokens)
+
+    sched.cache.prefill_rows, sched.cache.prefill = spy_rows, spy_one
+    reqs = [sched.submit(p, GREEDY) for p in ps]
+    run_all(sched)
+    sched.close()
+    for req, p in zip(reqs, ps):
+        same(req.result(), alone(engine, p, GREEDY))
+    if chunk == 256:
+        assert calls == {"rows": [3], "chunk": []}
+    else:  # 2 x 11 fits 40, then 17 alone (a run of one is a chunk)
+        assert calls["rows"] == [2] and sum(calls["chunk"]) == 17

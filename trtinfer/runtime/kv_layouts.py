@@ -70,6 +70,14 @@ class KVLayout(ABC):
               staging: Any) -> tuple[np.ndarray, KVCache]:
         """The next ``tokens`` of one sequence after ``kv`` (None: its start); logits ``[K, V]`` at ``want [1,K]``."""
 
+    def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+        """The feeds (without ``logits_positions``) of a pass over rows of preallocated buffers written in place:
+        row ``b``'s ``ids[b, :lengths[b]]`` go to positions ``starts[b]..`` (right padding after them). A prefill
+        (``starts`` 0), a chunk of one row, or a decode step (one token a row) alike. Slot caches run on this."""
+        raise EngineLoadError(f"the {self.name} KV layout grows its cache by concatenation; continuous batching "
+                              "needs a buffer layout (shared_buffer or scatter_buffer): rebuild the engine with the "
+                              "default passes")
+
     def truncate(self, kv: KVCache, n: int) -> KVCache:
         """A one-row cache rolled back to its first ``n`` tokens: buffer layouts only move the length (slots past
         ``n`` are masked, then overwritten)."""
@@ -158,11 +166,13 @@ class SharedBufferLayout(KVLayout):
 
     name = "shared_buffer"
 
-    def _feeds(self, ids: np.ndarray, lengths: np.ndarray, total: int, pos: np.ndarray) -> dict[str, np.ndarray]:
-        feeds = {"input_ids": ids, "seqlens_k": (lengths - 1).astype(np.int32),
-                 "total_sequence_length": np.array(total, dtype=np.int32)}
+    def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+        width = ids.shape[1]
+        # GroupQueryAttention: seqlens_k = each row's tokens after the pass - 1; total = the widest row's
+        feeds = {"input_ids": ids, "seqlens_k": (starts + lengths - 1).astype(np.int32),
+                 "total_sequence_length": np.array(int(starts.max()) + width, dtype=np.int32)}
         if self.runner.needs_positions:
-            feeds["position_ids"] = pos
+            feeds["position_ids"] = (starts[:, None] + np.arange(width, dtype=np.int64)).astype(np.int64)
         return feeds
 
     def prefill(self, prompts: Sequence[Sequence[int]], capacity: int, staging: Any) -> tuple[np.ndarray, KVCache]:
@@ -170,7 +180,7 @@ class SharedBufferLayout(KVLayout):
         cap = max(capacity, width)
         # right padding, as the scatter layout: row r's tokens sit at 0..len-1, as in its buffer
         base, lengths = prefill_feeds(prompts, self.runner.pad_token_id, cap)
-        feeds = self._feeds(base["input_ids"], lengths, width, base["position_ids"])
+        feeds = self.buffer_feeds(base["input_ids"], np.zeros_like(lengths), lengths)
         bufs = self.runner.new_kv(len(prompts), cap)
         logits, vals = self.runner.run_bound(feeds, bufs, bufs, base[LOGITS_POSITIONS], staging)
         return logits[:, -1, :], KVCache(vals, lengths, capacity=cap, staging=staging)
@@ -179,7 +189,7 @@ class SharedBufferLayout(KVLayout):
         if int(kv.lengths.max()) + 1 > kv.capacity:
             raise InputError(f"KV buffers hold {kv.capacity} positions; a row would need "
                              f"{int(kv.lengths.max()) + 1}: raise max_new_tokens' bound or the engine's max_seq_len")
-        feeds = self._feeds(tokens, kv.lengths + 1, int(kv.lengths.max()) + 1, kv.lengths[:, None].astype(np.int64))
+        feeds = self.buffer_feeds(tokens, kv.lengths, np.ones_like(kv.lengths))
         logits, vals = self.runner.run_bound(feeds, kv.values, kv.values, np.zeros_like(tokens), kv.staging)
         return logits[:, -1, :], KVCache(vals, kv.lengths + 1, capacity=kv.capacity, staging=kv.staging)
 
@@ -191,8 +201,8 @@ class SharedBufferLayout(KVLayout):
             raise InputError(f"KV buffers hold {cap} positions; the sequence would need {start + n}")
         bufs = self.runner.new_kv(1, cap) if kv is None else kv.values
         lengths = np.array([start + n], dtype=np.int64)
-        feeds = self._feeds(np.asarray(tokens, dtype=np.int64).reshape(1, -1), lengths, start + n,
-                            np.arange(start, start + n, dtype=np.int64)[None, :])
+        feeds = self.buffer_feeds(np.asarray(tokens, dtype=np.int64).reshape(1, -1), np.array([start], np.int64),
+                                  np.array([n], np.int64))
         logits, vals = self.runner.run_bound(feeds, bufs, bufs, want, staging)
         return logits[0], KVCache(vals, lengths, capacity=cap, staging=staging)
 
@@ -203,6 +213,10 @@ class ScatterBufferLayout(KVLayout):
     each pass's KV written at ``position_ids[:, 0]`` by TensorScatter (feeds: :mod:`trtinfer.runtime.kv_feeds`)."""
 
     name = "scatter_buffer"
+
+    def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+        # TensorScatter writes each row's pass at position_ids[:, 0]; the causal mask comes from the positions
+        return {"input_ids": ids, "position_ids": starts[:, None] + np.arange(ids.shape[1], dtype=np.int64)}
 
     def prefill(self, prompts: Sequence[Sequence[int]], capacity: int, staging: Any) -> tuple[np.ndarray, KVCache]:
         cap = self.runner.scatter_capacity

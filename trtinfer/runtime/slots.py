@@ -1,18 +1,20 @@
-"""A slot KV cache for continuous batching: one preallocated ``shared_buffer`` cache whose rows are slots.
+"""A slot KV cache for continuous batching: one preallocated cache of a buffer KV layout whose rows are slots.
 
 ::
 
     buffers   [S, kv_heads, capacity, head_dim] per past/present pair, allocated once, bound as past AND present
     slot s    row s of every buffer: one request's KV, right-aligned at position 0, ``lengths[s]`` tokens
-    prefill   batch-1 calls bound to row s alone (a [1, kv_heads, capacity, head_dim] view at the row's address)
-    decode    one call over rows 0..n-1 (a view of the first n rows), each row with its own seqlens_k / position
+    prefill   new prompts in rows r..r+k-1 (contiguous, nothing in them yet): ONE call over that view
+    chunk     the next tokens of one row after what it holds: a batch-1 call bound to row s alone
+    decode    one call over rows 0..n-1 (a view of the first n rows), each row with its own length / position
 
-Rows of a C-contiguous ``[S, ...]`` buffer are contiguous, so a row (or the first n rows) is a tensor of its own
-at ``base + row * row_bytes``: ONNX Runtime reads and writes it in place through IOBinding, on the CPU or on a CUDA
-device alike. Prefill is batch 1 because ONNX Runtime's GroupQueryAttention refuses batch > 1 when a call has
-several new tokens and past context. A decode row that has nothing to decode (a free slot, a request still
-prefilling) gets a dummy token at its own length: its KV lands in the position its next write overwrites, and its
-logits are ignored.
+Rows of a C-contiguous ``[S, ...]`` buffer are contiguous, so a row (or a run of rows) is a tensor of its own at
+``base + row * row_bytes``: ONNX Runtime reads and writes it in place through IOBinding, on the CPU or on a CUDA
+device alike. The layout (``shared_buffer`` or ``scatter_buffer``, :mod:`trtinfer.runtime.kv_layouts`) makes the
+feeds; this class binds rows. A chunk after existing KV is batch 1 because ONNX Runtime's GroupQueryAttention refuses
+batch > 1 when a call has several new tokens and past context; rows that start empty prefill together. A decode row
+that has nothing to decode (a free slot, a request still prefilling) gets a dummy token at its own length: its KV
+lands in the position its next write overwrites, and its logits are ignored.
 """
 from __future__ import annotations
 
@@ -31,17 +33,27 @@ _ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}
 
 
 class SlotCache:
-    """``slots`` rows of KV buffers of ``capacity`` positions on an :class:`OrtDecoderSession` (``shared_buffer``).
+    """``slots`` rows of KV buffers of ``capacity`` positions on an :class:`OrtDecoderSession` with a buffer layout
+    (a ``scatter_buffer`` graph fixes its own capacity, which then must hold ``capacity``).
 
     Not thread-safe: one thread (the scheduler's) drives it. :attr:`lengths` counts each row's tokens.
     """
 
     def __init__(self, session: Any, slots: int, capacity: int) -> None:
-        if getattr(session, "kv_layout", None) != "shared_buffer" or not hasattr(session, "kv_value"):
-            raise EngineLoadError(
-                f"continuous batching runs ONNX Runtime engines with the shared_buffer KV layout; this engine has the "
-                f"{getattr(session, 'kv_layout', '?')} layout on {type(session).__name__}: rebuild it for ONNX Runtime "
-                "with the default passes")
+        layout = getattr(session, "layout", None)
+        if layout is None or not hasattr(session, "kv_value"):
+            raise EngineLoadError(f"continuous batching runs ONNX Runtime engines; this engine runs on "
+                                  f"{type(session).__name__}: serve it with ONNX Runtime")
+        self.layout = layout
+        if not layout.in_place:
+            raise EngineLoadError(f"continuous batching needs a KV layout written in place (shared_buffer or "
+                                  f"scatter_buffer); this engine has the {layout.name} layout: rebuild it with the "
+                                  "default passes")
+        if getattr(session, "scatter_capacity", 0):
+            if session.scatter_capacity < capacity:
+                raise InputError(f"the engine's KV buffers hold {session.scatter_capacity} positions; {capacity} "
+                                 "were asked for: lower max_model_len")
+            capacity = session.scatter_capacity
         session.check_can_score()  # a chunk's logits are read at its last token: needs logits_positions
         self.session = session
         self.slots, self.capacity = slots, capacity
@@ -85,14 +97,29 @@ class SlotCache:
         start, n = int(self.lengths[slot]), len(tokens)
         if n == 0 or start + n > self.capacity:
             raise InputError(f"slot {slot} holds {start} of {self.capacity} positions; {n} more tokens do not fit")
-        feeds: dict[str, np.ndarray] = {"input_ids": np.asarray(tokens, dtype=np.int64)[None, :],
-                 "position_ids": np.arange(start, start + n, dtype=np.int64)[None, :],
-                 "seqlens_k": np.array([start + n - 1], dtype=np.int32),
-                 "total_sequence_length": np.array(start + n, dtype=np.int32)}
+        feeds = self.layout.buffer_feeds(np.asarray(tokens, dtype=np.int64)[None, :], np.array([start], np.int64),
+                                         np.array([n], np.int64))
         logits = self._run(feeds, slot, 1, np.array([[n - 1]], dtype=np.int64))
         self.lengths[slot] = start + n
         self.index.extend(slot, tokens)
         return logits[0, -1]
+
+    def prefill_rows(self, first: int, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Prompts into the empty rows ``first .. first + len(prompts) - 1`` as ONE call (right-padded); each row's
+        logits ``[V]`` after its last token."""
+        rows = range(first, first + len(prompts))
+        if any(int(self.lengths[r]) for r in rows) or max(len(p) for p in prompts) > self.capacity:
+            raise InputError(f"rows {first}..{rows[-1]} must be empty and the prompts fit {self.capacity} positions")
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        ids = np.zeros((len(prompts), int(lengths.max())), dtype=np.int64)
+        for r, p in enumerate(prompts):
+            ids[r, :len(p)] = p
+        feeds = self.layout.buffer_feeds(ids, np.zeros_like(lengths), lengths)
+        logits = self._run(feeds, first, len(prompts), (lengths - 1)[:, None])
+        for r, p in zip(rows, prompts):
+            self.lengths[r] = len(p)
+            self.index.extend(r, p)
+        return [logits[i, -1] for i in range(len(prompts))]
 
     def decode(self, tokens: dict[int, int]) -> dict[int, np.ndarray]:
         """One token into each slot of ``tokens`` (slot -> token), as one batched call over rows 0..max slot.
@@ -105,10 +132,7 @@ class SlotCache:
         ids = np.zeros((rows, 1), dtype=np.int64)
         for s, t in tokens.items():
             ids[s, 0] = t
-        lengths = self.lengths[:rows]
-        feeds = {"input_ids": ids, "position_ids": lengths[:, None].copy(),
-                 "seqlens_k": lengths.astype(np.int32),
-                 "total_sequence_length": np.array(int(lengths.max()) + 1, dtype=np.int32)}
+        feeds = self.layout.buffer_feeds(ids, self.lengths[:rows].copy(), np.ones(rows, dtype=np.int64))
         logits = self._run(feeds, 0, rows, np.zeros((rows, 1), dtype=np.int64))
         for s, t in tokens.items():
             self.lengths[s] += 1

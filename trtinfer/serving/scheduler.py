@@ -427,8 +427,20 @@ class Scheduler:
         return slot
 
     def _prefill(self) -> None:
-        """Up to ``prefill_chunk`` prompt tokens, oldest request first, each chunk one batch-1 call into its slot."""
+        """Up to ``prefill_chunk`` prompt tokens: new prompts in neighbouring empty rows that fit the budget whole go
+        as ONE batched call per run of rows; the rest, oldest request first, in batch-1 chunks into their slots."""
         budget = self.prefill_chunk
+        for run in self._fresh_runs(budget):
+            rows = [r.prompt_ids for r in run]
+            try:
+                outs = self.cache.prefill_rows(run[0].slot or 0, rows)
+            except Exception as e:  # noqa: BLE001  the call failed: each of its requests ends with the error
+                for req in run:
+                    self._error(req, e)
+                continue
+            budget -= len(run) * max(map(len, rows))
+            for req, lg in zip(run, outs):
+                self._prefilled(req, len(req.prompt_ids), lg)
         for req in self._running():
             if budget == 0:
                 break
@@ -440,14 +452,41 @@ class Scheduler:
             try:
                 logits = self.cache.prefill(req.slot, req.prompt_ids[req.num_computed:req.num_computed + n])
                 budget -= n
-                req.num_computed += n
-                with self._cond:
-                    self._prompt_tokens += n
-                if req.num_computed == len(req.prompt_ids):
-                    req._batch_size = sum(r is not None for r in self._slots)
-                    self._emit(req, logits)
+                self._prefilled(req, n, logits)
             except Exception as e:  # noqa: BLE001  one request's failure ends that request only
                 self._error(req, e)
+
+    def _fresh_runs(self, budget: int) -> list[list[Request]]:
+        """Groups of >= 2 requests with nothing in their rows yet, in neighbouring slots, whose whole prompts fit
+        ``budget`` together (counted as the call computes them: rows x the longest prompt)."""
+        fresh = sorted((r for r in self._running() if r.num_computed == 0 and r.slot is not None
+                        and not self.cache.lengths[r.slot]), key=lambda r: r.slot or 0)
+        runs: list[list[Request]] = []
+        run: list[Request] = []
+
+        def cost(group: list[Request]) -> int:
+            return len(group) * max(len(r.prompt_ids) for r in group)
+
+        for req in fresh:
+            if run and run[-1].slot == (req.slot or 0) - 1 and cost([*run, req]) <= budget:
+                run.append(req)
+                continue
+            if len(run) > 1:
+                runs.append(run)
+                budget -= cost(run)
+            run = [req] if len(req.prompt_ids) <= budget else []
+        if len(run) > 1:
+            runs.append(run)
+        return runs
+
+    def _prefilled(self, req: Request, n: int, logits: np.ndarray) -> None:
+        """``n`` more prompt tokens of ``req`` are in its row; at the prompt's end its first token is chosen."""
+        req.num_computed += n
+        with self._cond:
+            self._prompt_tokens += n
+        if req.num_computed == len(req.prompt_ids):
+            req._batch_size = sum(r is not None for r in self._slots)
+            self._emit(req, logits)
 
     def _decode(self) -> None:
         """One batched step over every request with a token to feed."""
