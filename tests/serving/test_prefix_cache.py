@@ -190,3 +190,40 @@ def test_new_prompts_in_neighbouring_rows_prefill_as_one_call(engine, chunk):
         assert calls == {"rows": [3], "chunk": []}
     else:  # 2 x 11 fits 40, then 17 alone (a run of one is a chunk)
         assert calls["rows"] == [2] and sum(calls["chunk"]) == 17
+
+
+def test_same_prompt_submitted_together_shares_one_prefill(engine):
+    """n choices of one prompt (the server submits n requests): the first prefills, the others wait for its row and
+    copy it, prefilling only the last prompt token; seeded outputs equal generate alone."""
+    prompt = _texts(9, system=30, suffixes=(6,))[0]
+    cfgs = [GenerationConfig(max_new_tokens=8, do_sample=True, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    with Scheduler(engine, max_slots=3) as sched:
+        reqs = [sched.submit(prompt, c) for c in cfgs]
+        got = [r.result(timeout=60) for r in reqs]
+        stats = sched.stats()
+    for r, c in zip(got, cfgs):
+        same(r, alone(engine, prompt, c))
+    assert stats["prefix_cache_hits"] == 2 * (len(prompt) - 1)
+
+
+def test_server_n_choices_share_one_prefill(tiny_engine):
+    """``n=3`` through the openai client: one prefill, two copies (the metric counts them), three answers."""
+    import httpx
+    import openai
+
+    from tests.serving.test_server import Live, metric
+    from trtinfer.serving.app import create_app
+    from trtinfer.serving.config import ServeConfig
+
+    prompt = _texts(10, system=30, suffixes=(5,))[0]
+    server = Live(create_app(tiny_engine("llama"), ServeConfig(port=0)))
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        out = client.completions.create(model="engine", prompt=prompt, max_tokens=5, n=3, temperature=0.8, seed=5,
+                                        extra_body={"ignore_eos": True})
+        text = httpx.get(f"{server.url}/metrics").text
+    finally:
+        server.stop()
+    assert len(out.choices) == 3 and out.usage.completion_tokens == 15
+    assert metric(text, "trtinfer:prefix_cache_hits_total") == 2 * (len(prompt) - 1)

@@ -14,7 +14,9 @@ the engine's max sequence length, so it never runs out of room and nothing runni
 Automatic prefix caching (``prefix_caching``, on by default): a finished request's row keeps its KV, and a new
 request starts from the longest prefix any row holds (:class:`~trtinfer.runtime.prefix_cache.PrefixIndex`): a free
 row holding it is taken as it is, a running row's prefix is copied into a free row (CPU); only the rest is
-prefilled. With no match of at least :data:`MIN_REUSE` tokens the least recently used free row is evicted.
+prefilled. With no match of at least :data:`MIN_REUSE` tokens the least recently used free row is evicted. A
+request sharing a prefix with one still prefilling it waits until it is in that row (``n`` choices of one prompt
+share one prefill).
 
 A request's tokens depend on its own prompt, settings and seed only: selection runs per request with its own
 generator (``SeedSequence(seed).spawn(1)[0]``, as ``engine.generate`` seeds a batch of one), so its output equals
@@ -396,13 +398,32 @@ class Scheduler:
     def _admit(self) -> None:
         while True:
             with self._cond:
-                if not self._waiting or None not in self._slots:
+                if None not in self._slots:
                     return
-                req = self._waiting.popleft()
+                req = next((r for r in self._waiting if not self._await_prefix(r)), None)
+                if req is None:
+                    return
+                self._waiting.remove(req)
                 free = [s for s, r in enumerate(self._slots) if r is None]
             slot = self._place(req, free) if self.prefix_caching else free[0]  # lowest: short decode range
             with self._cond:
                 self._slots[slot], req.slot, req.t_admit = req, slot, time.perf_counter()
+
+    def _await_prefix(self, req: Request) -> bool:
+        """Whether ``req`` waits for a running request still prefilling the same prefix (the ``n`` choices of one
+        prompt, clients sharing a system prompt): once that prefix is in a row it is copied, not computed twice."""
+        if not (self.prefix_caching and self.cache.can_copy):
+            return False
+        want = np.asarray(req.prompt_ids[:-1], dtype=np.int64)
+        for other in self._slots:
+            if other is None or other.num_computed >= len(other.prompt_ids):
+                continue
+            n = min(len(want), len(other.prompt_ids))
+            diff = np.flatnonzero(want[:n] != np.asarray(other.prompt_ids[:n], dtype=np.int64))
+            common = int(diff[0]) if diff.size else n
+            if common >= MIN_REUSE and common > other.num_computed:
+                return True
+        return False
 
     def _place(self, req: Request, free: list[int]) -> int:
         """The free row a request takes, holding the longest reusable prefix of its prompt (its ``num_computed``)."""
