@@ -10,6 +10,7 @@ import importlib.util
 import json
 import shutil
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,13 @@ from tritonclient.grpc import model_config_pb2
 import trtinfer
 from trtinfer.cli import main
 from trtinfer.errors import BackendUnavailableError, ConfigError, InputError
+from trtinfer.serving.scheduler import Scheduler
 from trtinfer.serving.triton import (
     INPUT_NAMES,
     TritonConfig,
     parse_request,
     response_texts,
+    submit,
     write_repository,
 )
 
@@ -248,12 +251,14 @@ def test_parse_request(engine) -> None:
 def test_response_texts_equal_generate(engine, stream: bool) -> None:
     inputs = {"text_input": _s(PROMPT), "max_tokens": np.array([12], np.int32), "stream": np.array([stream])}
     greedy = parse_request(inputs, engine.generation_defaults)
-    texts = list(response_texts(engine, greedy))
-    assert len(texts) > 1 if stream else len(texts) == 1
-    assert "".join(texts) == engine.generate([PROMPT], config=greedy.config)[0].text
     sampled = parse_request({**inputs, "temperature": np.array([0.8], np.float32),
                              "random_seed": np.array([5], np.uint64)}, engine.generation_defaults)
-    assert "".join(response_texts(engine, sampled)) == engine.generate([PROMPT], config=sampled.config)[0].text
+    with Scheduler(engine, max_slots=2) as sched:
+        texts = list(response_texts(submit(sched, greedy), greedy.stream))
+        sampled_text = "".join(response_texts(submit(sched, sampled), sampled.stream))
+    assert len(texts) > 1 if stream else len(texts) == 1
+    assert "".join(texts) == engine.generate([PROMPT], config=greedy.config)[0].text
+    assert sampled_text == engine.generate([PROMPT], config=sampled.config)[0].text
 
 
 # --- model.py itself, in a harness ---------------------------------------------------------------------------
@@ -314,6 +319,7 @@ def test_model_py_in_harness(decoder: Path, engine, tmp_path: Path, monkeypatch:
     ok = _StandInRequest({"text_input": _s(PROMPT), "max_tokens": np.array([10], np.int32)})
     bad = _StandInRequest({"text_input": _s(PROMPT), "top_p": np.array([2.0], np.float32)})
     assert model.execute([ok, bad]) is None  # decoupled: everything goes through the senders
+    _wait_final(ok.sender)
     *tokens, last = ok.sender.sent
     assert last == (None, 1) and len(tokens) > 1 and all(flags == 0 for _, flags in tokens)
     text = "".join(r.output_tensors[0].value[0].decode() for r, _ in tokens if r is not None)
@@ -322,4 +328,25 @@ def test_model_py_in_harness(decoder: Path, engine, tmp_path: Path, monkeypatch:
         {"text_input": _s(PROMPT), "max_tokens": np.array([10], np.int32)}, engine.generation_defaults).config)[0].text
     [(err, flags)] = bad.sender.sent
     assert flags == 1 and err is not None and "top_p" in err.error
+    # several requests in one execute run together on the instance's batcher (batched decode steps)
+    prompts = [PROMPT, "Hello", "A quick brown fox", "The history of the city"]
+    many = [_StandInRequest({"text_input": _s(p), "max_tokens": np.array([10], np.int32),
+                             "stream": np.array([False])}) for p in prompts]
+    steps = model.scheduler.stats()["steps"]
+    model.execute(many)
+    for req in many:
+        _wait_final(req.sender)
+    cfg = parse_request({"text_input": _s(PROMPT), "max_tokens": np.array([10], np.int32)},
+                        engine.generation_defaults).config
+    want = [r.text for r in engine.generate(prompts, config=cfg)]
+    assert [req.sender.sent[0][0].output_tensors[0].value[0].decode() for req in many] == want
+    assert model.scheduler.stats()["steps"] - steps < 4 * 10  # one after another would take >= 4 x 10 steps
     model.finalize()
+
+
+def _wait_final(sender: _StandInSender, timeout: float = 60) -> None:
+    """Until the request's final flag was sent (its responses come from model.py's own thread)."""
+    deadline = time.monotonic() + timeout
+    while not (sender.sent and sender.sent[-1][1] == 1):
+        assert time.monotonic() < deadline, "model.py sent no final response"
+        time.sleep(0.01)

@@ -358,10 +358,17 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
     return TritonRequest(prompt, dataclasses.replace(base, **fields), stream)
 
 
-def response_texts(engine: Any, request: TritonRequest) -> Iterator[str]:
-    """The ``text_output`` of each response: every text delta when streaming, else the whole text once."""
-    deltas = engine.stream(request.prompt, config=request.config)
-    if request.stream:
+def submit(scheduler: Any, request: TritonRequest) -> Any:
+    """Queue a parsed request on the instance's :class:`~trtinfer.serving.scheduler.Scheduler` (the prompt encoded
+    as ``engine.generate`` encodes it); the scheduler's request, to read with :func:`response_texts`."""
+    return scheduler.submit(scheduler.tokenizer.encode(request.prompt), request.config)
+
+
+def response_texts(submitted: Any, stream: bool = True) -> Iterator[str]:
+    """The ``text_output`` of each response of a submitted request: every non-empty text delta when streaming, else
+    the whole text once (blocking as the scheduler makes them; its error is raised)."""
+    deltas = (ev.text for ev in submitted if ev.text)
+    if stream:
         yield from deltas
     else:
         yield "".join(deltas)

@@ -3,34 +3,39 @@
 Copied as ``model.py`` into the version folder, next to ``engine/`` (the engine directory). Decoupled: a request
 gets one response per text delta (``stream`` true, the default) or one with the whole text (``stream`` false), then
 an empty response flagged ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``; a bad request gets one error response.
-Requests run one after another within an instance; ``instance_group.count`` instances run side by side, each with
-its own copy of the engine. Triton's Python environment needs the trtinfer runtime (``pip install trtinfer``): no
-torch, no transformers. The request logic is :mod:`trtinfer.serving.triton`'s ``parse_request`` and
-``response_texts``; this file only moves tensors between Triton and them.
+Each instance runs the server's continuous batching (:class:`~trtinfer.serving.scheduler.Scheduler`, with prefix
+caching): ``execute`` queues its requests and returns; the scheduler decodes every running request in one batched
+step, and one thread per request sends its responses as the text arrives. ``instance_group.count`` instances run
+side by side, each with its own engine. Triton's Python environment needs the trtinfer runtime (``pip install
+trtinfer``): no torch, no transformers. The request logic is :mod:`trtinfer.serving.triton`'s ``parse_request``,
+``submit`` and ``response_texts``; this file only moves tensors between Triton and them.
 """
 import json
+import threading
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 import trtinfer
-from trtinfer.serving.triton import ENGINE_FOLDER, INPUT_NAMES, parse_request, response_texts, text_tensor
+from trtinfer.serving.scheduler import Scheduler
+from trtinfer.serving.triton import ENGINE_FOLDER, INPUT_NAMES, parse_request, response_texts, submit, text_tensor
 
 
 class TritonPythonModel:
     """Loads the engine once per instance; answers each request with a stream of ``text_output`` responses."""
 
     def initialize(self, args):
-        """Load ``<version folder>/engine`` with the provider named in config.pbtxt's parameters."""
+        """Load ``<version folder>/engine`` with the provider named in config.pbtxt's parameters; start its batcher."""
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         folder = Path(args["model_repository"]) / args["model_version"] / ENGINE_FOLDER
         device = int(args.get("model_instance_device_id") or 0)
         self.engine = trtinfer.load(folder, provider=params.get("provider", "cpu"), device_id=device)
+        self.scheduler = Scheduler(self.engine, max_slots=min(8, int(self.engine.manifest.max_batch_size))).start()
 
     def execute(self, requests):
-        """Generate for each request in turn, sending its responses as the text arrives; returns None (decoupled)."""
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        """Queue every request on the batcher and return None (decoupled): each request's responses are sent by its
+        own thread as the text arrives; a request that cannot be queued gets one error response at once."""
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -41,15 +46,29 @@ class TritonPythonModel:
                         inputs[name] = tensor.as_numpy()
                 parsed = parse_request(inputs, self.engine.generation_defaults,
                                        self.engine.generation_defaults_set)
-                for text in response_texts(self.engine, parsed):
-                    out = pb_utils.Tensor("text_output", text_tensor(text))
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+                queued = submit(self.scheduler, parsed)
             except Exception as e:  # noqa: BLE001 - the client gets the error; the instance keeps serving
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}")),
-                            flags=final)
+                _fail(sender, e)
                 continue
-            sender.send(flags=final)
+            threading.Thread(target=_respond, args=(sender, queued, parsed.stream), daemon=True).start()
 
     def finalize(self):
-        """Release the engine's sessions."""
+        """Stop the batcher (requests still running end with an error) and release the engine's sessions."""
+        self.scheduler.close()
         self.engine.close()
+
+
+def _respond(sender, queued, stream):
+    """Send a queued request's text responses, then the final flag (or its error)."""
+    try:
+        for text in response_texts(queued, stream):
+            sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", text_tensor(text))]))
+    except Exception as e:  # noqa: BLE001
+        _fail(sender, e)
+        return
+    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _fail(sender, error):
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}")),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
