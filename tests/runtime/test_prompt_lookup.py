@@ -18,9 +18,10 @@ from trtinfer.passes import PassConfig
 from trtinfer.passes.optimize import optimize_cached
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.generator import Generation, GenerationResult
+from trtinfer.runtime.ngram import NgramIndex
 from trtinfer.runtime.scoring import open_stage_session
 from trtinfer.runtime.session import DecoderSession
-from trtinfer.runtime.speculative import LookupStats, NgramIndex, PromptLookupGeneration
+from trtinfer.runtime.speculative import LookupStats, PromptLookupGeneration
 from trtinfer.runtime.tokenizer import EngineTokenizer
 
 #: the tiny llama copies from this prompt's second half and loops in its own output: drafts get accepted

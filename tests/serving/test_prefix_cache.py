@@ -227,3 +227,55 @@ def test_server_n_choices_share_one_prefill(tiny_engine):
         server.stop()
     assert len(out.choices) == 3 and out.usage.completion_tokens == 15
     assert metric(text, "trtinfer:prefix_cache_hits_total") == 2 * (len(prompt) - 1)
+
+
+# --- prompt lookup (vLLM's ngram speculation) on the scheduler ------------------------------------------------------
+def _repetitive(seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    phrase = rng.integers(3, 300, size=6).tolist()
+    return phrase * 5 + phrase[:3]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_ngram_drafts_are_verified_and_answer_as_plain_decoding(engine, sampled):
+    """Requests with prompt_lookup_num_tokens draft from their own n-grams and verify in one pass: the tokens are
+    plain decoding's (greedy, and seeded sampling with one draw per kept token), next to a plain request."""
+    base = {"max_new_tokens": 16, "ignore_eos": True, "do_sample": sampled, "seed": 3 if sampled else None}
+    plain, look = GenerationConfig(**base), GenerationConfig(**base, prompt_lookup_num_tokens=4)
+    ps = [_repetitive(1), _repetitive(2)]
+    with Scheduler(engine, max_slots=3) as sched:
+        reqs = [sched.submit(ps[0], look), sched.submit(ps[1], look), sched.submit(ps[0], plain)]
+        got = [r.result(timeout=60) for r in reqs]
+    for r, p in zip(got, ps + ps[:1]):
+        assert r.token_ids == alone(engine, p, plain).token_ids
+    assert reqs[2].drafted == 0
+    if not sampled:  # a greedy tiny model repeats its prompt's phrase: drafts are found (sampled ones may not be)
+        assert all(r.drafted > 0 for r in reqs[:2])
+    assert all(0 <= r.accepted <= r.drafted for r in reqs)
+
+
+def test_server_speculative_ngram(tiny_engine):
+    """--speculative-ngram 4: a live server's greedy answer to a repetitive prompt equals generate's, and the draft
+    counters on /metrics move."""
+    import httpx
+    import openai
+
+    from tests.serving.test_server import Live, metric
+    from trtinfer.serving.app import create_app
+    from trtinfer.serving.config import ServeConfig
+
+    engine_dir = tiny_engine("llama")
+    prompt = _repetitive(1)
+    server = Live(create_app(engine_dir, ServeConfig(port=0, speculative_ngram=4)))
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model="engine", prompt=prompt, max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+        text = httpx.get(f"{server.url}/metrics").text
+    finally:
+        server.stop()
+    with trtinfer.load(engine_dir) as ref:
+        assert got == ref.generate(input_ids=[prompt], max_new_tokens=16, ignore_eos=True)[0].text
+    drafted = metric(text, "trtinfer:spec_decode_num_draft_tokens_total")
+    assert drafted > 0 and 0 <= metric(text, "trtinfer:spec_decode_num_accepted_tokens_total") <= drafted

@@ -21,7 +21,8 @@ log = logging.getLogger("trtinfer.serve")
 SERVE_FLAGS = {"host": "--host", "port": "--port", "api_key": "--api-key", "model_name": "--model-name",
                "max_queue": "--max-queue", "max_body_bytes": "--max-body-bytes", "prefill_chunk": "--prefill-chunk",
                "max_n": "--max-n", "provider": "--provider", "intra_op_threads": "--threads",
-               "max_slots": "--max-slots", "max_model_len": "--max-model-len", "prefix_caching": "--prefix-caching"}
+               "max_slots": "--max-slots", "max_model_len": "--max-model-len", "prefix_caching": "--prefix-caching",
+               "speculative_ngram": "--speculative-ngram"}
 #: RayConfig field -> flag (``--ray`` itself chooses Ray Serve)
 RAY_FLAGS = {"replicas": "--replicas", "replica_cpus": "--replica-cpus", "address": "--ray-address"}
 #: where --api-key is read from when the flag is not given (a key on the command line shows in `ps`)
@@ -52,6 +53,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of the longest prompt prefix a batch row holds (a shared system prompt, the "
                         "earlier turns of a chat); --no-prefix-caching prefills every prompt whole (default: on)")
+    p.add_argument("--speculative-ngram", type=int, default=None, metavar="K",
+                   help="prompt lookup (vLLM's ngram speculation): each request drafts up to K tokens from its own "
+                        "n-grams and verifies them in one pass; same tokens, faster where output copies its input "
+                        "(default 0: off)")
     p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default=None, help="default cpu")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default 0: one per core)")
     ray = p.add_argument_group("scale-out on Ray Serve (pip install 'trtinfer[ray]')")

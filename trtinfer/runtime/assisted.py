@@ -22,9 +22,10 @@ from trtinfer.errors import InputError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.forward import Context
 from trtinfer.runtime.generator import LogitsProcessor, StreamEvent
+from trtinfer.runtime.ngram import NgramIndex
 from trtinfer.runtime.probes import Argmax
 from trtinfer.runtime.session import DecoderSession
-from trtinfer.runtime.speculative import NgramIndex, PromptLookupGeneration
+from trtinfer.runtime.speculative import PromptLookupGeneration
 from trtinfer.runtime.tokenizer import EngineTokenizer
 
 log = logging.getLogger(__name__)

@@ -92,17 +92,19 @@ class SlotCache:
         s.sess.run_with_iobinding(io)
         return s.select(io.get_outputs()[0].numpy(), positions)  # type: ignore[no-any-return]
 
-    def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
-        """Feed the next ``tokens`` of slot ``slot``'s sequence (one batch-1 call); logits ``[V]`` after the last."""
+    def prefill(self, slot: int, tokens: Sequence[int], every: bool = False) -> np.ndarray:
+        """Feed the next ``tokens`` of slot ``slot``'s sequence (one batch-1 call); logits ``[V]`` after the last,
+        or with ``every`` ``[len(tokens), V]`` after each (a draft's verification)."""
         start, n = int(self.lengths[slot]), len(tokens)
         if n == 0 or start + n > self.capacity:
             raise InputError(f"slot {slot} holds {start} of {self.capacity} positions; {n} more tokens do not fit")
         feeds = self.layout.buffer_feeds(np.asarray(tokens, dtype=np.int64)[None, :], np.array([start], np.int64),
                                          np.array([n], np.int64))
-        logits = self._run(feeds, slot, 1, np.array([[n - 1]], dtype=np.int64))
+        want = np.arange(n, dtype=np.int64)[None, :] if every else np.array([[n - 1]], dtype=np.int64)
+        logits = self._run(feeds, slot, 1, want)
         self.lengths[slot] = start + n
         self.index.extend(slot, tokens)
-        return logits[0, -1]
+        return logits[0] if every else logits[0, -1]
 
     def prefill_rows(self, first: int, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Prompts into the empty rows ``first .. first + len(prompts) - 1`` as ONE call (right-padded); each row's

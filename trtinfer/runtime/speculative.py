@@ -47,6 +47,7 @@ from trtinfer.runtime.generator import (
     token_logprobs,
     user_hook,
 )
+from trtinfer.runtime.ngram import NgramIndex
 from trtinfer.runtime.probes import Argmax, Logits
 from trtinfer.runtime.sampling import banned_ngram_tokens, is_plain_greedy, select_next
 from trtinfer.runtime.session import DecoderSession
@@ -73,39 +74,6 @@ class LookupStats:
         """JSON-friendly summary."""
         return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_rate": round(self.acceptance_rate, 4)}
-
-
-class NgramIndex:
-    """A growing token sequence and the first occurrence of each of its n-grams, ``n = 1..max_n``.
-
-    :meth:`draft` is transformers' ``PromptLookupCandidateGenerator`` lookup: for ``n`` from ``max_n`` (at most
-    ``len - 1``) down to 1, the leftmost earlier occurrence of the last ``n`` tokens, and the up to ``k`` tokens that
-    follow it. A leftmost occurrence never moves as the sequence grows, so a dict answers in O(max_n) per step.
-    """
-
-    def __init__(self, max_n: int) -> None:
-        self.max_n = max_n
-        self.tokens: list[int] = []
-        self._first: dict[tuple[int, ...], int] = {}
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Append tokens, registering the n-grams that end at each."""
-        for t in tokens:
-            self.tokens.append(int(t))
-            end = len(self.tokens)
-            for n in range(1, min(self.max_n, end) + 1):
-                self._first.setdefault(tuple(self.tokens[end - n:end]), end - n)
-
-    def draft(self, k: int) -> list[int]:
-        """Up to ``k`` tokens after the leftmost earlier occurrence of the longest matching suffix ([] if none)."""
-        seq, size = self.tokens, len(self.tokens)
-        if k <= 0:
-            return []
-        for n in range(min(self.max_n, size - 1), 0, -1):
-            at = self._first.get(tuple(seq[size - n:]))
-            if at is not None and at < size - n:  # an occurrence before the suffix itself: it has a continuation
-                return seq[at + n:at + n + k]
-        return []
 
 
 class PromptLookupGeneration(Generation):

@@ -16,6 +16,7 @@ another host (uvicorn here; a Ray Serve deployment) can wrap it as it is.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -354,6 +355,8 @@ class Handler:
         cfgs = [P.generation_config(req, engine.generation_defaults, prompt_len=len(ids), max_seq_len=max_seq_len,
                                     default_max_tokens=None if chat else 16,
                                     defaults_set=engine.generation_defaults_set) for ids in prompts]
+        if self.config.speculative_ngram:
+            cfgs = [dataclasses.replace(c, prompt_lookup_num_tokens=self.config.speculative_ngram) for c in cfgs]
         submitted: list[Submitted] = []
         try:
             for ids, cfg in zip(prompts, cfgs):

@@ -23,7 +23,9 @@ there a moment before a slot takes it, so at least 1).
     positions per request, prompt + output (default: the engine's max sequence length, at most 2048). Both size the
     KV cache the server reserves when it starts (slots x positions; e.g. 754 MiB for SmolLM2-135M at 8 x 2048).
     ``prefix_caching``: a request reuses the KV of the longest prompt prefix a batch row holds (see
-    :mod:`trtinfer.serving.scheduler`); False prefills every prompt whole.
+    :mod:`trtinfer.serving.scheduler`); False prefills every prompt whole. ``speculative_ngram`` K > 0: every
+    request drafts up to K tokens from its own n-grams (prompt lookup, vLLM's ``ngram`` speculative method) and
+    verifies them in one pass; the tokens are the same, faster where the output copies its context.
     """
 
     host: str = "127.0.0.1"
@@ -39,12 +41,13 @@ there a moment before a slot takes it, so at least 1).
     max_slots: int | None = None
     max_model_len: int | None = None
     prefix_caching: bool = True
+    speculative_ngram: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.host, str) and self.host):
             raise ConfigError(f"host must be a host name or address, got {describe(self.host)}", field="host")
         for name, low in (("port", 0), ("max_queue", 1), ("max_body_bytes", 1), ("prefill_chunk", 1), ("max_n", 1),
-                          ("intra_op_threads", 0)):
+                          ("intra_op_threads", 0), ("speculative_ngram", 0)):
             value = getattr(self, name)
             if not (is_int(value) and value >= low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {describe(value)}", field=name)

@@ -64,6 +64,10 @@ class _SchedulerCollector(Collector):
                       s.get("prefix_cache_queries", 0))
         yield counter("trtinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
                       s.get("prefix_cache_hits", 0))
+        yield counter("trtinfer:spec_decode_num_draft_tokens", "Prompt-lookup draft tokens proposed.",
+                      s.get("spec_decode_draft_tokens", 0))
+        yield counter("trtinfer:spec_decode_num_accepted_tokens", "Prompt-lookup draft tokens accepted.",
+                      s.get("spec_decode_accepted_tokens", 0))
         yield counter("trtinfer:generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
         done = CounterMetricFamily("trtinfer:request_success", "Finished requests by finish reason (abort: cancelled, "
                                    "e.g. the client went away).", labels=[*names, "finished_reason"])

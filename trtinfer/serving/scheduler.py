@@ -49,6 +49,7 @@ from trtinfer.runtime.generator import (
     settle,
     token_logprobs,
 )
+from trtinfer.runtime.ngram import NgramIndex
 from trtinfer.runtime.sampling import select_next
 from trtinfer.runtime.slots import SlotCache
 from trtinfer.runtime.tokenizer import IncrementalDecoder
@@ -106,6 +107,12 @@ class Request:
         self._logprobs: list[TokenLogprob] | None = [] if cfg.logprobs else None
         self._rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(1)[0]) if cfg.do_sample else None
         self._deadline = None if cfg.max_time is None else self.t_submit + cfg.max_time
+        # prompt lookup (vLLM's ngram speculation): the sequence's n-grams, drafts verified by the scheduler
+        self._ngram: NgramIndex | None = None
+        if cfg.prompt_lookup_num_tokens is not None:
+            self._ngram = NgramIndex(cfg.max_matching_ngram_size)
+            self._ngram.extend(prompt_ids)
+        self.drafted = self.accepted = 0  # draft tokens proposed / kept
         self._batch_size = 1
         # --- shared with readers -----------------------------------------------------------------------------------
         self._cond = threading.Condition()
@@ -267,6 +274,7 @@ class Scheduler:
         self._on_finish = on_finish
         self.prefix_caching = prefix_caching
         self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up / found in a row's KV
+        self._drafted = self._accepted = 0  # prompt-lookup draft tokens proposed / kept
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def __enter__(self) -> Scheduler:  # noqa: PYI034
@@ -333,10 +341,10 @@ class Scheduler:
         cfg = self.engine.generation_defaults if cfg is None else cfg
         if not isinstance(cfg, GenerationConfig):
             raise InputError(f"cfg must be a GenerationConfig, got {type(cfg).__name__}")
-        if cfg.num_beams > 1 or cfg.prompt_lookup_num_tokens is not None or cfg.num_return_sequences > 1:
-            raise InputError("the scheduler runs one sequence per request without beam search or prompt lookup "
-                             "(num_beams=1, num_return_sequences=1, prompt_lookup_num_tokens=None); use "
-                             "engine.generate for those")
+        if cfg.num_beams > 1 or cfg.num_return_sequences > 1:
+            raise InputError("the scheduler runs one sequence per request without beam search (num_beams=1, "
+                             "num_return_sequences=1: submit the request n times for n sequences); use "
+                             "engine.generate for beam search")
         ids = check_prompts([prompt_ids], self.vocab, self.max_seq_len)[0]
         if len(ids) + cfg.max_new_tokens > self.max_seq_len:
             raise InputError(f"a prompt of {len(ids)} tokens + max_new_tokens {cfg.max_new_tokens} = "
@@ -359,14 +367,16 @@ class Scheduler:
         ``waiting`` (queued for a slot), ``slots_used``, ``slots_total``, ``queue_capacity``, the counters
         ``prompt_tokens`` (prompt tokens in the KV: prefilled or reused) and ``generation_tokens`` (generated), ``requests_finished`` (by finish reason,
         ``"error"`` included), ``steps``, and the prefix cache's ``prefix_cache_queries`` (prompt tokens looked up) and
-        ``prefix_cache_hits`` (of those, found in a row's KV and not prefilled)."""
+        ``prefix_cache_hits`` (of those, found in a row's KV and not prefilled), and prompt lookup's
+        ``spec_decode_draft_tokens`` (proposed) and ``spec_decode_accepted_tokens`` (kept)."""
         with self._cond:
             used = sum(r is not None for r in self._slots)
             return {"running": used, "waiting": len(self._waiting), "slots_used": used, "slots_total": len(self._slots),
                     "queue_capacity": self.max_queue, "prompt_tokens": self._prompt_tokens,
                     "generation_tokens": self._generation_tokens, "requests_finished": dict(self._finished),
                     "steps": self._steps, "prefix_cache_queries": self._prefix_queries,
-                    "prefix_cache_hits": self._prefix_hits}
+                    "prefix_cache_hits": self._prefix_hits, "spec_decode_draft_tokens": self._drafted,
+                    "spec_decode_accepted_tokens": self._accepted}
 
     # --- one step -----------------------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -510,8 +520,15 @@ class Scheduler:
             self._emit(req, logits)
 
     def _decode(self) -> None:
-        """One batched step over every request with a token to feed."""
-        batch = [r for r in self._running() if r.next_token is not None]
+        """One batched step over every request with a token to feed; a request with a prompt-lookup draft instead
+        verifies it in its own pass (its token and the draft, logits at each)."""
+        batch = []
+        for req in [r for r in self._running() if r.next_token is not None]:
+            draft = self._draft(req)
+            if draft:
+                self._speculate(req, draft)
+            else:
+                batch.append(req)
         if not batch:
             return
         try:
@@ -528,8 +545,50 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 self._error(req, e)
 
-    def _emit(self, req: Request, logits: np.ndarray) -> None:
-        """Choose the request's next token from its logits ``[V]``, push its event, finish it if it ends here.
+    def _draft(self, req: Request) -> list[int]:
+        """The request's next prompt-lookup draft (none without prompt lookup): the n-gram lookup, within what the
+        request may still generate and its row may hold, cut before its first EOS id."""
+        k = req.cfg.prompt_lookup_num_tokens
+        if req._ngram is None or k is None:
+            return []
+        room = min(req.cfg.max_new_tokens - len(req.generated), self.max_seq_len - len(req._ngram.tokens)) - 1
+        draft = req._ngram.draft(min(k, room))
+        cut = next((j for j, t in enumerate(draft) if t in req.eos), len(draft))
+        return draft[:cut]
+
+    def _speculate(self, req: Request, draft: list[int]) -> None:
+        """Feed the request's token and ``draft`` in one pass; keep the draft while the model's own choices (made
+        exactly as a decode step makes them) equal it, then its first differing choice; roll the row back to what
+        was kept. Greedy output is plain greedy's; a seeded request draws one number per kept token, as plain
+        decoding does."""
+        assert req.slot is not None and req.next_token is not None
+        start = int(self.cache.lengths[req.slot])
+        try:
+            logits = self.cache.prefill(req.slot, [req.next_token, *draft], every=True)
+        except Exception as e:  # noqa: BLE001
+            self._error(req, e)
+            return
+        req.drafted += len(draft)
+        kept = 0
+        for j in range(len(draft) + 1):
+            try:
+                tok = self._emit(req, logits[j])
+            except Exception as e:  # noqa: BLE001
+                self._error(req, e)
+                return
+            if req.slot is None or j == len(draft) or tok != draft[j]:
+                break
+            kept += 1
+        req.accepted += kept
+        with self._cond:
+            self._drafted += len(draft)
+            self._accepted += kept
+        if req.slot is not None:  # still running: its row keeps the fed token and the kept draft
+            self.cache.keep(req.slot, start + 1 + kept)
+
+    def _emit(self, req: Request, logits: np.ndarray) -> int:
+        """Choose the request's next token from its logits ``[V]``, push its event, finish it if it ends here;
+        the token.
 
         The same rules, in the same order, as :class:`~trtinfer.runtime.generator.Generation` for one row.
         """
@@ -545,6 +604,8 @@ class Scheduler:
         req._seen = np.append(req._seen, tok)
         if req._logprobs is not None and lp is not None:
             req._logprobs.append(lp)
+        if req._ngram is not None:
+            req._ngram.extend((tok,))
         with self._cond:
             self._generation_tokens += 1
         dec = req._decoder
@@ -555,9 +616,10 @@ class Scheduler:
         if end is None:
             req.next_token = tok
             req._push(Event(tok, delta, lp, None, None, now))
-            return
+            return tok
         tail, finish, stop = settle(dec, end, why)
         self._finish(req, finish, stop, Event(tok, delta + tail, lp, finish, stop, now))
+        return tok
 
     # --- endings ------------------------------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
