@@ -40,8 +40,9 @@ from trtinfer.runtime.generator import TokenLogprob
 from trtinfer.serving import protocol as P
 from trtinfer.serving.config import ServeConfig
 from trtinfer.serving.metrics import CONTENT_TYPE, ServerMetrics
-from trtinfer.serving.scheduler import Event, Scheduler
-from trtinfer.serving.scheduler import Request as Submitted
+from trtinfer.serving.request import Event
+from trtinfer.serving.request import Request as Submitted
+from trtinfer.serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -25,14 +25,12 @@ session; :meth:`Scheduler.submit` and :meth:`Request.cancel` touch locked queues
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,190 +40,22 @@ from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.generator import (
     GenerationResult,
     Timings,
-    TokenLogprob,
     check_prompts,
     eos_ids,
     row_finish,
     settle,
     token_logprobs,
 )
-from trtinfer.runtime.ngram import NgramIndex
 from trtinfer.runtime.sampling import select_next
 from trtinfer.runtime.slots import SlotCache
 from trtinfer.runtime.tokenizer import IncrementalDecoder
+from trtinfer.serving.request import Event, Request
 
 log = logging.getLogger(__name__)
 
 #: the shortest prefix worth reusing (vLLM's default block size): a shorter match (a BOS token, a chat template's
 #: first tokens) would evict a row holding more for a few tokens' prefill
 MIN_REUSE = 16
-
-
-@dataclass(frozen=True)
-class Event:
-    """One step of a request: a token and the text it adds; ``finish_reason`` is set on the last event.
-
-    ``token_id`` is None only on a last event without a token (a cancelled request). ``logprob``: with
-    ``logprobs=True``, the token's :class:`TokenLogprob`. ``time``: ``time.perf_counter()`` when it was made.
-    """
-
-    token_id: int | None
-    text: str
-    logprob: TokenLogprob | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    time: float = 0.0
-
-
-class Request:
-    """One submitted prompt: its settings, its progress (owned by the scheduler) and its events (for any thread).
-
-    Read it with blocking iteration (``for ev in request``), ``async for ev in request.stream()`` or
-    :meth:`result`; a request that failed raises its error from all three. Timestamps (``time.perf_counter()``):
-    ``t_submit``, ``t_admit`` (slot taken), ``t_first_token`` and ``token_times`` (one per token), for TTFT and
-    inter-token latency. ``cfg.max_time`` counts from ``t_submit``. Nothing cancels a request whose reader went away
-    (an HTTP client that disconnected): call :meth:`cancel` then, or it runs to its end.
-    """
-
-    def __init__(self, rid: int, prompt_ids: list[int], cfg: GenerationConfig, eos: tuple[int, ...],
-                 decoder: IncrementalDecoder) -> None:
-        self.id = rid
-        self.prompt_ids = prompt_ids
-        self.cfg = cfg
-        self.t_submit = time.perf_counter()
-        self.t_admit: float | None = None
-        self.t_first_token: float | None = None
-        self.token_times: list[float] = []
-        # --- progress, touched by the scheduler's thread only -----------------------------------------------------
-        self.slot: int | None = None
-        self.num_computed = 0  # prompt tokens in the slot's KV
-        self.generated: list[int] = []
-        self.next_token: int | None = None  # sampled, not yet fed back
-        self.eos = eos
-        self._seen = np.asarray(prompt_ids, dtype=np.int64)
-        self._decoder = decoder
-        self._logprobs: list[TokenLogprob] | None = [] if cfg.logprobs else None
-        self._rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(1)[0]) if cfg.do_sample else None
-        self._deadline = None if cfg.max_time is None else self.t_submit + cfg.max_time
-        # prompt lookup (vLLM's ngram speculation): the sequence's n-grams, drafts verified by the scheduler
-        self._ngram: NgramIndex | None = None
-        if cfg.prompt_lookup_num_tokens is not None:
-            self._ngram = NgramIndex(cfg.max_matching_ngram_size)
-            self._ngram.extend(prompt_ids)
-        self.drafted = self.accepted = 0  # draft tokens proposed / kept
-        self._batch_size = 1
-        # --- shared with readers -----------------------------------------------------------------------------------
-        self._cond = threading.Condition()
-        self._events: list[Event] = []
-        self._wakers: list[Callable[[], None]] = []
-        self._done = False
-        self._cancelled = False
-        self._result: GenerationResult | None = None
-        self._error: BaseException | None = None
-
-    def __repr__(self) -> str:
-        return f"Request(id={self.id}, prompt={len(self.prompt_ids)} tokens, slot={self.slot}, done={self._done})"
-
-    @property
-    def done(self) -> bool:
-        """True once the last event was pushed (finished, cancelled or failed)."""
-        with self._cond:
-            return self._done
-
-    @property
-    def cancelled(self) -> bool:
-        """True once :meth:`cancel` was called."""
-        with self._cond:
-            return self._cancelled
-
-    def cancel(self) -> None:
-        """Stop this request: it ends with ``finish_reason="cancelled"`` and its slot frees at the next step."""
-        with self._cond:
-            self._cancelled = True
-
-    # --- reading ------------------------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[Event]:
-        """Events as they come (blocking); raises the request's error after its last event, if it failed."""
-        i = 0
-        while True:
-            with self._cond:
-                while len(self._events) <= i and not self._done:
-                    self._cond.wait()
-                batch, done = self._events[i:], self._done
-            i += len(batch)
-            yield from batch
-            if done and i == len(self._events):
-                self._raise_error()
-                return
-
-    async def stream(self) -> AsyncIterator[Event]:
-        """Events as they come, for asyncio: the scheduler's thread wakes this loop through
-        ``call_soon_threadsafe``; raises the request's error after its last event, if it failed."""
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-
-        def waker() -> None:
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # the loop closed while the request ran: nobody listens any more
-                pass
-
-        with self._cond:
-            self._wakers.append(waker)
-        i = 0
-        try:
-            while True:
-                wake.clear()  # before reading: an event pushed after the read sets it again
-                with self._cond:
-                    batch, done = self._events[i:], self._done
-                i += len(batch)
-                for ev in batch:
-                    yield ev
-                if done and i == len(self._events):
-                    self._raise_error()
-                    return
-                if not batch:
-                    await wake.wait()
-        finally:
-            with self._cond:
-                self._wakers.remove(waker)
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """Wait for the end; the :class:`GenerationResult` (raises the request's error if it failed, TimeoutError
-        after ``timeout`` seconds)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._done, timeout):
-                raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-        self._raise_error()
-        assert self._result is not None
-        return self._result
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    # --- writing (the scheduler) --------------------------------------------------------------------------------
-    def _push(self, event: Event, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
-        with self._cond:
-            if self._done:
-                return
-            self._events.append(event)
-            if result is not None or error is not None:
-                self._result, self._error, self._done = result, error, True
-            self._cond.notify_all()
-            wakers = list(self._wakers)
-        for w in wakers:
-            w()
-
-    def _fail(self, error: BaseException) -> None:
-        with self._cond:
-            if self._done:
-                return
-            self._error, self._done = error, True
-            self._cond.notify_all()
-            wakers = list(self._wakers)
-        for w in wakers:
-            w()
 
 
 class Scheduler:
