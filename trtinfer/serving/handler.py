@@ -1,0 +1,268 @@
+"""Answering one completion or chat request: queue its prompts (and ``n`` choices) on the scheduler, then return
+the whole answer or stream it as OpenAI's server-sent events (merging the choices' events as they come, cancelling
+everything when the client goes away)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
+
+from trtinfer.errors import ConfigError, InputError, ServingError
+from trtinfer.runtime.engine import Engine
+from trtinfer.runtime.generator import TokenLogprob
+from trtinfer.serving import protocol as P
+from trtinfer.serving.request import Event
+from trtinfer.serving.request import Request as Submitted
+
+if TYPE_CHECKING:
+    from trtinfer.serving.app import Service
+
+log = logging.getLogger(__name__)
+
+
+class _Streamed:
+    """What one choice streamed so far, for the response or the usage chunk."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.offset = 0  # text length so far (completions' logprobs text_offset)
+
+
+async def _merged(requests: list[Submitted]) -> AsyncIterator[tuple[int, Event]]:
+    """``(choice index, event)`` of every request's stream, as they come."""
+    if len(requests) == 1:
+        async for ev in requests[0].stream():
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()  # events, errors and `done` marks
+    done = object()
+
+    async def pump(i: int, req: Submitted) -> None:
+        try:
+            async for ev in req.stream():
+                queue.put_nowait((i, ev))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        left = len(requests)
+        while left:
+            i, ev = await queue.get()
+            if ev is done:
+                left -= 1
+            elif isinstance(ev, Exception):
+                raise ev
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (the body is already read: the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that cancel their requests however the response ends (done, error, client gone)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._body, self._on_close = body, on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            aclose = getattr(self._body, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class Handler:
+    """The two generation routes over one :class:`Service`: parse, submit, then answer whole or streamed."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.config = service.config
+
+    async def handle(self, req: P.CompletionRequest | P.ChatCompletionRequest, request: Request) -> Response:
+        """Serve one completion or chat request."""
+        engine, scheduler = self.service.ready()
+        chat = isinstance(req, P.ChatCompletionRequest)
+        if req.model:
+            self.service.check_model(req.model)
+        P.check_unsupported(req, self.config.max_n)
+        extra = P.unknown_fields(req)
+        if extra:
+            log.warning("ignoring unknown request field(s) %s", extra)
+        prompts = await run_in_threadpool(_encode, engine, req)
+        max_seq_len = self.service.scheduler.max_seq_len if self.service.scheduler else engine.manifest.max_seq_len
+        cfgs = [P.generation_config(req, engine.generation_defaults, prompt_len=len(ids), max_seq_len=max_seq_len,
+                                    default_max_tokens=None if chat else 16,
+                                    defaults_set=engine.generation_defaults_set) for ids in prompts]
+        if self.config.speculative_ngram:
+            cfgs = [dataclasses.replace(c, prompt_lookup_num_tokens=self.config.speculative_ngram) for c in cfgs]
+        submitted: list[Submitted] = []
+        try:
+            for ids, cfg in zip(prompts, cfgs):
+                for j in range(req.n):
+                    submitted.append(scheduler.submit(ids, P.for_choice(cfg, j)))
+        except BaseException:
+            for r in submitted:
+                r.cancel()
+            raise
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        text_of = self.service.token_text
+        if req.stream:
+            opts = req.stream_options
+            usage: Literal["last", "continuous"] | None = None
+            if opts is not None and opts.include_usage:  # vLLM: continuous_usage_stats only with include_usage
+                usage = "continuous" if opts.continuous_usage_stats else "last"
+            body = self._events(submitted, rid, chat, prompt_tokens, usage, text_of)
+            return _EventStream(body, lambda: self._cancel(submitted))
+        collect = asyncio.ensure_future(self._collect(submitted))
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        left = False
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left: its requests free their slots
+                left = True
+                collect.cancel()  # (cancel() only asks: the task is not done yet, and has no result to read)
+            self._cancel(submitted)
+        if left or collect.cancelled():
+            log.info("client disconnected; %d request(s) cancelled", len(submitted))
+            return Response(status_code=499)
+        streamed = collect.result()
+        choices = [P.Choice(i, "".join(s.text), s.finish_reason or "length", s.stop_reason, s.token_ids,
+                            s.logprobs if cfgs[0].logprobs else None) for i, s in enumerate(streamed)]
+        build = P.chat_response if chat else P.completion_response
+        return JSONResponse(build(rid, self.service.model_name, choices, prompt_tokens, text_of))
+
+    async def _collect(self, requests: list[Submitted]) -> list[_Streamed]:
+        out = [_Streamed() for _ in requests]
+        async for i, ev in _merged(requests):
+            self._add(out[i], ev)
+        return out
+
+    @staticmethod
+    def _add(s: _Streamed, ev: Event) -> None:
+        """Fold one event into its choice."""
+        if ev.token_id is not None:
+            s.token_ids.append(ev.token_id)
+        if ev.text:
+            s.text.append(ev.text)
+        if ev.logprob is not None:
+            s.logprobs.append(ev.logprob)
+        if ev.finish_reason is not None:
+            s.finish_reason, s.stop_reason = ev.finish_reason, ev.stop_reason
+
+    @staticmethod
+    def _cancel(requests: list[Submitted]) -> None:
+        """Cancel the requests still running: their slots free at the scheduler's next step."""
+        for r in requests:
+            if not r.done:
+                r.cancel()
+
+    async def _events(self, requests: list[Submitted], rid: str, chat: bool, prompt_tokens: int,
+                      usage: Literal["last", "continuous"] | None,
+                      text_of: Callable[[int], str]) -> AsyncIterator[str]:
+        """The SSE body: a chunk per event that carries something, the usage chunk if asked, then ``[DONE]``.
+
+        ``usage``: None, none; ``"last"``: a last chunk with the usage (``include_usage``); ``"continuous"``: that,
+        and every chunk with the usage so far (vLLM's ``continuous_usage_stats``). The usage so far counts every
+        choice's tokens, as the last chunk does (vLLM counts each choice's own), so the last chunk with choices
+        carries the final usage.
+        """
+        kind: Literal["completion", "chat"] = "chat" if chat else "completion"
+        model, created = self.service.model_name, P.now()
+        states = [_Streamed() for _ in requests]
+
+        def sse(choices: list[dict[str, Any]]) -> str:
+            so_far = P.usage(prompt_tokens, sum(len(s.token_ids) for s in states)) if usage == "continuous" else None
+            data = P.chunk(kind, rid, model, created, choices, so_far, usage is not None)
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        try:
+            if chat:  # OpenAI's first chunk per choice: the role
+                for i in range(len(requests)):
+                    yield sse([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
+            async for i, ev in _merged(requests):
+                s = states[i]
+                self._add(s, ev)
+                lp = ev.logprob
+                if not ev.text and lp is None and ev.finish_reason is None:
+                    continue
+                if chat:
+                    choice: dict[str, Any] = {"index": i, "delta": {"content": ev.text} if ev.text else {},
+                                              "logprobs": None if lp is None else P.chat_logprobs([lp], text_of)}
+                else:
+                    choice = {"index": i, "text": ev.text, "logprobs": None if lp is None else
+                              P.completion_logprobs([lp], text_of, s.offset)}
+                    s.offset += len(text_of(lp.token_id)) if lp is not None else 0
+                choice["finish_reason"] = ev.finish_reason
+                if ev.finish_reason is not None:
+                    choice["stop_reason"] = s.stop_reason
+                yield sse([choice])
+            if usage is not None:
+                used = P.usage(prompt_tokens, sum(len(s.token_ids) for s in states))
+                data = P.chunk(kind, rid, model, created, [], used, True)
+                yield f"data: {json.dumps(data)}\n\n"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the stream has begun: the error goes as an event, then the end
+            status, message = status_of(e)
+            log.log(logging.ERROR if status >= 500 else logging.INFO, "stream failed: %s", e,
+                    exc_info=status >= 500)
+            yield f"data: {json.dumps(P.error_body(status, message))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def _encode(engine: Engine, req: P.CompletionRequest | P.ChatCompletionRequest) -> list[list[int]]:
+    """Token ids of each prompt (a chat: one, through the model's chat template)."""
+    tok = engine.tokenizer
+    if isinstance(req, P.ChatCompletionRequest):
+        return [tok.encode_chat(P.chat_messages(req))]
+    vocab = int(engine.manifest.geometry["vocab_size"])
+    out = []
+    for i, p in enumerate(P.completion_prompts(req)):
+        if isinstance(p, str):
+            out.append(tok.encode(p))
+            continue
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise P.BadRequest(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                               param="prompt")
+        out.append(list(p))
+    return out
+
+
+def status_of(e: BaseException) -> tuple[int, str]:
+    """HTTP status and client-facing message of an exception (a bare message for failures we did not mean)."""
+    status = int(getattr(e, "status", 400)) if isinstance(e, ServingError) else \
+        400 if isinstance(e, (InputError, ConfigError)) else 500
+    # a 500 is a failure we did not mean: its details stay in the server's log
+    return status, str(e) if status != 500 else "internal server error; the server log has the details"
