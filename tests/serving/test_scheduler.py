@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import trtinfer
-from trtinfer.errors import EngineLoadError, InputError, QueueFullError, ServingError
+from trtinfer.errors import InputError, QueueFullError, ServingError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.slots import SlotCache
 from trtinfer.serving.scheduler import Scheduler
@@ -83,10 +83,26 @@ def test_slot_cache_chunked_prefill_and_batched_decode_equal_one_shot(engine):
     cache.close()
 
 
-def test_concat_layout_refused(tiny_engine):
-    with (trtinfer.load(tiny_engine("llama", disable_passes=("attention",))) as eng,
-          pytest.raises(EngineLoadError, match="with the default passes")):
-        Scheduler(eng)
+def test_concat_layout_is_served(tiny_engine):
+    """A concat engine (attention left unfused): its rows' past is gathered from the slot buffers each pass (holes
+    masked) and the new KV written back; ragged requests joining mid-decode, a reused prefix and a prompt-lookup
+    request all answer as generate alone."""
+    with trtinfer.load(tiny_engine("llama", disable_passes=("attention",))) as eng:
+        assert eng.session.kv_layout == "concat"
+        ps = prompts()
+        shared = ps[3] + [7, 8]  # 30 tokens of ps[3] in a row by then: a reused prefix
+        look = GenerationConfig(max_new_tokens=12, ignore_eos=True, prompt_lookup_num_tokens=3)
+        sched = Scheduler(eng, prefill_chunk=8, max_slots=3)
+        reqs = [sched.submit(ps[0], GREEDY), sched.submit(ps[3], GREEDY)]
+        for _ in range(5):
+            sched.step()
+        reqs += [sched.submit(p, GREEDY) for p in ps[1:3]] + [sched.submit(shared, GREEDY),
+                                                              sched.submit(ps[4] * 3, look)]
+        run_all(sched)
+        assert sched.stats()["prefix_cache_hits"] >= 30
+        sched.close()
+        for req, p, cfg in zip(reqs, [ps[0], ps[3], ps[1], ps[2], shared, ps[4] * 3], [GREEDY] * 5 + [look]):
+            same(req.result(), alone(eng, p, cfg))
 
 
 # --- outputs equal generate alone -------------------------------------------------------------------------------

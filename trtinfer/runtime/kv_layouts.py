@@ -74,9 +74,7 @@ class KVLayout(ABC):
         """The feeds (without ``logits_positions``) of a pass over rows of preallocated buffers written in place:
         row ``b``'s ``ids[b, :lengths[b]]`` go to positions ``starts[b]..`` (right padding after them). A prefill
         (``starts`` 0), a chunk of one row, or a decode step (one token a row) alike. Slot caches run on this."""
-        raise EngineLoadError(f"the {self.name} KV layout grows its cache by concatenation; continuous batching "
-                              "needs a buffer layout (shared_buffer or scatter_buffer): rebuild the engine with the "
-                              "default passes")
+        raise EngineLoadError(f"the {self.name} KV layout has no feeds for KV rows kept in buffers")
 
     def truncate(self, kv: KVCache, n: int) -> KVCache:
         """A one-row cache rolled back to its first ``n`` tokens: buffer layouts only move the length (slots past
@@ -116,6 +114,19 @@ class ConcatLayout(KVLayout):
     def _run(self, feeds: dict[str, np.ndarray], past: list[Any], want: np.ndarray,
              staging: Any) -> tuple[np.ndarray, list[Any]]:
         return self.runner.run_bound(feeds, past, None, want, staging)
+
+    def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows kept in buffers, run through the concat graph: the past is the first ``max(starts)`` positions of
+        every row (gathered by the caller), so a shorter row's columns past its own start are masked out (a hole
+        in the 2-D mask, which the graph takes like padding), then the pass's tokens (right padding masked)."""
+        rows, width = ids.shape
+        past = int(starts.max())
+        mask = np.zeros((rows, past + width), dtype=np.int64)
+        for r in range(rows):
+            mask[r, :starts[r]] = 1
+            mask[r, past:past + lengths[r]] = 1
+        return {"input_ids": ids, "attention_mask": mask,
+                "position_ids": starts[:, None] + np.arange(width, dtype=np.int64)}
 
     def prefill(self, prompts: Sequence[Sequence[int]], capacity: int, staging: Any) -> tuple[np.ndarray, KVCache]:
         n, width = len(prompts), max(len(p) for p in prompts)

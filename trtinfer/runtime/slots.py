@@ -45,10 +45,10 @@ class SlotCache:
             raise EngineLoadError(f"continuous batching runs ONNX Runtime engines; this engine runs on "
                                   f"{type(session).__name__}: serve it with ONNX Runtime")
         self.layout = layout
-        if not layout.in_place:
-            raise EngineLoadError(f"continuous batching needs a KV layout written in place (shared_buffer or "
-                                  f"scatter_buffer); this engine has the {layout.name} layout: rebuild it with the "
-                                  "default passes")
+        if not layout.in_place and session.device != "cpu":
+            raise EngineLoadError(f"the {layout.name} KV layout's rows are gathered and written back in host memory: "
+                                  "continuous batching runs it on the CPU provider only; rebuild the engine with the "
+                                  "default passes (shared_buffer) for a GPU")
         if getattr(session, "scatter_capacity", 0):
             if session.scatter_capacity < capacity:
                 raise InputError(f"the engine's KV buffers hold {session.scatter_capacity} positions; {capacity} "
@@ -60,6 +60,7 @@ class SlotCache:
         kvh, hd = session.kv_shape
         self._row_shape = [1, kvh, capacity, hd]
         self._elem = _ONNX_TYPES[str(session.kv_dtype)]
+        self._np_kv = np.dtype(np.float32 if self._elem == 1 else np.float16)  # bf16 never runs on the CPU
         self._row_bytes = kvh * capacity * hd * (4 if self._elem == 1 else 2)
         # zeros: a row never read past its length still holds finite values (0 * x, never NaN)
         self.values = [session.kv_value((slots, kvh, capacity, hd)) for _ in session.past_names]
@@ -73,8 +74,36 @@ class SlotCache:
         self.index = PrefixIndex(slots)  # the tokens each row's KV holds (prefix caching reads it)
         self._staging = session.new_staging()  # this cache's host input buffers (CUDA), reused step to step
 
+    def _rows(self, val: Any) -> np.ndarray:
+        """A numpy view ``[S, kv_heads, capacity, head_dim]`` of a CPU buffer (fp16/bf16 seen as their bits)."""
+        kvh, cap, hd = self._row_shape[1:]
+        dtype = np.float32 if self._elem == 1 else np.uint16
+        raw = (ctypes.c_char * (self._row_bytes * self.slots)).from_address(val.data_ptr())
+        return np.frombuffer(memoryview(raw), dtype=dtype).reshape(self.slots, kvh, cap, hd)
+
+    def _run_gathered(self, feeds: dict[str, np.ndarray], first_row: int, rows: int,
+                      positions: np.ndarray) -> np.ndarray:
+        """A pass of a layout that returns new KV (concat): each row's past gathered from the buffers (the first
+        ``max(starts)`` positions, holes masked), the pass's new KV written back at each row's start."""
+        s = self.session
+        width = feeds["input_ids"].shape[1]
+        past = feeds["attention_mask"].shape[1] - width
+        starts = feeds["position_ids"][:, 0]
+        views = [self._rows(v)[first_row:first_row + rows] for v in self.values]
+        kv_in = [s.kv_value_from(np.ascontiguousarray(v[:, :, :past]).view(self._np_kv)) for v in views]
+        logits, present = s.run_bound(feeds, kv_in, None, positions, self._staging)
+        real = feeds["attention_mask"][:, past:].sum(axis=1)
+        for view, val in zip(views, present):
+            new = val.numpy().view(view.dtype)[:, :, past:]
+            for r in range(rows):
+                n, at = int(real[r]), int(starts[r])
+                view[r, :, at:at + n] = new[r, :, :n]
+        return logits  # type: ignore[no-any-return]
+
     def _run(self, feeds: dict[str, np.ndarray], first_row: int, rows: int, positions: np.ndarray) -> np.ndarray:
         """One pass over buffer rows ``first_row .. first_row + rows - 1``; logits ``[rows, K, V]`` at ``positions``."""
+        if not self.layout.in_place:
+            return self._run_gathered(feeds, first_row, rows, positions)
         s = self.session
         if not s.needs_positions:
             feeds.pop("position_ids", None)
@@ -163,11 +192,8 @@ class SlotCache:
             raise InputError("KV rows are copied in host memory: prefix copies need the CPU provider")
         if src == dst or not 0 < n <= int(self.lengths[src]):
             raise InputError(f"cannot copy {n} tokens of slot {src} (holding {int(self.lengths[src])}) to slot {dst}")
-        kvh, cap, hd = self._row_shape[1:]
-        dtype = np.float32 if self._elem == 1 else np.uint16  # fp16/bf16: the bits, copied as they are
-        for val in self.values:
-            raw = (ctypes.c_char * (self._row_bytes * self.slots)).from_address(val.data_ptr())
-            rows = np.frombuffer(memoryview(raw), dtype=dtype).reshape(self.slots, kvh, cap, hd)
+        for val in self.values:  # fp16/bf16: the bits, copied as they are
+            rows = self._rows(val)
             rows[dst, :, :n] = rows[src, :, :n]
         self.lengths[dst] = n
         self.index.cut(dst, 0)
