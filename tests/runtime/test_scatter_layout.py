@@ -73,7 +73,7 @@ def test_served_by_the_scheduler_with_prefix_caching(pair):
     reused prefix, batched decode) gives the CPU engine's greedy tokens."""
     from types import SimpleNamespace
 
-    from trtinfer.serving.scheduler import Scheduler
+    from trtinfer.runtime.scheduler import Scheduler
 
     stage, engine = pair
     cfg = GenerationConfig(max_new_tokens=6, ignore_eos=True)

@@ -26,7 +26,7 @@ from tritonclient.grpc import model_config_pb2
 import trtinfer
 from trtinfer.cli import main
 from trtinfer.errors import BackendUnavailableError, ConfigError, InputError
-from trtinfer.serving.scheduler import Scheduler
+from trtinfer.runtime.scheduler import Scheduler
 from trtinfer.serving.triton import (
     INPUT_NAMES,
     TritonConfig,

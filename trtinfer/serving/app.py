@@ -34,13 +34,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trtinfer.errors import InputError, QueueFullError, TrtInferError
 from trtinfer.runtime.engine import Engine
+from trtinfer.runtime.request import Event
+from trtinfer.runtime.request import Request as Submitted
+from trtinfer.runtime.scheduler import Scheduler
 from trtinfer.serving import protocol as P
 from trtinfer.serving.config import ServeConfig
 from trtinfer.serving.handler import Handler, status_of
 from trtinfer.serving.metrics import CONTENT_TYPE, ServerMetrics
-from trtinfer.serving.request import Event
-from trtinfer.serving.request import Request as Submitted
-from trtinfer.serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ there a moment before a slot takes it, so at least 1).
     positions per request, prompt + output (default: the engine's max sequence length, at most 2048). Both size the
     KV cache the server reserves when it starts (slots x positions; e.g. 754 MiB for SmolLM2-135M at 8 x 2048).
     ``prefix_caching``: a request reuses the KV of the longest prompt prefix a batch row holds (see
-    :mod:`trtinfer.serving.scheduler`); False prefills every prompt whole. ``speculative_ngram`` K > 0: every
+    :mod:`trtinfer.runtime.scheduler`); False prefills every prompt whole. ``speculative_ngram`` K > 0: every
     request drafts up to K tokens from its own n-grams (prompt lookup, vLLM's ``ngram`` speculative method) and
     verifies them in one pass; the tokens are the same, faster where the output copies its context.
     """

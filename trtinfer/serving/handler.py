@@ -18,9 +18,9 @@ from starlette.types import Receive, Scope, Send
 from trtinfer.errors import ConfigError, InputError, ServingError
 from trtinfer.runtime.engine import Engine
 from trtinfer.runtime.generator import TokenLogprob
+from trtinfer.runtime.request import Event
+from trtinfer.runtime.request import Request as Submitted
 from trtinfer.serving import protocol as P
-from trtinfer.serving.request import Event
-from trtinfer.serving.request import Request as Submitted
 
 if TYPE_CHECKING:
     from trtinfer.serving.app import Service

@@ -359,7 +359,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
 
 
 def submit(scheduler: Any, request: TritonRequest) -> Any:
-    """Queue a parsed request on the instance's :class:`~trtinfer.serving.scheduler.Scheduler` (the prompt encoded
+    """Queue a parsed request on the instance's :class:`~trtinfer.runtime.scheduler.Scheduler` (the prompt encoded
     as ``engine.generate`` encodes it); the scheduler's request, to read with :func:`response_texts`."""
     return scheduler.submit(scheduler.tokenizer.encode(request.prompt), request.config)
 

@@ -3,7 +3,7 @@
 Copied as ``model.py`` into the version folder, next to ``engine/`` (the engine directory). Decoupled: a request
 gets one response per text delta (``stream`` true, the default) or one with the whole text (``stream`` false), then
 an empty response flagged ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``; a bad request gets one error response.
-Each instance runs the server's continuous batching (:class:`~trtinfer.serving.scheduler.Scheduler`, with prefix
+Each instance runs the server's continuous batching (:class:`~trtinfer.runtime.scheduler.Scheduler`, with prefix
 caching): ``execute`` queues its requests and returns; the scheduler decodes every running request in one batched
 step, and one thread per request sends its responses as the text arrives. ``instance_group.count`` instances run
 side by side, each with its own engine. Triton's Python environment needs the trtinfer runtime (``pip install
@@ -17,7 +17,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 import trtinfer
-from trtinfer.serving.scheduler import Scheduler
+from trtinfer.runtime.scheduler import Scheduler
 from trtinfer.serving.triton import ENGINE_FOLDER, INPUT_NAMES, parse_request, response_texts, submit, text_tensor
 
 

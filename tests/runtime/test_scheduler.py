@@ -11,8 +11,8 @@ import pytest
 import trtinfer
 from trtinfer.errors import InputError, QueueFullError, ServingError
 from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.scheduler import Scheduler
 from trtinfer.runtime.slots import SlotCache
-from trtinfer.serving.scheduler import Scheduler
 
 GREEDY = GenerationConfig(max_new_tokens=12, ignore_eos=True)
 LENGTHS = (3, 17, 1, 30, 9, 22)  # ragged; several longer than the prefill chunks below

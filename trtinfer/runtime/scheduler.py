@@ -46,10 +46,10 @@ from trtinfer.runtime.generator import (
     settle,
     token_logprobs,
 )
+from trtinfer.runtime.request import Event, Request
 from trtinfer.runtime.sampling import select_next
 from trtinfer.runtime.slots import SlotCache
 from trtinfer.runtime.tokenizer import IncrementalDecoder
-from trtinfer.serving.request import Event, Request
 
 log = logging.getLogger(__name__)
 
