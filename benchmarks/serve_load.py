@@ -103,6 +103,9 @@ def main() -> None:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--requests", type=int, default=2, help="requests per client per level")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default="serve_load", help="results name under benchmarks/results (.json and .png)")
+    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                    help="more `trtinfer serve` flags (e.g. --prefill-chunk 64), last on the line")
     args = ap.parse_args()
     engine = args.engine
     if engine is None:
@@ -111,7 +114,7 @@ def main() -> None:
         engine = Path(__file__).parent / ".engines" / f"{args.model}-fp32-cpu"
         if not (engine / "manifest.json").is_file():
             build(args.model, engine, progress=False, overwrite=True)
-    proc, url = start_server(engine, model_name="load")
+    proc, url = start_server(engine, model_name="load", extra=args.server_args)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
         alone = {q: stream_one(client, q, args.max_tokens)["text"] for q in QUESTIONS}  # also warms up
@@ -129,8 +132,8 @@ def main() -> None:
               f"{lv['same_as_alone']:>4}/{lv['requests']}")
     RESULTS.mkdir(exist_ok=True)
     record = {"machine": machine_info(), "engine": str(engine), "max_tokens": args.max_tokens,
-              "requests_per_client": args.requests, "levels": levels}
-    (RESULTS / "serve_load.json").write_text(json.dumps(record, indent=1))
+              "requests_per_client": args.requests, "server_args": args.server_args, "levels": levels}
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(record, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,8 +153,8 @@ def main() -> None:
     b.legend()
     b.set_title("latency")
     fig.tight_layout()
-    fig.savefig(RESULTS / "serve_load.png", dpi=120)
-    print(statistics.median([lv["tokens_per_s"] for lv in levels]) > 0 and "wrote benchmarks/results/serve_load.*")
+    fig.savefig(RESULTS / f"{args.out}.png", dpi=120)
+    print(statistics.median([lv["tokens_per_s"] for lv in levels]) > 0 and f"wrote benchmarks/results/{args.out}.*")
 
 
 if __name__ == "__main__":

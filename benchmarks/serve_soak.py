@@ -53,10 +53,11 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def start_server(engine: Path, model_name: str = "soak") -> tuple[subprocess.Popen[str], str]:
-    """``trtinfer serve ENGINE --port 0`` as a child; its base URL once /health answers 200."""
+def start_server(engine: Path, model_name: str = "soak", extra: list[str] | None = None,
+                 ) -> tuple[subprocess.Popen[str], str]:
+    """``trtinfer serve ENGINE --port 0 [extra flags]`` as a child; its base URL once /health answers 200."""
     proc = subprocess.Popen([sys.executable, "-m", "trtinfer.cli", "serve", str(engine), "--port", "0",
-                             "--model-name", model_name], stderr=subprocess.PIPE, text=True)
+                             "--model-name", model_name, *(extra or [])], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stderr.readline())
     if not m:
