@@ -34,6 +34,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import machine_info
+from roofline import cpu_kind
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -154,7 +155,7 @@ def main() -> int:
           f"{on['ttft_hit_s'] / on['ttft_miss_s']:.2f}; same texts on both servers: {same}")
     info = machine_info()
     date = datetime.date.today().isoformat()
-    tag = "".join(c if c.isalnum() else "-" for c in info["cpu"].lower())[:40].strip("-")
+    tag = cpu_kind(info)
     out = RESULTS / f"prefix_cache_{tag}_{date}"
     RESULTS.mkdir(exist_ok=True)
     record = {"machine": info, "date": date, "engine": str(engine), "args": vars(args) | {"engine": str(engine)},
