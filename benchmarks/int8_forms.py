@@ -83,7 +83,7 @@ def main() -> None:
     from trtinfer.export.onnx_export import export_cached
     from trtinfer.export.sources import resolve_model
     from trtinfer.passes import PassConfig
-    from trtinfer.passes.optimize import optimize_cached
+    from trtinfer.passes.optimizer import optimize_cached
     from trtinfer.quantization import QuantConfig, quantize_cached
     from trtinfer.stages import STAGE_FILE
 

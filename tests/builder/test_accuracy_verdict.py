@@ -32,7 +32,7 @@ def optimized(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny Llama's optimized fp32 stage (``trtinfer optimize``)."""
     from trtinfer.export import export
     from trtinfer.passes import PassConfig
-    from trtinfer.passes.optimize import optimize_stage
+    from trtinfer.passes.optimizer import optimize_stage
 
     work = tmp_path_factory.mktemp("verdict")
     exported = export(tiny_model_dir("llama"), work / "export")

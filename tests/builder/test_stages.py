@@ -16,7 +16,7 @@ from trtinfer.builder import BuildConfig, build
 from trtinfer.errors import ConfigError, ModelSourceError
 from trtinfer.export import ExportConfig, export
 from trtinfer.passes import PassConfig
-from trtinfer.passes.optimize import optimize_stage
+from trtinfer.passes.optimizer import optimize_stage
 from trtinfer.stages import read_stage
 
 PROMPTS = ["Hello", "The history of the city", "A quick brown fox"]

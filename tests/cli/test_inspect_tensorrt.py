@@ -32,7 +32,7 @@ def stages(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     """The tiny llama's export optimized for ``tensorrt`` and for ``onnxruntime-cpu``: {target: stage dir}."""
     from trtinfer.export import ExportConfig, export
     from trtinfer.passes import PassConfig
-    from trtinfer.passes.optimize import optimize_stage
+    from trtinfer.passes.optimizer import optimize_stage
 
     root = tmp_path_factory.mktemp("inspect-trt")
     exp = export(tiny_model_dir("llama"), root / "exp", ExportConfig(validate=False))

@@ -516,7 +516,7 @@ CAL = {"num_samples": 2, "seq_len": 24, "decode_steps": 2}
 def tiny_stages(tiny_model_dir, tmp_path_factory):
     from trtinfer.export import ExportConfig, export
     from trtinfer.passes import PassConfig
-    from trtinfer.passes.optimize import optimize_stage
+    from trtinfer.passes.optimizer import optimize_stage
 
     root = tmp_path_factory.mktemp("int8-static")
     exp = export(tiny_model_dir("llama"), root / "exp", ExportConfig())
@@ -625,7 +625,7 @@ def test_calibration_cache_of_another_graph_is_refused(tiny_stages, tmp_path):
 def real_stages(name: str, in_user_cache, targets=("onnxruntime-cpu", "tensorrt")):
     from trtinfer.export.onnx_export import export_cached
     from trtinfer.passes import PassConfig
-    from trtinfer.passes.optimize import optimize_cached
+    from trtinfer.passes.optimizer import optimize_cached
 
     with in_user_cache():
         exp = export_cached(name)

@@ -20,7 +20,7 @@ def stages(tiny_model_dir, tmp_path_factory):
     """``stages(arch)`` -> (export stage, fp32 optimize stage for onnxruntime-cpu)."""
     from trtinfer.export import export
     from trtinfer.passes import PassConfig
-    from trtinfer.passes.optimize import optimize_stage
+    from trtinfer.passes.optimizer import optimize_stage
 
     made = {}
 

@@ -15,7 +15,7 @@ from trtinfer.errors import ConfigError, InputError
 from trtinfer.export import ExportConfig
 from trtinfer.export.onnx_export import export_cached
 from trtinfer.passes import PassConfig
-from trtinfer.passes.optimize import optimize_cached
+from trtinfer.passes.optimizer import optimize_cached
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.generator import Generation, GenerationResult
 from trtinfer.runtime.ngram import NgramIndex

@@ -147,7 +147,7 @@ def test_stage_session_scores_the_optimize_stage(tiny_model_dir, tiny_engine, tm
 
     from trtinfer.export.onnx_export import export
     from trtinfer.passes import PassConfig
-    from trtinfer.passes.optimize import optimize_stage
+    from trtinfer.passes.optimizer import optimize_stage
 
     exp = export(tiny_model_dir("llama"), tmp_path / "export")
     with pytest.raises(InputError, match="reads 21 weights from the checkpoint it was exported from"):

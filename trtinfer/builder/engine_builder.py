@@ -183,7 +183,7 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
                 stage = export_cached(resolved, config.export, stats=rec)
         if stage.stage == "export":
             from trtinfer.passes import PassConfig
-            from trtinfer.passes.optimize import optimize_cached
+            from trtinfer.passes.optimizer import optimize_cached
 
             max_seq = config.max_seq_len_for(stage.geometry)
             pcfg = PassConfig(target=backend.pass_target(config), max_seq_len=max_seq, precision=config.pass_precision,

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from trtinfer.cli.summary import stage_summary
     from trtinfer.errors import ConfigError
     from trtinfer.passes import PIPELINES, PassConfig, optimize
-    from trtinfer.passes.optimize import optimize_stage
+    from trtinfer.passes.optimizer import optimize_stage
     from trtinfer.passes.registry import all_passes
     from trtinfer.stages import default_max_seq_len, is_stage_dir, read_stage
 

@@ -22,7 +22,7 @@ def check_keep_fp32(groups: tuple[str, ...], option: str) -> None:
 
 @dataclass(frozen=True)
 class PassConfig:
-    """Settings of :func:`trtinfer.passes.optimize`.
+    """Settings of :func:`trtinfer.passes.optimizer`.
 
     ``target`` picks the pipeline. ``max_seq_len`` sizes the rotary cos/sin caches of fused attention (positions
     the engine will ever see). ``precision`` fp16/bf16 converts weights and compute after the fusions, keeping the

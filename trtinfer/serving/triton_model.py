@@ -31,7 +31,10 @@ class TritonPythonModel:
         folder = Path(args["model_repository"]) / args["model_version"] / ENGINE_FOLDER
         device = int(args.get("model_instance_device_id") or 0)
         self.engine = trtinfer.load(folder, provider=params.get("provider", "cpu"), device_id=device)
-        self.scheduler = Scheduler(self.engine, max_slots=min(8, int(self.engine.manifest.max_batch_size))).start()
+        # as `trtinfer serve` sizes its KV cache: at most 8 rows of at most 2048 positions
+        m = self.engine.manifest
+        self.scheduler = Scheduler(self.engine, max_slots=min(8, int(m.max_batch_size)),
+                                   max_model_len=min(2048, int(m.max_seq_len))).start()
 
     def execute(self, requests):
         """Queue every request on the batcher and return None (decoupled): each request's responses are sent by its
