@@ -510,7 +510,7 @@ def test_bad_completion_parameters(live, body, status, param):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_bad_chat_parameters(live, body, param):
     request = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **body}

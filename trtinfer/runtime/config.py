@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from trtinfer.errors import ConfigError
+from trtinfer.errors import ConfigError, InputError
 
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 GPU_PROVIDERS = ("cuda", "tensorrt")  # ONNX Runtime providers that keep the KV cache on a CUDA device
@@ -119,6 +119,11 @@ class GenerationConfig:
     1 away otherwise, starting again from ``num_assistant_tokens`` for each prompt (transformers'
     ``"heuristic_transient"``, accepted as a synonym); ``"constant"`` keeps it.
 
+    ``response_format`` (OpenAI's structured outputs, :mod:`trtinfer.runtime.structured`): ``{"type":
+    "json_schema", "json_schema": {"schema": {...}}}``, ``{"type": "json_object"}``, ``{"type": "regex", "regex":
+    ...}``, ``{"type": "choice", "choice": [...]}`` or ``{"type": "grammar", "grammar": ...}`` (Lark or GBNF): every
+    token is chosen among those the grammar allows, and the sequence ends where the grammar does.
+
     An engine's ``generation_config.json`` (the model's) supplies the defaults of these fields where it sets them;
     anything passed to ``generate`` overrides it. With neither, the defaults are transformers' (``top_k`` 50).
     """
@@ -149,9 +154,17 @@ class GenerationConfig:
     max_matching_ngram_size: int = 2
     num_assistant_tokens: int = 20
     num_assistant_tokens_schedule: str = "heuristic"
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
+        if self.response_format is not None:  # a dict (or its JSON) -> canonical JSON text: hashable, comparable
+            from trtinfer.runtime.structured import normalize_format
+
+            try:
+                object.__setattr__(self, "response_format", normalize_format(self.response_format))
+            except InputError as e:
+                raise ConfigError(str(e), field="response_format") from e
         _check_types(self, {"max_new_tokens": "int", "min_new_tokens": "int", "do_sample": "bool",
                             "temperature": "number", "top_k": "int", "top_p": "number",
                             "repetition_penalty": "number", "min_p": "number", "presence_penalty": "number",

@@ -109,6 +109,11 @@ class Engine:
         ids = self._prompt_ids(prompts, input_ids, chat)
         warn_length_budget(ids, cfg.max_new_tokens, self.manifest.max_seq_len)
         args = (self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size, self.manifest.max_seq_len)
+        if cfg.response_format is not None and (assistant is not None or cfg.num_beams > 1 or
+                                                cfg.prompt_lookup_num_tokens is not None):
+            raise InputError("response_format constrains plain decoding and sampling here; drop num_beams, "
+                             "prompt_lookup_num_tokens or assistant (the server's scheduler verifies n-gram drafts "
+                             "under a grammar)")
         if assistant is not None:
             if cfg.num_beams > 1 or cfg.num_return_sequences > 1:
                 raise InputError("assistant drafts for one sequence per prompt: it does not combine with num_beams > 1 "
@@ -134,6 +139,11 @@ class Engine:
         if cfg.num_return_sequences > 1:  # independent samples: each prompt repeated, each copy its own generator
             ids = [row for row in ids for _ in range(cfg.num_return_sequences)]
             args = (self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size, self.manifest.max_seq_len)
+        if cfg.response_format is not None and (assistant is not None or cfg.num_beams > 1 or
+                                                cfg.prompt_lookup_num_tokens is not None):
+            raise InputError("response_format constrains plain decoding and sampling here; drop num_beams, "
+                             "prompt_lookup_num_tokens or assistant (the server's scheduler verifies n-gram drafts "
+                             "under a grammar)")
         return Generation(*args, **hooks)
 
     def generate(self, prompts: Sequence[str] | str | None = None, *,

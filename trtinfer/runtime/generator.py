@@ -311,7 +311,11 @@ class Generation:
         # at max_new_tokens or at its own max_seq_len, and its last token is never fed back)
         capacity = min(self.max_seq_len, width + cfg.max_new_tokens + 1)
         # plain greedy needs no logits on the host: the session may pick the tokens where the logits are (TensorRT)
-        greedy = is_plain_greedy(cfg) and self.logits_processor is None
+        greedy = is_plain_greedy(cfg) and self.logits_processor is None and cfg.response_format is None
+        # structured outputs: one grammar state per row, masking its logits before selection
+        matchers = None if cfg.response_format is None else [
+            self.tok.grammars(int(self.session.manifest.geometry["vocab_size"])).matcher(cfg.response_format)
+            for _ in range(n)]
         deadline = None if cfg.max_time is None else time.perf_counter() + cfg.max_time
         # one context per row, the rows of one batched cache: each step is one batched pass of the Forward layer
         group = Group(self.session, capacity)
@@ -323,8 +327,13 @@ class Generation:
                 rows_seen = [seen[i] for i in active]
                 # the user's processor runs after the built-in ones, before the warpers (transformers' order)
                 hook = None if self.logits_processor is None else partial(user_hook, self.logits_processor, rows_seen)
-                tokens = select_next(logits, cfg, rows_seen, step, self.eos, [rngs[i] for i in active] if rngs else [],
-                                     hook=hook)
+                allowed = logits if matchers is None else np.stack(
+                    [matchers[i].mask(logits[row]) for row, i in enumerate(active)])
+                tokens = select_next(allowed, cfg, rows_seen, step, self.eos,
+                                     [rngs[i] for i in active] if rngs else [], hook=hook)
+                if matchers is not None:
+                    for row, i in enumerate(active):
+                        matchers[i].consume(int(tokens[row]))
                 if logprobs is not None:
                     for i, item in zip(active, token_logprobs(logits, tokens, cfg.top_logprobs)):
                         logprobs[i].append(item)
@@ -342,8 +351,10 @@ class Generation:
                 seen[i] = np.append(seen[i], tok)
                 dec = decoders[i]
                 delta = dec.add(tok) if dec is not None else ""
+                # a row whose grammar is complete ends here (nothing but EOS could follow)
+                done = halt or ("stop" if matchers is not None and matchers[i].done else None)
                 end, why = row_finish(tok, dec, eos, len(generated[i]), len(self.prompts[i]) + len(generated[i]),
-                                      cfg.max_new_tokens, self.max_seq_len, halt)
+                                      cfg.max_new_tokens, self.max_seq_len, done)
                 if end is None:
                     keep.append(row)
                 else:

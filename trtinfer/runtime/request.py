@@ -14,6 +14,7 @@ import numpy as np
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.generator import GenerationResult, TokenLogprob
 from trtinfer.runtime.ngram import NgramIndex
+from trtinfer.runtime.structured import Matcher
 from trtinfer.runtime.tokenizer import IncrementalDecoder
 
 
@@ -44,7 +45,7 @@ class Request:
     """
 
     def __init__(self, rid: int, prompt_ids: list[int], cfg: GenerationConfig, eos: tuple[int, ...],
-                 decoder: IncrementalDecoder) -> None:
+                 decoder: IncrementalDecoder, matcher: Matcher | None = None) -> None:
         self.id = rid
         self.prompt_ids = prompt_ids
         self.cfg = cfg
@@ -69,6 +70,7 @@ class Request:
             self._ngram = NgramIndex(cfg.max_matching_ngram_size)
             self._ngram.extend(prompt_ids)
         self.drafted = self.accepted = 0  # draft tokens proposed / kept
+        self.matcher = matcher  # the response_format's grammar state (structured outputs)
         self._batch_size = 1
         # --- shared with readers -----------------------------------------------------------------------------------
         self._cond = threading.Condition()

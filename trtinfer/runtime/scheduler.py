@@ -181,13 +181,16 @@ class Scheduler:
                              f"{len(ids) + cfg.max_new_tokens} exceeds the model length "
                              f"{self.max_seq_len}; shorten the prompt or ask for fewer tokens")
         eos = eos_ids(cfg, self.tokenizer, self.vocab)
+        # a response_format's grammar, compiled before the request queues (a bad schema is the caller's 400)
+        matcher = (None if cfg.response_format is None else
+                   self.tokenizer.grammars(self.vocab).matcher(cfg.response_format))
         with self._cond:
             if self._closed:
                 raise ServingError("the scheduler is closed")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue {self.max_queue}) and "
                                      f"all {len(self._slots)} slots are busy; retry later")
-            req = Request(next(self._ids), ids, cfg, eos, IncrementalDecoder(self.tokenizer, cfg.stop))
+            req = Request(next(self._ids), ids, cfg, eos, IncrementalDecoder(self.tokenizer, cfg.stop), matcher)
             self._waiting.append(req)
             self._cond.notify_all()
         return req
@@ -423,8 +426,12 @@ class Scheduler:
         The same rules, in the same order, as :class:`~trtinfer.runtime.generator.Generation` for one row.
         """
         cfg, x = req.cfg, logits[None, :]
-        tok = int(select_next(x, cfg, [req._seen], len(req.generated), req.eos,
+        # the grammar's mask before any processor (a draft token outside it can then never be kept)
+        y = x if req.matcher is None else req.matcher.mask(logits)[None, :]
+        tok = int(select_next(y, cfg, [req._seen], len(req.generated), req.eos,
                               [req._rng] if req._rng is not None else [])[0])
+        if req.matcher is not None:
+            req.matcher.consume(tok)
         lp = token_logprobs(x, np.array([tok]), cfg.top_logprobs)[0] if cfg.logprobs else None
         now = time.perf_counter()
         if req.t_first_token is None:
@@ -441,6 +448,8 @@ class Scheduler:
         dec = req._decoder
         delta = dec.add(tok)
         halt = "length" if req._deadline is not None and now > req._deadline else None  # max_time, as Generation
+        if halt is None and req.matcher is not None and req.matcher.done:
+            halt = "stop"  # the grammar is complete: nothing but EOS could follow
         end, why = row_finish(tok, dec, req.eos, len(req.generated), len(req.prompt_ids) + len(req.generated),
                               cfg.max_new_tokens, self.max_seq_len, halt)
         if end is None:

@@ -63,7 +63,9 @@ class EngineTokenizer:
 
     def __init__(self, engine_dir: Path, info: dict[str, Any]) -> None:
         self._tok = read_tokenizer(engine_dir)
+        self.engine_dir = Path(engine_dir)
         self.info = info
+        self._grammars: dict[int, Any] = {}
         self.eos_token_ids: tuple[int, ...] = tuple(info.get("eos_token_ids") or ())
         pad = info.get("pad_token_id")
         self.pad_token_id: int = int(pad) if pad is not None else 0
@@ -75,6 +77,14 @@ class EngineTokenizer:
                 self.chat_template = tpl.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise EngineLoadError(f"{tpl} is not readable UTF-8 text ({e}); rebuild the engine") from e
+
+    def grammars(self, vocab_size: int) -> Any:
+        """The structured-output compiler of this tokenizer for ``vocab_size`` logits (made once, on first use)."""
+        if vocab_size not in self._grammars:
+            from trtinfer.runtime.structured import Grammars
+
+            self._grammars[vocab_size] = Grammars(self.engine_dir, vocab_size, self.eos_token_ids)
+        return self._grammars[vocab_size]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; InputError when it is not valid UTF-8."""

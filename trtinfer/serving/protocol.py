@@ -9,6 +9,7 @@ not supported). Responses are plain dicts shaped as OpenAI's, which the ``openai
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -79,6 +80,12 @@ class _Sampling(_Body):
     min_tokens: int = 0
     ignore_eos: bool = False
     repetition_penalty: float | None = None
+    # structured outputs: OpenAI's response_format, and vLLM's guided decoding extras (one of them at a time)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -119,7 +126,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -153,9 +159,6 @@ def check_unsupported(req: _Sampling, max_n: int) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.tools or req.tool_choice not in (None, "none"):
             raise BadRequest("tool calling is not supported by this server", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise BadRequest("response_format other than text is not supported by this server",
-                             param="response_format")
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
 
@@ -238,6 +241,9 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
         fields["do_sample"] = True
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
+    fmt = response_format_of(req)
+    if fmt is not None:
+        fields["response_format"] = fmt
     elif isinstance(req, ChatCompletionRequest) and req.logprobs:
         fields["logprobs"], fields["top_logprobs"] = True, req.top_logprobs or 0
     try:
@@ -364,3 +370,26 @@ def model_card(name: str, max_seq_len: int, created: int) -> dict[str, Any]:
 def models_list(name: str, max_seq_len: int, created: int) -> dict[str, Any]:
     """``GET /v1/models``: the one served model."""
     return {"object": "list", "data": [model_card(name, max_seq_len, created)]}
+
+
+def response_format_of(req: _Sampling) -> dict[str, Any] | None:
+    """The request's structured-output format: ``response_format`` or one of vLLM's ``guided_*`` extras, as a
+    ``response_format`` object (None for plain text). Two of them at once is a 400."""
+    given = {name: getattr(req, name) for name in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                                                   "guided_grammar") if getattr(req, name) is not None}
+    if len(given) > 1:
+        raise BadRequest(f"give one of {sorted(given)}, not several", param=sorted(given)[1])
+    if not given:
+        return None
+    (name, value), = given.items()
+    if name == "response_format":
+        return value  # type: ignore[no-any-return]
+    if name == "guided_json":
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+        except ValueError as e:
+            raise BadRequest(f"guided_json must be a JSON schema (an object or its JSON text): {e}",
+                             param="guided_json") from e
+        return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": schema}}
+    kind = name.removeprefix("guided_")
+    return {"type": kind, kind: value}
