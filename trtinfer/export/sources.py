@@ -113,7 +113,7 @@ def gguf_chat_template(path: str | os.PathLike[str]) -> str | None:
     """The GGUF's ``tokenizer.chat_template`` metadata, or None when it has none (reads the metadata only)."""
     from trtinfer.gguf_file import GGUFFile
 
-    template = GGUFFile(path).metadata.get("tokenizer.chat_template")
+    template = GGUFFile(Path(path)).metadata.get("tokenizer.chat_template")
     return template if isinstance(template, str) and template else None
 
 

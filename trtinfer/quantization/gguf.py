@@ -367,9 +367,9 @@ def import_gguf(model: ir.Model, gguf_path: str | Path, origins: Mapping[str, Ma
         return report
 
     file = GGUFFile(gguf_path)
-    for t in file.tensors.values():
-        if len(t.shape) == 2:
-            report["gguf_types"][t.qtype] = report["gguf_types"].get(t.qtype, 0) + 1
+    for tensor in file.tensors.values():
+        if len(tensor.shape) == 2:
+            report["gguf_types"][tensor.qtype] = report["gguf_types"].get(tensor.qtype, 0) + 1
     decoded: dict[str, GGUFBlocks] = {}
     rw = _Rewriter(graph, accuracy_level, report, rank_hint=rank_hint)
     weights_before: dict[int, ir.Value] = {}
@@ -410,7 +410,8 @@ def import_gguf(model: ir.Model, gguf_path: str | Path, origins: Mapping[str, Ma
         if not w.uses() and not w.is_graph_output() and w.name is not None and w.name in graph.initializers:
             del graph.initializers[w.name]
     after = {id(v): v for trio in rw.packed.values() for v in trio if v is not None}
-    report["bytes_after"] = sum(int(v.const_value.nbytes) for v in after.values())  # type: ignore[union-attr]
+    report["bytes_after"] = sum(int(v.const_value.nbytes)  # type: ignore[union-attr,misc]
+                                for v in after.values())
     gathers = [n for n in graph if n.op_type == "GatherBlockQuantized"]
     heads = {id(n.inputs[1]) for n in graph if n.op_type == "MatMulNBits"}
     report["shared_embedding"] = any(id(g.inputs[0].producer().inputs[0]) in heads  # type: ignore[union-attr]
