@@ -73,3 +73,13 @@ def test_streamed_guided_json_and_completions_extras(client):
 def test_bad_formats_are_400(client, extra, says):
     with pytest.raises(openai.BadRequestError, match=says):
         client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
+
+
+def test_langchain_with_structured_output(client):
+    """langchain-openai's with_structured_output (json_schema method) against the live server: a Pick back."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tiny", base_url=str(client.base_url), api_key="none", max_tokens=60, temperature=0,
+                     max_retries=0)
+    got = llm.with_structured_output(Pick, method="json_schema").invoke("Pick one.")
+    assert isinstance(got, Pick)
