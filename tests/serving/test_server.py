@@ -511,6 +511,7 @@ def test_bad_completion_parameters(live, body, status, param):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"use_beam_search": True}, "use_beam_search"),
 ])
 def test_bad_chat_parameters(live, body, param):
     request = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **body}

@@ -86,6 +86,7 @@ class _Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    use_beam_search: bool = False  # vLLM's: refused until beam search runs on the scheduler
 
 
 class CompletionRequest(_Sampling):
@@ -146,6 +147,9 @@ def check_unsupported(req: _Sampling, max_n: int) -> None:
         raise BadRequest(f"n must be within 1..{max_n}, got {req.n}", param="n")
     if req.logit_bias:
         raise BadRequest("logit_bias is not supported by this server; leave it out", param="logit_bias")
+    if req.use_beam_search:
+        raise BadRequest("use_beam_search is not served yet (beam search runs in engine.generate(num_beams=...), not "
+                         "on the server's batcher); leave it out", param="use_beam_search")
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
     if isinstance(req, CompletionRequest):
