@@ -512,6 +512,7 @@ def test_bad_completion_parameters(live, body, status, param):
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"use_beam_search": True}, "use_beam_search"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
 ])
 def test_bad_chat_parameters(live, body, param):
     request = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **body}

@@ -127,6 +127,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    functions: list[Any] | None = None  # OpenAI's legacy form of tools
+    function_call: Any = None
     parallel_tool_calls: bool | None = None
 
 
@@ -163,6 +165,9 @@ def check_unsupported(req: _Sampling, max_n: int) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.tools or req.tool_choice not in (None, "none"):
             raise BadRequest("tool calling is not supported by this server", param="tools")
+        if req.functions or req.function_call not in (None, "none"):
+            raise BadRequest("function calling (the legacy form of tools) is not supported by this server",
+                             param="functions")
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
 
