@@ -35,35 +35,9 @@ import openai
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import machine_info
 from roofline import cpu_kind
+from serve_soak import start_server
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def start(engine: Path, caching: bool) -> tuple[subprocess.Popen[str], str]:
-    """``trtinfer serve ENGINE --port 0 [--no-prefix-caching]`` as a child; its URL once /health answers 200."""
-    import re
-
-    cmd = [sys.executable, "-m", "trtinfer.cli", "serve", str(engine), "--port", "0", "--model-name", "bench",
-           "--prefix-caching" if caching else "--no-prefix-caching"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stderr.readline())
-    if not m:
-        proc.kill()
-        raise RuntimeError("the server did not say where it listens")
-    url = f"http://127.0.0.1:{m.group(1)}"
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError("the server did not become ready")
-        time.sleep(0.1)
 
 
 def stream(client: openai.OpenAI, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -93,7 +67,8 @@ def measure(url: str, system: list[int], suffixes: list[list[int]], misses: list
             i = 1 + c * requests + r
             out = stream(client, system + suffixes[i], max_tokens)
             with lock:
-                texts[i], _ = out["text"], ttfts.append(out["ttft"])
+                texts[i] = out["text"]
+                ttfts.append(out["ttft"])
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
@@ -136,7 +111,7 @@ def main() -> int:
     misses = [ids(args.system) + ids(args.suffix) for _ in range(args.probes)]
     rows = {}
     for caching in (True, False):
-        proc, url = start(engine, caching)
+        proc, url = start_server(engine, "bench", ["--prefix-caching" if caching else "--no-prefix-caching"])
         try:
             rows["prefix caching" if caching else "no prefix caching"] = measure(
                 url, system, suffixes, misses, args.clients, args.requests, args.max_tokens)

@@ -183,7 +183,7 @@ class SharedBufferLayout(KVLayout):
         feeds = {"input_ids": ids, "seqlens_k": (starts + lengths - 1).astype(np.int32),
                  "total_sequence_length": np.array(int(starts.max()) + width, dtype=np.int32)}
         if self.runner.needs_positions:
-            feeds["position_ids"] = (starts[:, None] + np.arange(width, dtype=np.int64)).astype(np.int64)
+            feeds["position_ids"] = starts[:, None] + np.arange(width, dtype=np.int64)
         return feeds
 
     def prefill(self, prompts: Sequence[Sequence[int]], capacity: int, staging: Any) -> tuple[np.ndarray, KVCache]:

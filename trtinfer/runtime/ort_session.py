@@ -178,8 +178,7 @@ class OrtDecoderSession(DecoderSession):
         if self.select_sess is not None:
             copied = self.select_rows(kv, list(range(kv.batch)))
         elif self.device == "cpu":
-            ov = self._ort.OrtValue
-            copied = KVCache([ov.ortvalue_from_numpy(v.numpy().copy()) for v in kv.values], kv.lengths, kv.mask,
+            copied = KVCache([self.kv_value_from(v.numpy().copy()) for v in kv.values], kv.lengths, kv.mask,
                              kv.capacity)
         else:
             raise EngineLoadError(f"{self.engine_dir} has no kv_select graph to copy a cache on the device; "

@@ -22,6 +22,13 @@ from collections.abc import Sequence
 import numpy as np
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (one vectorised comparison)."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if diff.size else n
+
+
 class PrefixIndex:
     """What each of ``rows`` rows holds (token ids whose KV is in it) and when it was last used."""
 
@@ -43,15 +50,12 @@ class PrefixIndex:
     def longest(self, prompt: Sequence[int], rows: Sequence[int]) -> tuple[int | None, int]:
         """``(row, n)``: the row among ``rows`` sharing the longest prefix with ``prompt`` and its length (``(None,
         0)`` when none shares a token). Ties go to the most recently used row."""
-        want = np.asarray(prompt, dtype=np.int64)
         best: tuple[int | None, int] = (None, 0)
         for row in sorted(rows, key=lambda r: -self._used[r]):
             held = self.tokens[row]
-            n = min(len(held), len(want))
-            if n <= best[1]:
+            if min(len(held), len(prompt)) <= best[1]:
                 continue
-            diff = np.flatnonzero(np.asarray(held[:n], dtype=np.int64) != want[:n])
-            common = int(diff[0]) if diff.size else n
+            common = common_prefix(held, prompt)
             if common > best[1]:
                 best = (row, common)
         return best

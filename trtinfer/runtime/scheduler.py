@@ -2,8 +2,9 @@
 
 ::
 
-    submit ──► waiting (bounded FIFO) ──► slot s (KV reserved up front) ──► prefill in chunks ──► decode ──► retired
-                 full: QueueFullError        lowest free slot first          batch-1 calls          one batched call
+    submit ──► waiting (bounded FIFO) ──► slot s (KV reserved up front) ──► prefill ──────────────► decode ──► retired
+                 full: QueueFullError        the row holding its longest      new rows: one call     one batched call
+                                             prefix, else least recently used rest: batch-1 chunks
 
 Every :meth:`Scheduler.step` retires cancelled requests, admits waiting ones into free slots, prefills up to
 ``prefill_chunk`` prompt tokens (so a long prompt never stalls the running decodes for more than one chunk), then
@@ -46,6 +47,7 @@ from trtinfer.runtime.generator import (
     settle,
     token_logprobs,
 )
+from trtinfer.runtime.prefix_cache import common_prefix
 from trtinfer.runtime.request import Event, Request
 from trtinfer.runtime.sampling import select_next
 from trtinfer.runtime.slots import SlotCache
@@ -165,8 +167,8 @@ class Scheduler:
         """Queue a prompt (token ids) with its settings (default: the engine's generation defaults).
 
         Raises InputError for a prompt that does not fit (prompt + ``max_new_tokens`` over the engine's max sequence
-        length), ids outside the vocabulary, or settings a scheduler does not run (beam search, prompt lookup,
-        several sequences); QueueFullError when the waiting queue is full. Thread-safe.
+        length), ids outside the vocabulary, or settings a scheduler does not run (beam search, several sequences
+        in one request); QueueFullError when the waiting queue is full. Thread-safe.
         """
         cfg = self.engine.generation_defaults if cfg is None else cfg
         if not isinstance(cfg, GenerationConfig):
@@ -257,13 +259,10 @@ class Scheduler:
         prompt, clients sharing a system prompt): once that prefix is in a row it is copied, not computed twice."""
         if not (self.prefix_caching and self.cache.can_copy):
             return False
-        want = np.asarray(req.prompt_ids[:-1], dtype=np.int64)
         for other in self._slots:
             if other is None or other.num_computed >= len(other.prompt_ids):
                 continue
-            n = min(len(want), len(other.prompt_ids))
-            diff = np.flatnonzero(want[:n] != np.asarray(other.prompt_ids[:n], dtype=np.int64))
-            common = int(diff[0]) if diff.size else n
+            common = common_prefix(req.prompt_ids[:-1], other.prompt_ids)
             if common >= MIN_REUSE and common > other.num_computed:
                 return True
         return False
@@ -324,7 +323,7 @@ class Scheduler:
         """Groups of >= 2 requests with nothing in their rows yet, in neighbouring slots, whose whole prompts fit
         ``budget`` together (counted as the call computes them: rows x the longest prompt)."""
         fresh = sorted((r for r in self._running() if r.num_computed == 0 and r.slot is not None
-                        and not self.cache.lengths[r.slot]), key=lambda r: r.slot or 0)
+                        and not self.cache.length(r.slot)), key=lambda r: r.slot or 0)
         runs: list[list[Request]] = []
         run: list[Request] = []
 
@@ -395,7 +394,7 @@ class Scheduler:
         was kept. Greedy output is plain greedy's; a seeded request draws one number per kept token, as plain
         decoding does."""
         assert req.slot is not None and req.next_token is not None
-        start = int(self.cache.lengths[req.slot])
+        start = self.cache.length(req.slot)
         try:
             logits = self.cache.prefill(req.slot, [req.next_token, *draft], every=True)
         except Exception as e:  # noqa: BLE001

@@ -70,9 +70,17 @@ class SlotCache:
             # faulting in ~190 MB (SmolLM2, 4096 positions) mid-request stalled that step by 0.5-1 s
             for val in self.values:
                 ctypes.memset(val.data_ptr(), 0, self._row_bytes * slots)
-        self.lengths = np.zeros(slots, dtype=np.int64)
-        self.index = PrefixIndex(slots)  # the tokens each row's KV holds (prefix caching reads it)
+        self.index = PrefixIndex(slots)  # the tokens each row's KV holds: the one record of each row's length
         self._staging = session.new_staging()  # this cache's host input buffers (CUDA), reused step to step
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each row's token count (the length of what :attr:`index` says it holds)."""
+        return np.array([len(t) for t in self.index.tokens], dtype=np.int64)
+
+    def length(self, slot: int) -> int:
+        """Row ``slot``'s token count."""
+        return len(self.index.tokens[slot])
 
     def _rows(self, val: Any) -> np.ndarray:
         """A numpy view ``[S, kv_heads, capacity, head_dim]`` of a CPU buffer (fp16/bf16 seen as their bits)."""
@@ -105,8 +113,6 @@ class SlotCache:
         if not self.layout.in_place:
             return self._run_gathered(feeds, first_row, rows, positions)
         s = self.session
-        if not s.needs_positions:
-            feeds.pop("position_ids", None)
         feeds[LOGITS_POSITIONS] = np.ascontiguousarray(positions, dtype=np.int64)
         io = s.sess.io_binding()
         for name, arr in feeds.items():
@@ -124,14 +130,13 @@ class SlotCache:
     def prefill(self, slot: int, tokens: Sequence[int], every: bool = False) -> np.ndarray:
         """Feed the next ``tokens`` of slot ``slot``'s sequence (one batch-1 call); logits ``[V]`` after the last,
         or with ``every`` ``[len(tokens), V]`` after each (a draft's verification)."""
-        start, n = int(self.lengths[slot]), len(tokens)
+        start, n = self.length(slot), len(tokens)
         if n == 0 or start + n > self.capacity:
             raise InputError(f"slot {slot} holds {start} of {self.capacity} positions; {n} more tokens do not fit")
         feeds = self.layout.buffer_feeds(np.asarray(tokens, dtype=np.int64)[None, :], np.array([start], np.int64),
                                          np.array([n], np.int64))
         want = np.arange(n, dtype=np.int64)[None, :] if every else np.array([[n - 1]], dtype=np.int64)
         logits = self._run(feeds, slot, 1, want)
-        self.lengths[slot] = start + n
         self.index.extend(slot, tokens)
         return logits[0] if every else logits[0, -1]
 
@@ -139,7 +144,7 @@ class SlotCache:
         """Prompts into the empty rows ``first .. first + len(prompts) - 1`` as ONE call (right-padded); each row's
         logits ``[V]`` after its last token."""
         rows = range(first, first + len(prompts))
-        if any(int(self.lengths[r]) for r in rows) or max(len(p) for p in prompts) > self.capacity:
+        if any(self.length(r) for r in rows) or max(len(p) for p in prompts) > self.capacity:
             raise InputError(f"rows {first}..{rows[-1]} must be empty and the prompts fit {self.capacity} positions")
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         ids = np.zeros((len(prompts), int(lengths.max())), dtype=np.int64)
@@ -148,7 +153,6 @@ class SlotCache:
         feeds = self.layout.buffer_feeds(ids, np.zeros_like(lengths), lengths)
         logits = self._run(feeds, first, len(prompts), (lengths - 1)[:, None])
         for r, p in zip(rows, prompts):
-            self.lengths[r] = len(p)
             self.index.extend(r, p)
         return [logits[i, -1] for i in range(len(prompts))]
 
@@ -158,15 +162,15 @@ class SlotCache:
         Returns each of those slots' next-token logits ``[V]``; other rows in the range are left as they were.
         """
         rows = max(tokens) + 1
-        if any(int(self.lengths[s]) + 1 > self.capacity for s in tokens):
+        lengths = self.lengths[:rows]
+        if any(int(lengths[s]) + 1 > self.capacity for s in tokens):
             raise InputError(f"a slot would hold more than its {self.capacity} positions")
         ids = np.zeros((rows, 1), dtype=np.int64)
         for s, t in tokens.items():
             ids[s, 0] = t
-        feeds = self.layout.buffer_feeds(ids, self.lengths[:rows].copy(), np.ones(rows, dtype=np.int64))
+        feeds = self.layout.buffer_feeds(ids, lengths, np.ones(rows, dtype=np.int64))
         logits = self._run(feeds, 0, rows, np.zeros((rows, 1), dtype=np.int64))
         for s, t in tokens.items():
-            self.lengths[s] += 1
             self.index.extend(s, (t,))
         return {s: logits[s, -1] for s in tokens}
 
@@ -176,9 +180,9 @@ class SlotCache:
 
     def keep(self, slot: int, n: int) -> None:
         """Slot ``slot`` keeps the KV of its first ``n`` tokens (a reused prefix); the next prefill writes after it."""
-        if not 0 <= n <= int(self.lengths[slot]):
-            raise InputError(f"slot {slot} holds {int(self.lengths[slot])} tokens; it cannot keep {n}")
-        self.lengths[slot] = n
+        held = self.length(slot)
+        if not 0 <= n <= held:
+            raise InputError(f"slot {slot} holds {held} tokens; it cannot keep {n}")
         self.index.cut(slot, n)
 
     @property
@@ -190,12 +194,12 @@ class SlotCache:
         """Slot ``dst`` gets the KV of slot ``src``'s first ``n`` tokens (and holds nothing after them)."""
         if not self.can_copy:
             raise InputError("KV rows are copied in host memory: prefix copies need the CPU provider")
-        if src == dst or not 0 < n <= int(self.lengths[src]):
-            raise InputError(f"cannot copy {n} tokens of slot {src} (holding {int(self.lengths[src])}) to slot {dst}")
+        held = self.length(src)
+        if src == dst or not 0 < n <= held:
+            raise InputError(f"cannot copy {n} tokens of slot {src} (holding {held}) to slot {dst}")
         for val in self.values:  # fp16/bf16: the bits, copied as they are
             rows = self._rows(val)
             rows[dst, :, :n] = rows[src, :, :n]
-        self.lengths[dst] = n
         self.index.cut(dst, 0)
         self.index.extend(dst, self.index.tokens[src][:n])
 

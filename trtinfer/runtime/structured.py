@@ -128,12 +128,10 @@ class Grammars:
     def matcher(self, fmt: str) -> Matcher:
         """A fresh grammar state for one sequence; InputError for a grammar llguidance refuses (with its reason)."""
         llg = _llguidance()
-        tok = self.tokenizer()
-        grammar = _grammar_cached(fmt)
-        problem = llg.LLMatcher.validate_grammar(grammar, tok)
-        if problem:
-            raise InputError(f"response_format is not a usable grammar: {problem}")
-        return Matcher(llg.LLMatcher(tok, grammar, log_level=0), self.vocab_size)
+        m = llg.LLMatcher(self.tokenizer(), _grammar_cached(fmt), log_level=0)
+        if m.is_error():  # a grammar llguidance cannot build: the matcher says why (compiled once, not twice)
+            raise InputError(f"response_format is not a usable grammar: {m.get_error()}")
+        return Matcher(m, self.vocab_size)
 
 
 @lru_cache(maxsize=256)
