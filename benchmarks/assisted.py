@@ -57,11 +57,9 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for mode, extra in MODES.items():
                         t0 = time.perf_counter()
-                        gen = eng._generation([prompt], None, True, None,
-                                              {**kw, **({"assistant": draft, **extra} if extra else {})})
-                        r = gen.run()[0]
+                        r = eng.generate([prompt], chat=True, **kw, **({"assistant": draft, **extra} if extra else {}))[0]
                         times[mode].append(time.perf_counter() - t0)
-                        out[mode] = (r, getattr(gen, "stats", [None])[0])
+                        out[mode] = (r, extra)
                 plain = out["plain"][0]
                 for mode in MODES:
                     r, st = out[mode]
@@ -70,8 +68,8 @@ def main() -> None:
                            "tok_s": round(len(r.token_ids) / t, 1),
                            "speedup": round(statistics.median(times["plain"]) / t, 2),
                            "same_tokens": r.token_ids == plain.token_ids,
-                           "acceptance": None if st is None else round(st.acceptance_rate, 3),
-                           "passes": None if st is None else st.passes}
+                           "acceptance": None if st is None else round(r.accepted_tokens / max(1, r.draft_tokens), 3),
+                           "passes": None if st is None else len(r.token_ids) - 1 - r.accepted_tokens}
                     rows.append(row)
                     print(f"{model:<14} {name:<18} {mode:<28} {row['tok_s']:6.1f} tok/s  x{row['speedup']:.2f}  "
                           f"accept {row['acceptance']}  same {row['same_tokens']}", flush=True)

@@ -2,11 +2,12 @@
 
 usage: python benchmarks/loop_overhead.py [--engine DIR ...] [--compare PATH] [--steps 64] [--rounds 3]
 
-``generate`` is a loop over the Forward layer (contexts of one batch, a pass per step, selection on the host). Its
-cost beside the model is measured directly, which timing whole steps on a noisy 2-core machine cannot do: the
-session's ``prefill``/``decode``/``*_greedy``/``select_rows`` calls are wrapped with timers, and (wall time of
-``generate`` - time inside them) / steps is the loop's own time per step, at batch 1 and 8, greedy and top-p 0.9
-sampling (which adds the selection). ``--compare PATH`` runs the same measurement with another trtinfer checkout
+``generate`` is the scheduler's loop (:mod:`trtinfer.runtime.offline`: slots of one KV cache, a batched pass per
+step, selection on the host). Its cost beside the model is measured directly, which timing whole steps on a noisy
+2-core machine cannot do: the session's calls into the backend (``run_rows``/``run_bound``, and the older loop's
+``prefill``/``decode``/``*_greedy``/``select_rows``) are wrapped with timers, and (wall time of ``generate`` - time
+inside them) / steps is the loop's own time per step, at batch 1 and 8, greedy and top-p 0.9 sampling (which adds
+the selection); ``wall_ms`` is the whole generate per step. ``--compare PATH`` runs the same measurement with another trtinfer checkout
 (e.g. a ``git worktree`` of an older commit) in the same run, interleaved. Default engine: SmolLM2-135M int4 (the
 fastest step, where overhead weighs most), built into the trtinfer cache. Prints a table, writes
 benchmarks/results/loop_overhead.json and .png.
@@ -45,22 +46,24 @@ def wrap(name):
             if depth[0] == 0:
                 inside[0] += time.perf_counter() - t
     setattr(s, name, timed)
-for n in ("prefill", "decode", "prefill_greedy", "decode_greedy", "select_rows"):
-    wrap(n)
+for n in ("prefill", "decode", "prefill_greedy", "decode_greedy", "select_rows", "run_bound", "run_rows"):
+    if hasattr(s, n):  # the calls into the backend, whichever loop makes them (nested ones count once)
+        wrap(n)
 prompt = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 out = {}
 for bs in (1, 8):
     for name, kw in (("greedy", {"do_sample": False}), ("top_p=0.9", {"do_sample": True, "top_p": 0.9, "seed": 1})):
         eng.generate([prompt] * bs, max_new_tokens=4, ignore_eos=True, **kw)
-        loop, step = [], []
+        loop, step, wall = [], [], []
         for _ in range(rounds):
             inside[0] = 0.0
             t = time.perf_counter()
             res = eng.generate([prompt] * bs, max_new_tokens=steps, ignore_eos=True, **kw)
             total = time.perf_counter() - t
             loop.append((total - inside[0]) / steps * 1000)
+            wall.append(total / steps * 1000)
             step.append(statistics.median(res[0].timings.decode_ms))
-        out[f"{name} bs{bs}"] = {"loop_ms": min(loop), "step_ms": min(step)}
+        out[f"{name} bs{bs}"] = {"loop_ms": min(loop), "step_ms": min(step), "wall_ms": min(wall)}
 print(json.dumps(out))
 '''
 
@@ -96,12 +99,12 @@ def main() -> None:
     for _ in range(2):  # interleaved: this, compare, this, compare
         for tag, tree in trees.items():
             runs[tag].append(measure(tree, engine, args.steps, args.rounds))
-    summary = {tag: {case: {k: round(min(r[case][k] for r in rs), 3) for k in ("loop_ms", "step_ms")}
-                     for case in rs[0]} for tag, rs in runs.items()}
-    print(f"{'case':<16}" + "".join(f"{t + ' loop ms':>18}{t + ' step ms':>18}" for t in trees))
+    keys = ("loop_ms", "step_ms", "wall_ms")
+    summary = {tag: {case: {k: round(min(r[case][k] for r in rs), 3) for k in keys} for case in rs[0]}
+               for tag, rs in runs.items()}
+    print(f"{'case':<16}" + "".join(f"{t + ' ' + k.replace('_', ' '):>18}" for t in trees for k in keys))
     for case in summary["this"]:
-        print(f"{case:<16}" + "".join(f"{summary[t][case]['loop_ms']:>18.3f}{summary[t][case]['step_ms']:>18.2f}"
-                                      for t in trees))
+        print(f"{case:<16}" + "".join(f"{summary[t][case][k]:>18.3f}" for t in trees for k in keys))
     RESULTS.mkdir(exist_ok=True)
     record = {"machine": machine_info(), "engine": str(engine), "trees": {k: str(v) for k, v in trees.items()},
               "steps": args.steps, "rounds": args.rounds, "summary": summary, "runs": runs}

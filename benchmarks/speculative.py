@@ -34,8 +34,7 @@ from machine import machine_info
 
 import trtinfer
 from trtinfer.builder import BuildConfig, build
-from trtinfer.runtime.generator import Generation, GenerationResult
-from trtinfer.runtime.speculative import LookupStats, PromptLookupGeneration
+from trtinfer.runtime.generator import GenerationResult
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -84,17 +83,31 @@ def engine_dir(precision: str, layout: str = "shared_buffer") -> Path:
     return out
 
 
+@dataclasses.dataclass
+class LookupStats:
+    """One generation's drafting: passes after the prefill, draft tokens proposed and kept."""
+
+    passes: int
+    drafted: int
+    accepted: int
+
+    def to_dict(self) -> dict[str, float | int]:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": round(rate, 4)}
+
+
 def run_once(eng: Any, ids: list[int], new_tokens: int, k: int | None
              ) -> tuple[GenerationResult, float, LookupStats | None]:
     """One generate of ``ids`` (plain greedy when ``k`` is None): result, wall seconds, lookup stats."""
     cfg = dataclasses.replace(eng.generation_defaults, max_new_tokens=new_tokens, prompt_lookup_num_tokens=k,
                               do_sample=False)
-    args = (eng.session, eng.tokenizer, [ids], cfg, eng.manifest.max_batch_size, eng.manifest.max_seq_len)
-    gen = Generation(*args) if k is None else PromptLookupGeneration(*args)
     t0 = time.perf_counter()
-    res = gen.run()[0]
+    res = eng.generate(input_ids=[ids], config=cfg)[0]
     wall = time.perf_counter() - t0
-    return res, wall, gen.stats[0] if isinstance(gen, PromptLookupGeneration) else None
+    # each pass after the prefill keeps its accepted draft tokens and one token of the model's own
+    stats = LookupStats(len(res.token_ids) - 1 - res.accepted_tokens, res.draft_tokens, res.accepted_tokens)
+    return res, wall, None if k is None else stats
 
 
 def compare(eng: Any, precision: str, ks: Sequence[int], new_tokens: int, rounds: int) -> list[dict[str, Any]]:

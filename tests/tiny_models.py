@@ -104,3 +104,17 @@ def whole_stage(stage: Any) -> Any:
         if name not in (ONNX_NAME, DATA_NAME) and not (path.parent / name).exists():
             (path.parent / name).symlink_to((stage.path / name).resolve())
     return StageDir(path.parent, {**stage.info, "checkpoint_weights": 0})
+
+
+def stage_engine(session: Any, tokenizer: Any, max_batch_size: int, max_seq_len: int) -> Any:
+    """What the runtime's loop needs of an engine (session, tokenizer, manifest limits, defaults) over a stage's
+    session: drives an exported or optimized stage (the tensorrt target's graph on ONNX Runtime) like a built engine."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from trtinfer.runtime.config import GenerationConfig
+
+    manifest = SimpleNamespace(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                               geometry=session.manifest.geometry, raw=session.manifest.raw)
+    return SimpleNamespace(session=session, tokenizer=tokenizer, manifest=manifest,
+                           generation_defaults=replace(GenerationConfig()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import ARCHS, whole_stage
+from tiny_models import ARCHS, stage_engine, whole_stage
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trtinfer
@@ -207,7 +207,7 @@ def _generate_ids(layout, tiny_model_dir, tiny_engine, monkeypatch, rows, **kw):
     from trtinfer.passes import PassConfig
     from trtinfer.passes.optimizer import optimize_cached
     from trtinfer.runtime.config import GenerationConfig
-    from trtinfer.runtime.generator import Generation
+    from trtinfer.runtime.offline import Generation
     from trtinfer.runtime.scoring import open_stage_session
     from trtinfer.runtime.tokenizer import EngineTokenizer
 
@@ -217,7 +217,7 @@ def _generate_ids(layout, tiny_model_dir, tiny_engine, monkeypatch, rows, **kw):
         assert session.kv_layout == layout
         monkeypatch.setattr(session, "select_rows", _numpy_select_rows)
         tok = EngineTokenizer(stage.path, stage.info.get("tokenizer", {}))
-        gen = Generation(session, tok, rows, GenerationConfig(**kw), max_batch_size=2, max_seq_len=SHORT_MAX_SEQ)
+        gen = Generation(stage_engine(session, tok, 2, SHORT_MAX_SEQ), rows, GenerationConfig(**kw))
         list(gen.events())
         return gen.results
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tiny_models import whole_stage
+from tiny_models import stage_engine, whole_stage
 
 import trtinfer
 from trtinfer.errors import ConfigError, InputError
@@ -17,11 +17,10 @@ from trtinfer.export.onnx_export import export_cached
 from trtinfer.passes import PassConfig
 from trtinfer.passes.optimizer import optimize_cached
 from trtinfer.runtime.config import GenerationConfig
-from trtinfer.runtime.generator import Generation, GenerationResult
-from trtinfer.runtime.ngram import NgramIndex
+from trtinfer.runtime.generator import GenerationResult
+from trtinfer.runtime.offline import Generation
+from trtinfer.runtime.proposers import NgramIndex
 from trtinfer.runtime.scoring import open_stage_session
-from trtinfer.runtime.session import DecoderSession
-from trtinfer.runtime.speculative import LookupStats, PromptLookupGeneration
 from trtinfer.runtime.tokenizer import EngineTokenizer
 
 #: the tiny llama copies from this prompt's second half and loops in its own output: drafts get accepted
@@ -32,28 +31,34 @@ SCATTER_MAX_SEQ = 160
 
 
 @dataclass
-class Runner:
-    """One engine's session driven directly by Generation and PromptLookupGeneration."""
+class Stats:
+    drafted: int
+    accepted: int
 
-    session: DecoderSession
-    tok: EngineTokenizer
-    max_seq_len: int
-    max_batch_size: int
+
+@dataclass
+class Runner:
+    """One engine (or a stage's session standing for one) driven by the runtime's generation loop."""
+
+    engine: Any
+
+    @property
+    def tok(self) -> EngineTokenizer:
+        return self.engine.tokenizer  # type: ignore[no-any-return]
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.engine.manifest.max_seq_len)
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text)
 
     def plain(self, prompts: list[list[int]], **kw: Any) -> list[GenerationResult]:
-        gen = Generation(self.session, self.tok, prompts, GenerationConfig(**kw), self.max_batch_size,
-                         self.max_seq_len)
-        return gen.run()
+        return Generation(self.engine, prompts, GenerationConfig(**kw)).run()
 
-    def lookup(self, prompts: list[list[int]], k: int = 4, **kw: Any) -> tuple[list[GenerationResult],
-                                                                              list[LookupStats]]:
-        gen = PromptLookupGeneration(self.session, self.tok, prompts,
-                                     GenerationConfig(prompt_lookup_num_tokens=k, **kw), self.max_batch_size,
-                                     self.max_seq_len)
-        return gen.run(), gen.stats
+    def lookup(self, prompts: list[list[int]], k: int = 4, **kw: Any) -> tuple[list[GenerationResult], list[Stats]]:
+        got = Generation(self.engine, prompts, GenerationConfig(prompt_lookup_num_tokens=k, **kw)).run()
+        return got, [Stats(r.draft_tokens, r.accepted_tokens) for r in got]
 
 
 @pytest.fixture(scope="module", params=["shared_buffer", "concat", "scatter_buffer"])
@@ -63,12 +68,13 @@ def runner(request, tiny_model_dir, tiny_engine):
                                 PassConfig(target="tensorrt", max_seq_len=SCATTER_MAX_SEQ))
         with open_stage_session(whole_stage(stage)) as session:
             assert session.kv_layout == "scatter_buffer"
-            yield Runner(session, EngineTokenizer(stage.path, stage.info.get("tokenizer", {})), SCATTER_MAX_SEQ, 1)
+            tok = EngineTokenizer(stage.path, stage.info.get("tokenizer", {}))
+            yield Runner(stage_engine(session, tok, 1, SCATTER_MAX_SEQ))
         return
     kw = {} if request.param == "shared_buffer" else {"disable_passes": ("attention",)}
     with trtinfer.load(tiny_engine("llama", **kw)) as eng:
         assert eng.session.kv_layout == request.param
-        yield Runner(eng.session, eng.tokenizer, eng.manifest.max_seq_len, eng.manifest.max_batch_size)
+        yield Runner(eng)
 
 
 def replay(prompt: list[int], out: list[int], k: int, limit: int, n: int = 2) -> list[tuple[int, list[int], int]]:
@@ -119,7 +125,6 @@ def test_greedy_equals_plain_greedy(runner, text, k):
     (got,), (stats,) = runner.lookup([prompt], k, max_new_tokens=40, ignore_eos=True)
     same(got, want)
     passes = replay(prompt, want.token_ids, k, len(prompt) + 40)
-    assert stats.passes == len(passes)
     assert stats.drafted == sum(len(d) for _, d, _ in passes)
     assert stats.accepted == sum(m for _, _, m in passes)
     if text == REPEAT:
@@ -179,7 +184,7 @@ def test_prompt_near_max_seq_len(runner):
     prompt = prompt + prompt[:2]  # one token of room
     (got,), (stats,) = runner.lookup([prompt], 10, max_new_tokens=10, ignore_eos=True)
     same(got, runner.plain([prompt], max_new_tokens=10, ignore_eos=True)[0])
-    assert len(got.token_ids) == 1 and stats.passes == 0
+    assert len(got.token_ids) == 1 and stats.drafted == 0
 
 
 def test_sampling_draws_plain_samplings_tokens(runner):
@@ -204,13 +209,10 @@ def test_processors_hook_and_logprobs_equal_plain(runner):
 
     kw = {"repetition_penalty": 1.1, "min_new_tokens": 6, "logprobs": True, "top_logprobs": 3,
           "max_new_tokens": 30}
-    want = Generation(runner.session, runner.tok, [prompt], GenerationConfig(**kw), 1, runner.max_seq_len,
-                      logits_processor=hook).run()[0]
+    want = Generation(runner.engine, [prompt], GenerationConfig(**kw), logits_processor=hook).run()[0]
     plain_calls, seen_lengths[:] = list(seen_lengths), []
-    gen = PromptLookupGeneration(runner.session, runner.tok, [prompt],
-                                 GenerationConfig(prompt_lookup_num_tokens=4, **kw), 1, runner.max_seq_len,
-                                 logits_processor=hook)
-    got = gen.run()[0]
+    got = Generation(runner.engine, [prompt], GenerationConfig(prompt_lookup_num_tokens=4, **kw),
+                     logits_processor=hook).run()[0]
     same(got, want)
     assert got.logprobs is not None and want.logprobs is not None and len(got.logprobs) == len(got.token_ids)
     for a, b in zip(got.logprobs, want.logprobs):
@@ -234,7 +236,7 @@ def test_batch_of_two_and_streaming(tiny_engine):
         got = eng.generate(prompts, max_new_tokens=24, ignore_eos=True, prompt_lookup_num_tokens=4)
         for a, b in zip(got, want):
             same(a, b)
-            assert a.timings.batch_size == 1
+            assert a.timings.batch_size == 2  # the rows ran together, each verifying its own drafts
         texts = ["", ""]
         finished = [None, None]
         for ev in eng.stream_batch(prompts, max_new_tokens=24, ignore_eos=True, prompt_lookup_num_tokens=4):
@@ -258,7 +260,8 @@ def test_should_stop_ends_every_row(tiny_engine):
                            should_stop=stop)
         full = eng.generate([REPEAT, PLAIN], max_new_tokens=30, ignore_eos=True)
     assert [r.finish_reason for r in got] == ["cancelled", "cancelled"]
-    assert len(got[0].token_ids) >= 2 and len(got[1].token_ids) == 1  # row 1 gets its first token only
+    # asked once per step: the rows ran together and both end at the second token
+    assert [len(r.token_ids) for r in got] == [2, 2]
     for a, b in zip(got, full):
         assert a.token_ids == b.token_ids[:len(a.token_ids)]
 
@@ -274,8 +277,6 @@ def test_refusals(tiny_engine):
         with pytest.raises(InputError, match="prompt_lookup_num_tokens needs logits at several positions") as e:
             eng.generate(["Hello"], prompt_lookup_num_tokens=3)
         assert "\n" not in str(e.value)
-        with pytest.raises(ConfigError, match="needs prompt_lookup_num_tokens"):
-            PromptLookupGeneration(eng.session, eng.tokenizer, [[5, 6]], GenerationConfig(), 1, 64)
 
 
 def test_logprobs_per_token_are_plain_logprobs(runner):
@@ -301,9 +302,7 @@ def test_smollm2_repeats_a_passage_with_accepted_drafts(real_engine):
         want = eng.generate(chat, chat=True, max_new_tokens=48)[0]
         same(eng.generate(chat, chat=True, max_new_tokens=48, prompt_lookup_num_tokens=5)[0], want)
         cfg = dataclasses.replace(eng.generation_defaults, max_new_tokens=48, prompt_lookup_num_tokens=5)
-        gen = PromptLookupGeneration(eng.session, eng.tokenizer, [eng.tokenizer.encode_chat(chat[0])], cfg, 1,
-                                     eng.manifest.max_seq_len)
-        got = gen.run()[0]
+        got = Generation(eng, [eng.tokenizer.encode_chat(chat[0])], cfg).run()[0]
     same(got, want)
     assert "lighthouse stood at the edge" in got.text
-    assert gen.stats[0].accepted > 20 and gen.stats[0].passes < len(got.token_ids) // 2
+    assert got.accepted_tokens > 20 and got.draft_tokens - got.accepted_tokens < len(got.token_ids) // 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import whole_stage
+from tiny_models import stage_engine, whole_stage
 
 import trtinfer
 from trtinfer.export import ExportConfig
@@ -17,7 +17,7 @@ from trtinfer.export.onnx_export import export_cached
 from trtinfer.passes import PassConfig
 from trtinfer.passes.optimizer import optimize_cached
 from trtinfer.runtime.config import GenerationConfig
-from trtinfer.runtime.generator import Generation
+from trtinfer.runtime.offline import Generation
 from trtinfer.runtime.scoring import open_stage_session, score_ids
 from trtinfer.runtime.tokenizer import EngineTokenizer
 
@@ -39,7 +39,7 @@ def test_generation_matches_the_cpu_engine(pair):
     cfg = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     with open_stage_session(stage) as session, trtinfer.load(engine) as ref:
         tok = EngineTokenizer(stage.path, stage.info.get("tokenizer", {}))
-        gen = Generation(session, tok, PROMPTS, cfg, max_batch_size=len(PROMPTS), max_seq_len=MAX_SEQ)
+        gen = Generation(stage_engine(session, tok, len(PROMPTS), MAX_SEQ), PROMPTS, cfg)
         list(gen.events())
         want = ref.generate(input_ids=PROMPTS, max_new_tokens=8, ignore_eos=True)
         assert [r.token_ids for r in gen.results] == [r.token_ids for r in want]

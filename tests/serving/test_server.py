@@ -308,6 +308,36 @@ def test_n_and_seed(client, ref):
     assert two.choices[0].text == two.choices[1].text == greedy(ref, PROMPTS[0], 6).text
 
 
+def test_beam_search(client, ref):
+    """vLLM's use_beam_search: n beams, every one a choice, best first: engine.generate(num_beams=n)'s hypotheses,
+    also with a length penalty and for a batch of prompts; beside plain requests on the same scheduler."""
+    for body, want_kw in [({}, {}), ({"length_penalty": 0.5, "early_stopping": True},
+                                     {"length_penalty": 0.5, "early_stopping": True})]:
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=8, n=3,
+                                        extra_body={"use_beam_search": True, **body})
+        want = ref.generate(PROMPTS[:2], max_new_tokens=8, num_beams=3, num_return_sequences=3, do_sample=False,
+                            **want_kw)
+        assert [c.index for c in got.choices] == list(range(6))
+        assert [c.text for c in got.choices] == [r.text for r in want]
+        assert [c.finish_reason for c in got.choices] == [r.finish_reason for r in want]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=6, n=2, extra_body={"use_beam_search": True})
+    beams = ref.generate([PROMPTS[0]], chat=True, max_new_tokens=6, num_beams=2, num_return_sequences=2,
+                         do_sample=False)
+    assert [c.message.content for c in chat.choices] == [r.text for r in beams]
+    one = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, n=1, temperature=0.8,
+                                    extra_body={"use_beam_search": True})
+    assert one.choices[0].text == greedy(ref, PROMPTS[0], 6).text  # a beam width of 1 is greedy
+
+
+@pytest.mark.parametrize(("body", "param"), [({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"),
+                                             ({"logprobs": 2}, "logprobs"),
+                                             ({"response_format": {"type": "json_object"}}, "response_format")])
+def test_beam_search_refusals(live, body, param):
+    request = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "n": 2, "use_beam_search": True, **body}
+    error_of(httpx.post(f"{live.url}/v1/completions", json=request, headers=auth()), 400, param)
+
+
 def test_sampling_extras_reach_the_generator(client, ref):
     """vLLM's extra body parameters (top_k, min_tokens, repetition_penalty, ignore_eos) and penalties."""
     kw = {"top_k": 5, "repetition_penalty": 1.3, "min_tokens": 4}
@@ -511,7 +541,7 @@ def test_bad_completion_parameters(live, body, status, param):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"use_beam_search": True}, "use_beam_search"),
+    ({"use_beam_search": True, "n": 2, "stream": True}, "stream"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
 ])
 def test_bad_chat_parameters(live, body, param):

@@ -1,25 +1,27 @@
-"""Beam search over a :class:`DecoderSession`, step for step transformers' ``generate(num_beams=...)``.
+"""Beam search, step for step transformers' ``generate(num_beams=...)``, as a layer over the scheduler's loop.
 
-Each prompt keeps ``num_beams`` running hypotheses as rows of one batched KV cache. A step scores every
-continuation of every running beam (log-softmax of the logits, transformers' processors applied to those
-log-probabilities, plus the beam's running score), keeps the best ``2 * num_beams`` (more with several EOS ids),
-retires candidates that end (an EOS id, or the prompt's length limit) into the prompt's finished set scored by
-``sum of log-probabilities / generated_length ** length_penalty``, and continues the best ``num_beams`` others. The KV
-rows follow their beams with :meth:`DecoderSession.select_rows` (a gather on the device), skipped when no beam moved.
-A prompt is done by transformers' rule for ``early_stopping`` (``True``: ``num_beams`` finished hypotheses;
-``False``: when the best running beam, scored at the current length, cannot beat the worst finished one;
-``"never"``: the same at the longest possible length when ``length_penalty > 0``); its rows then leave the batch.
+Each prompt keeps ``num_beams`` running hypotheses. A step scores every continuation of every running beam
+(log-softmax of the logits, transformers' processors applied to those log-probabilities, plus the beam's running
+score), keeps the best ``2 * num_beams`` (more with several EOS ids), retires candidates that end (an EOS id, or the
+prompt's length limit) into the prompt's finished set scored by ``sum of log-probabilities / generated_length **
+length_penalty``, and continues the best ``num_beams`` others. A prompt is done by transformers' rule for
+``early_stopping`` (``True``: ``num_beams`` finished hypotheses; ``False``: when the best running beam, scored at the
+current length, cannot beat the worst finished one; ``"never"``: the same at the longest possible length when
+``length_penalty > 0``).
 
-Prompts run in groups of ``max_batch_size // num_beams`` (each prompt's beams must fit one batch). Every prompt is
-independent of the others, as in transformers, whose batched padding is the only thing that may make its scores
-differ by rounding.
+The model runs through the scheduler (:mod:`trtinfer.runtime.scheduler`), as vLLM's beam search runs over its
+engine: each step submits one one-token request per running beam (the prompt and the beam's tokens) and reads the
+logits it was chosen from. Prefix caching keeps each beam's KV in its row: a beam's first child takes its parent's
+row in place, other children copy the parent's prefix into a free row (CPU), and the step's new tokens go as one
+batched decode call. Every prompt is independent of the others, as in transformers.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +30,6 @@ from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.generator import (
     GenerationResult,
     LogitsProcessor,
-    StreamEvent,
     Timings,
     check_hooks,
     check_prompts,
@@ -36,9 +37,8 @@ from trtinfer.runtime.generator import (
     run_logits_processor,
 )
 from trtinfer.runtime.probes import log_softmax
+from trtinfer.runtime.request import Request
 from trtinfer.runtime.sampling import apply_processors, top_ids
-from trtinfer.runtime.session import DecoderSession
-from trtinfer.runtime.tokenizer import EngineTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -73,56 +73,70 @@ class _Prompt:
 
 
 class BeamSearch:
-    """Beam search for a batch of prompts; :meth:`run` returns ``num_return_sequences`` results per prompt.
+    """Beam search for a batch of prompts over ``scheduler``; :meth:`run` returns ``num_return_sequences`` results per
+    prompt.
 
     Results come prompt by prompt, each prompt's best hypothesis first; ``result.score`` is transformers'
     ``sequences_scores`` (the length-penalized sum of log-probabilities). ``finish_reason`` is ``"stop"`` for a
-    hypothesis that ended with an EOS id, ``"length"`` for one cut by ``max_new_tokens`` or the engine's max sequence
-    length, ``"cancelled"`` when ``should_stop`` ended the search. ``logits_processor`` receives each beam's tokens
-    and its log-probabilities (transformers applies processors after the log-softmax in beam search).
+    hypothesis that ended with an EOS id, ``"length"`` for one cut by ``max_new_tokens`` or the model length,
+    ``"cancelled"`` when ``should_stop`` ended the search. ``logits_processor`` receives each beam's tokens and its
+    log-probabilities (transformers applies processors after the log-softmax in beam search).
+
+    ``drive``: step the scheduler in this thread (``engine.generate``); otherwise its own thread runs the requests
+    (the server). Prompts run ``max(1, slots // num_beams)`` at a time, so a step's beams all hold a row.
     """
 
-    def __init__(self, session: DecoderSession, tokenizer: EngineTokenizer, prompts: Sequence[Sequence[int]],
-                 cfg: GenerationConfig, max_batch_size: int, max_seq_len: int, *,
+    def __init__(self, scheduler: Any, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, *, drive: bool,
                  logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
-        vocab = int(session.manifest.geometry["vocab_size"])
-        if cfg.num_beams > max_batch_size:
-            raise InputError(f"num_beams={cfg.num_beams} exceeds the engine's max batch size {max_batch_size} (each "
-                             "beam is a row of the batch); lower num_beams or rebuild with a larger --max-batch-size")
+        vocab = scheduler.vocab
+        slots = len(scheduler.cache.index.tokens)
+        if cfg.num_beams > slots:
+            raise InputError(f"num_beams={cfg.num_beams} exceeds the {slots} sequences that run at once (the engine's "
+                             "max batch size, or the server's --max-slots; each beam is a row of the batch); lower "
+                             "num_beams or rebuild with a larger --max-batch-size")
         if cfg.num_beams * 2 > vocab:
             raise InputError(f"num_beams={cfg.num_beams} needs at least {2 * cfg.num_beams} tokens in the vocabulary")
-        self.session, self.tok, self.cfg = session, tokenizer, cfg
-        self.prompts = check_prompts(prompts, vocab, max_seq_len)
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.eos = eos_ids(cfg, tokenizer, vocab)
+        self.sched, self.cfg, self.drive = scheduler, cfg, drive
+        self.tok = scheduler.tokenizer
+        self.max_seq_len = scheduler.max_seq_len
+        self.prompts = check_prompts(prompts, vocab, self.max_seq_len)
+        self.per_group = max(1, slots // cfg.num_beams)
+        self.eos = eos_ids(cfg, self.tok, vocab)
         self.logits_processor, self.should_stop = check_hooks(logits_processor, should_stop)
+        # each beam's step: its next token's logits, nothing else (no stop rules, no text)
+        self._one = GenerationConfig(max_new_tokens=1, do_sample=False, ignore_eos=True)
         self.results: list[GenerationResult] = []
-
-    def events(self) -> Iterator[StreamEvent]:
-        raise InputError("beam search cannot stream: the best hypothesis is known only at the end; use generate()")
 
     def run(self) -> list[GenerationResult]:
         """Search every prompt; fills and returns :attr:`results`."""
-        per_group = max(1, self.max_batch_size // self.cfg.num_beams)
         self.results = []
-        for start in range(0, len(self.prompts), per_group):
-            self.results.extend(self._search(self.prompts[start:start + per_group]))
+        for start in range(0, len(self.prompts), self.per_group):
+            self.results.extend(self._search(self.prompts[start:start + self.per_group]))
         return self.results
 
-    # -----------------------------------------------------------------------------------------------------------
+    def _logits(self, seqs: list[list[int]]) -> np.ndarray:
+        """The next-token logits ``[len(seqs), V]`` after each sequence, one one-token request each."""
+        reqs: list[Request] = [self.sched.submit(s, self._one, text=False, keep_logits=True, min_reuse=1)
+                               for s in seqs]
+        if self.drive:
+            while not all(r.done for r in reqs):
+                self.sched.step()
+        rows = []
+        for r in reqs:
+            r.result()  # raises a request's failure
+            assert r.last_logits is not None
+            rows.append(r.last_logits)
+        return np.stack(rows)
+
     def _search(self, prompts: list[list[int]]) -> list[GenerationResult]:
         cfg, nb = self.cfg, self.cfg.num_beams
         states = [_Prompt(p, nb, min(cfg.max_new_tokens, self.max_seq_len - len(p))) for p in prompts]
         timings = [Timings(prompt_tokens=len(p), batch_size=len(prompts) * nb) for p in prompts]
         keep_k = max(2, 1 + len(self.eos)) * nb  # candidates kept per prompt (transformers' beams_to_keep)
-        width = max(len(p) for p in prompts)
-        capacity = min(self.max_seq_len, width + cfg.max_new_tokens + 1)
         t0 = time.perf_counter()
-        logits, kv = self.session.prefill(prompts, capacity)
-        rows = [i for i in range(len(prompts)) for _ in range(nb)]  # every beam starts as a copy of its prompt
-        kv = self.session.select_rows(kv, rows)
-        logits = logits[rows]
-        active = list(range(len(prompts)))  # prompts whose beams are rows of the batch, in row order
+        first = self._logits(prompts)
+        logits = first[[i for i in range(len(prompts)) for _ in range(nb)]]  # every beam starts as its prompt
+        active = list(range(len(prompts)))  # prompts whose beams run, in order
         step = 0
         while True:
             seen = [np.asarray(states[i].ids + beam, np.int64) for i in active for beam in states[i].running]
@@ -130,14 +144,12 @@ class BeamSearch:
             if self.logits_processor is not None:
                 scores = run_logits_processor(self.logits_processor, scores, seen)
             cancelled = self.should_stop is not None and bool(self.should_stop())
-            src_rows: list[int] = []
-            tokens: list[int] = []
+            parents: list[tuple[int, int]] = []  # each next beam's parent: (prompt, beam), its KV in a row
             for slot, i in enumerate(active):
                 st = states[i]
-                src, toks = self._step(st, scores[slot * nb:(slot + 1) * nb], step, keep_k, cancelled)
+                src = self._step(st, scores[slot * nb:(slot + 1) * nb], step, keep_k, cancelled)
                 if not st.done:
-                    src_rows.extend(slot * nb + s for s in src)
-                    tokens.extend(toks)
+                    parents.extend((i, b) for b in src)
             elapsed = (time.perf_counter() - t0) * 1000.0
             for i in active:
                 timings[i].add_step(step, elapsed)
@@ -146,15 +158,20 @@ class BeamSearch:
             if not active:
                 break
             t0 = time.perf_counter()
-            if src_rows != list(range(len(src_rows))) or len(src_rows) != kv.batch:
-                kv = self.session.select_rows(kv, src_rows)  # the rows follow their beams (and done prompts leave)
-            logits, kv = self.session.decode(np.asarray(tokens, np.int64), kv)
+            seqs = [states[i].ids + beam for i in active for beam in states[i].running]
+            # each parent's first child first: it takes the parent's row in place before a sibling's copy evicts
+            # anything (the rows of beams that died are the ones reused)
+            order = sorted(range(len(seqs)), key=lambda j: parents.index(parents[j]) != j)
+            got = self._logits([seqs[j] for j in order])
+            logits = np.empty_like(got)
+            logits[order] = got
         return [r for st, t in zip(states, timings) for r in self._results(st, t)]
 
     def _step(self, st: _Prompt, scores: np.ndarray, step: int, keep_k: int,
-              cancelled: bool) -> tuple[list[int], list[int]]:
-        """One step of one prompt (transformers' ``_beam_search`` body); returns the next running beams' source beams
-        and tokens. ``scores [num_beams, V]``: processed log-probabilities of each running beam's continuations."""
+              cancelled: bool) -> list[int]:
+        """One step of one prompt (transformers' ``_beam_search`` body); returns the next running beams' parents
+        (indices into the previous running beams).
+        ``scores [num_beams, V]``: processed log-probabilities of each running beam's continuations."""
         nb, lp = st.num_beams, self.cfg.length_penalty
         vocab = scores.shape[-1]
         total = scores + st.running_scores[:, None]
@@ -200,7 +217,7 @@ class BeamSearch:
         st.improvable = st.improvable and bool((best_running > worst).any())
         all_full = bool(st.is_finished.all()) and self.cfg.early_stopping is True
         st.done = not st.improvable or all_full or bool(ends.all())
-        return [int(beam[j]) for j in nxt], [int(token[j]) for j in nxt]
+        return [int(beam[j]) for j in nxt]
 
     def _results(self, st: _Prompt, timings: Timings) -> list[GenerationResult]:
         eos = set(self.eos)

@@ -13,8 +13,9 @@ from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 from trtinfer.runtime.forward import Context, Forward, Group, Output
 from trtinfer.runtime.forward import execute as execute_passes
 from trtinfer.runtime.gen_defaults import read_generation_defaults_and_keys
-from trtinfer.runtime.generator import Generation, GenerationResult, StreamEvent, warn_length_budget
+from trtinfer.runtime.generator import GenerationResult, StreamEvent, warn_length_budget
 from trtinfer.runtime.manifest import Manifest, read_manifest
+from trtinfer.runtime.offline import BeamGeneration, Generation
 from trtinfer.runtime.scoring import PerplexityResult, ScoreResult, check_ids, score_ids, windowed_perplexity
 from trtinfer.runtime.session import DecoderSession, open_session
 from trtinfer.runtime.tokenizer import EngineTokenizer, check_text
@@ -108,43 +109,23 @@ class Engine:
         cfg = dataclasses.replace(base, **kwargs)
         ids = self._prompt_ids(prompts, input_ids, chat)
         warn_length_budget(ids, cfg.max_new_tokens, self.manifest.max_seq_len)
-        args = (self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size, self.manifest.max_seq_len)
-        if cfg.response_format is not None and (assistant is not None or cfg.num_beams > 1 or
-                                                cfg.prompt_lookup_num_tokens is not None):
-            raise InputError("response_format constrains plain decoding and sampling here; drop num_beams, "
-                             "prompt_lookup_num_tokens or assistant (the server's scheduler verifies n-gram drafts "
-                             "under a grammar)")
-        if assistant is not None:
-            if cfg.num_beams > 1 or cfg.num_return_sequences > 1:
-                raise InputError("assistant drafts for one sequence per prompt: it does not combine with num_beams > 1 "
-                                 "or num_return_sequences > 1")
-            from trtinfer.runtime.assisted import AssistedGeneration
-
-            return AssistedGeneration(*args, assistant=assistant, **hooks)
+        if cfg.response_format is not None and cfg.num_beams > 1:
+            raise InputError("response_format constrains decoding and sampling, not beam search; drop num_beams")
+        if assistant is not None and (cfg.num_beams > 1 or cfg.num_return_sequences > 1):
+            raise InputError("assistant drafts for one sequence per prompt: it does not combine with num_beams > 1 "
+                             "or num_return_sequences > 1")
         if cfg.num_beams > 1:
             if streaming:
                 raise InputError("beam search cannot stream: the best hypothesis is known only at the end; use "
                                  "generate()")
-            from trtinfer.runtime.beam import BeamSearch
-
-            return BeamSearch(*args, **hooks)
-        if cfg.prompt_lookup_num_tokens is not None:
-            from trtinfer.runtime.speculative import PromptLookupGeneration
-
-            return PromptLookupGeneration(*args, **hooks)
+            return BeamGeneration(self, ids, cfg, **hooks)
         if cfg.num_return_sequences > 1 and streaming == "one":
             raise InputError("stream() yields one sequence's text; with num_return_sequences > 1 use stream_batch() "
                              "(each event's index names its row: prompt * num_return_sequences + sample) or "
                              "generate()")
-        if cfg.num_return_sequences > 1:  # independent samples: each prompt repeated, each copy its own generator
-            ids = [row for row in ids for _ in range(cfg.num_return_sequences)]
-            args = (self.session, self.tokenizer, ids, cfg, self.manifest.max_batch_size, self.manifest.max_seq_len)
-        if cfg.response_format is not None and (assistant is not None or cfg.num_beams > 1 or
-                                                cfg.prompt_lookup_num_tokens is not None):
-            raise InputError("response_format constrains plain decoding and sampling here; drop num_beams, "
-                             "prompt_lookup_num_tokens or assistant (the server's scheduler verifies n-gram drafts "
-                             "under a grammar)")
-        return Generation(*args, **hooks)
+        # independent samples: each prompt repeated, each copy its own request and generator
+        ids = [row for row in ids for _ in range(cfg.num_return_sequences)]
+        return Generation(self, ids, dataclasses.replace(cfg, num_return_sequences=1), assistant=assistant, **hooks)
 
     def generate(self, prompts: Sequence[str] | str | None = None, *,
                  input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False,

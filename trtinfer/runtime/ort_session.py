@@ -22,6 +22,9 @@ from trtinfer.runtime.manifest import Manifest, kv_dtype
 from trtinfer.runtime.ort_env import PinnedInputs, open_ort_session, ort_providers, staging_memory_info
 from trtinfer.runtime.session import DecoderSession, KVCache, register_backend
 
+#: ONNX element types of the KV dtypes (IOBinding takes these for pointer bindings; numpy has no bfloat16)
+_ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}
+
 
 @register_backend("onnxruntime")
 class OrtDecoderSession(DecoderSession):
@@ -147,6 +150,33 @@ class OrtDecoderSession(DecoderSession):
         self.sess.run_with_iobinding(io)
         outs = io.get_outputs()
         return self.select(outs[0].numpy(), positions), (list(outs[1:]) if kv_out is None else kv_out)
+
+    # --- slot rows ------------------------------------------------------------------------------------------
+    def slot_values(self, slots: int, capacity: int) -> list[Any]:
+        kvh, hd = self.kv_shape
+        return [self.kv_value((slots, kvh, capacity, hd)) for _ in self.past_names]
+
+    def kv_row_bytes(self, capacity: int) -> int:
+        kvh, hd = self.kv_shape
+        return kvh * capacity * hd * (4 if self.kv_dtype == "float32" else 2)
+
+    def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
+                 positions: np.ndarray, staging: Any) -> np.ndarray:
+        """Rows bound in place through IOBinding pointers (a C-contiguous buffer's rows are tensors of their own)."""
+        if self.has_logits_positions:
+            feeds = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
+        io = self.sess.io_binding()
+        for name, arr in feeds.items():
+            self.bind_host_input(io, name, arr, staging)
+        io.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
+        kvh, hd = self.kv_shape
+        shape, elem, row = [rows, kvh, capacity, hd], _ONNX_TYPES[str(self.kv_dtype)], self.kv_row_bytes(capacity)
+        for past, present, val in zip(self.past_names, self.present_names, values):
+            ptr = val.data_ptr() + first_row * row
+            io.bind_input(past, self.device, self.config.device_id, elem, shape, ptr)
+            io.bind_output(present, self.device, self.config.device_id, elem, shape, ptr)  # written in place
+        self.sess.run_with_iobinding(io)
+        return self.select(io.get_outputs()[0].numpy(), positions)
 
     # --- interface ------------------------------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:

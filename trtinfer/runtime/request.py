@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from trtinfer.runtime.config import GenerationConfig
-from trtinfer.runtime.generator import GenerationResult, TokenLogprob
-from trtinfer.runtime.ngram import NgramIndex
+from trtinfer.runtime.generator import GenerationResult, LogitsProcessor, TokenLogprob
+from trtinfer.runtime.proposers import Proposer
 from trtinfer.runtime.structured import Matcher
 from trtinfer.runtime.tokenizer import IncrementalDecoder
 
@@ -45,7 +45,9 @@ class Request:
     """
 
     def __init__(self, rid: int, prompt_ids: list[int], cfg: GenerationConfig, eos: tuple[int, ...],
-                 decoder: IncrementalDecoder, matcher: Matcher | None = None) -> None:
+                 decoder: IncrementalDecoder | None, matcher: Matcher | None = None, *,
+                 seed: np.random.SeedSequence | None = None, proposer: Proposer | None = None,
+                 logits_processor: LogitsProcessor | None = None, keep_logits: bool = False) -> None:
         self.id = rid
         self.prompt_ids = prompt_ids
         self.cfg = cfg
@@ -60,17 +62,24 @@ class Request:
         self.next_token: int | None = None  # sampled, not yet fed back
         self.eos = eos
         self._seen = np.asarray(prompt_ids, dtype=np.int64)
-        self._decoder = decoder
+        self._decoder = decoder  # None: no text until the end (no stream, no stop strings), decoded once then
         self._logprobs: list[TokenLogprob] | None = [] if cfg.logprobs else None
-        self._rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(1)[0]) if cfg.do_sample else None
+        if seed is None:
+            seed = np.random.SeedSequence(cfg.seed).spawn(1)[0]
+        self._rng = np.random.default_rng(seed) if cfg.do_sample else None
         self._deadline = None if cfg.max_time is None else self.t_submit + cfg.max_time
-        # prompt lookup (vLLM's ngram speculation): the sequence's n-grams, drafts verified by the scheduler
-        self._ngram: NgramIndex | None = None
-        if cfg.prompt_lookup_num_tokens is not None:
-            self._ngram = NgramIndex(cfg.max_matching_ngram_size)
-            self._ngram.extend(prompt_ids)
+        #: ``should_stop(k) -> bool`` (engine.generate's hook): asked as the request's k-th new token is recorded;
+        #: True ends it there with ``"cancelled"``
+        self.should_stop: Callable[[int], bool] | None = None
+        # speculative decoding: drafts verified by the scheduler (vLLM's ngram method, or an assistant engine)
+        self.proposer = proposer
         self.drafted = self.accepted = 0  # draft tokens proposed / kept
         self.matcher = matcher  # the response_format's grammar state (structured outputs)
+        self.logits_processor = logits_processor  # the user's hook, run on this request's logits
+        #: with ``keep_logits``, the raw logits ``[V]`` the last token was chosen from (beam search reads them)
+        self.keep_logits = keep_logits
+        self.min_reuse = 16  # the shortest cached prefix this request takes (the scheduler sets it)
+        self.last_logits: np.ndarray | None = None
         self._batch_size = 1
         # --- shared with readers -----------------------------------------------------------------------------------
         self._cond = threading.Condition()
@@ -161,6 +170,17 @@ class Request:
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
+
+    def events_since(self, i: int) -> list[Event]:
+        """The events from the ``i``-th on, as pushed so far (no waiting: for the thread that steps the scheduler)."""
+        with self._cond:
+            return self._events[i:]
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error a failed request ended with (None otherwise)."""
+        with self._cond:
+            return self._error
 
     # --- writing (the scheduler) --------------------------------------------------------------------------------
     def _push(self, event: Event, result: GenerationResult | None = None, error: BaseException | None = None) -> None:

@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -40,14 +41,18 @@ from trtinfer.errors import InputError, QueueFullError, ServingError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.generator import (
     GenerationResult,
+    LogitsProcessor,
     Timings,
+    check_hooks,
     check_prompts,
     eos_ids,
     row_finish,
     settle,
     token_logprobs,
+    user_hook,
 )
 from trtinfer.runtime.prefix_cache import common_prefix
+from trtinfer.runtime.proposers import AssistantProposer, NgramProposer, Proposer, check_assistant, trim_draft
 from trtinfer.runtime.request import Event, Request
 from trtinfer.runtime.sampling import select_next
 from trtinfer.runtime.slots import SlotCache
@@ -77,7 +82,8 @@ class Scheduler:
 
     def __init__(self, engine: Any, max_queue: int = 64, prefill_chunk: int = 256,
                  max_slots: int | None = None, max_model_len: int | None = None,
-                 on_finish: Callable[[Request, Event], None] | None = None, prefix_caching: bool = True) -> None:
+                 on_finish: Callable[[Request, Event], None] | None = None, prefix_caching: bool = True,
+                 kv_capacity: int | None = None, reserve: bool = True) -> None:
         limit = int(engine.manifest.max_batch_size)
         slots = limit if max_slots is None else max_slots
         if not 1 <= slots <= limit:
@@ -93,7 +99,9 @@ class Scheduler:
         self.max_seq_len = engine_len if max_model_len is None else max_model_len  # a slot's positions
         self.vocab = int(engine.manifest.geometry["vocab_size"])
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
-        self.cache = SlotCache(engine.session, slots, self.max_seq_len)
+        # a slot's KV positions: max_model_len, or fewer where no request can need more (engine.generate sizes them
+        # for its prompts); ``reserve`` touches the buffers' memory now rather than mid-request
+        self.cache = SlotCache(engine.session, slots, kv_capacity or self.max_seq_len, reserve=reserve)
         self._slots: list[Request | None] = [None] * slots  # touched by the stepping thread only
         self._waiting: deque[Request] = deque()
         self._cond = threading.Condition()  # guards _waiting, _closed, counters; wakes the thread
@@ -163,36 +171,67 @@ class Scheduler:
         return bool(self._waiting) or any(r is not None for r in self._slots)
 
     # --- submitting -------------------------------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None = None) -> Request:
+    def submit(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None = None, *, clip: bool = False,
+               seed: np.random.SeedSequence | None = None, logits_processor: LogitsProcessor | None = None,
+               assistant: Any = None, text: bool = True, keep_logits: bool = False,
+               min_reuse: int = MIN_REUSE) -> Request:
         """Queue a prompt (token ids) with its settings (default: the engine's generation defaults).
 
-        Raises InputError for a prompt that does not fit (prompt + ``max_new_tokens`` over the engine's max sequence
-        length), ids outside the vocabulary, or settings a scheduler does not run (beam search, several sequences
-        in one request); QueueFullError when the waiting queue is full. Thread-safe.
+        Raises InputError for a prompt that does not fit (prompt + ``max_new_tokens`` over the model length, unless
+        ``clip``: the request then ends with ``"length"`` when its row is full), ids outside the vocabulary, or
+        settings a scheduler does not run (beam search, several sequences in one request); QueueFullError when the
+        waiting queue is full. Thread-safe.
+
+        ``seed``: the request's seed sequence (default ``SeedSequence(cfg.seed).spawn(1)[0]``); ``logits_processor``:
+        the user's hook (see :meth:`trtinfer.Engine.generate`); ``assistant``: an engine drafting for it (assisted
+        decoding); ``text=False``: no incremental text (events carry ``""``; the result's text is decoded once, at
+        the end), which stop strings override; ``keep_logits``: keep the logits of the last choice
+        (:attr:`Request.last_logits`); ``min_reuse``: the shortest cached prefix worth taking (beam search's
+        continuations reuse any).
         """
         cfg = self.engine.generation_defaults if cfg is None else cfg
         if not isinstance(cfg, GenerationConfig):
             raise InputError(f"cfg must be a GenerationConfig, got {type(cfg).__name__}")
         if cfg.num_beams > 1 or cfg.num_return_sequences > 1:
             raise InputError("the scheduler runs one sequence per request without beam search (num_beams=1, "
-                             "num_return_sequences=1: submit the request n times for n sequences); use "
-                             "engine.generate for beam search")
+                             "num_return_sequences=1: submit the request n times for n sequences); beam search is "
+                             "trtinfer.runtime.beam.beam_search over a scheduler")
         ids = check_prompts([prompt_ids], self.vocab, self.max_seq_len)[0]
-        if len(ids) + cfg.max_new_tokens > self.max_seq_len:
+        if not clip and len(ids) + cfg.max_new_tokens > self.max_seq_len:
             raise InputError(f"a prompt of {len(ids)} tokens + max_new_tokens {cfg.max_new_tokens} = "
                              f"{len(ids) + cfg.max_new_tokens} exceeds the model length "
                              f"{self.max_seq_len}; shorten the prompt or ask for fewer tokens")
         eos = eos_ids(cfg, self.tokenizer, self.vocab)
+        check_hooks(logits_processor, None)
         # a response_format's grammar, compiled before the request queues (a bad schema is the caller's 400)
         matcher = (None if cfg.response_format is None else
                    self.tokenizer.grammars(self.vocab).matcher(cfg.response_format))
+        if assistant is not None and cfg.prompt_lookup_num_tokens is not None:
+            raise InputError("assistant and prompt_lookup_num_tokens are two ways of drafting; give one of them")
+        drafting = ("assistant" if assistant is not None else
+                    "prompt_lookup_num_tokens" if cfg.prompt_lookup_num_tokens is not None else None)
+        if drafting and not self.cache.can_verify:
+            raise InputError(f"{drafting} needs logits at several positions per pass, but this engine's graph computes "
+                             "them at the last position only (no logits_positions input: an older trtinfer build or "
+                             f"that pass disabled); rebuild the engine, or generate without {drafting}")
+        if assistant is not None:
+            check_assistant(assistant, self.tokenizer, self.vocab)
+        decoder = IncrementalDecoder(self.tokenizer, cfg.stop) if text or cfg.stop else None
         with self._cond:
             if self._closed:
                 raise ServingError("the scheduler is closed")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue {self.max_queue}) and "
                                      f"all {len(self._slots)} slots are busy; retry later")
-            req = Request(next(self._ids), ids, cfg, eos, IncrementalDecoder(self.tokenizer, cfg.stop), matcher)
+            proposer: Proposer | None = None
+            if assistant is not None:
+                limit = min(self.cache.capacity, len(ids) + cfg.max_new_tokens + 1)
+                proposer = AssistantProposer(assistant, cfg, eos, limit)
+            elif cfg.prompt_lookup_num_tokens is not None:
+                proposer = NgramProposer(cfg)
+            req = Request(next(self._ids), ids, cfg, eos, decoder, matcher, seed=seed, proposer=proposer,
+                          logits_processor=logits_processor, keep_logits=keep_logits)
+            req.min_reuse = min_reuse
             self._waiting.append(req)
             self._cond.notify_all()
         return req
@@ -237,8 +276,8 @@ class Scheduler:
             for r in gone:
                 self._waiting.remove(r)
         for req in gone + [r for r in self._running() if r.cancelled]:
-            self._finish(req, "cancelled", None, Event(None, req._decoder.finish(), None, "cancelled", None,
-                                                       time.perf_counter()))
+            tail = "" if req._decoder is None else req._decoder.finish()
+            self._finish(req, "cancelled", None, Event(None, tail, None, "cancelled", None, time.perf_counter()))
 
     def _admit(self) -> None:
         while True:
@@ -263,7 +302,7 @@ class Scheduler:
             if other is None or other.num_computed >= len(other.prompt_ids):
                 continue
             common = common_prefix(req.prompt_ids[:-1], other.prompt_ids)
-            if common >= MIN_REUSE and common > other.num_computed:
+            if common >= req.min_reuse and common > other.num_computed:
                 return True
         return False
 
@@ -272,7 +311,7 @@ class Scheduler:
         busy = [s for s, r in enumerate(self._slots) if r is not None] if self.cache.can_copy else []
         # the last prompt token is always prefilled: its logits choose the first new token
         row, n = self.cache.index.longest(req.prompt_ids[:-1], free + busy)
-        if n < MIN_REUSE:
+        if n < req.min_reuse:
             row, n = None, 0
         if row is not None and row in free:
             slot = row
@@ -302,26 +341,28 @@ class Scheduler:
                     self._error(req, e)
                 continue
             budget -= len(run) * max(map(len, rows))
-            for req, lg in zip(run, outs):
-                self._prefilled(req, len(req.prompt_ids), lg)
+            self._emit_all([(req, lg) for req, lg in zip(run, outs) if self._prefilled(req, len(req.prompt_ids))])
         for req in self._running():
             if budget == 0:
                 break
             todo = len(req.prompt_ids) - req.num_computed
-            if todo == 0:
+            if todo == 0 or self._tail(req):
                 continue
             n = min(todo, budget)
             assert req.slot is not None
             try:
                 logits = self.cache.prefill(req.slot, req.prompt_ids[req.num_computed:req.num_computed + n])
                 budget -= n
-                self._prefilled(req, n, logits)
+                if self._prefilled(req, n):
+                    self._emit(req, logits)
             except Exception as e:  # noqa: BLE001  one request's failure ends that request only
                 self._error(req, e)
 
     def _fresh_runs(self, budget: int) -> list[list[Request]]:
         """Groups of >= 2 requests with nothing in their rows yet, in neighbouring slots, whose whole prompts fit
         ``budget`` together (counted as the call computes them: rows x the longest prompt)."""
+        if not self.cache.batched_prefill:
+            return []
         fresh = sorted((r for r in self._running() if r.num_computed == 0 and r.slot is not None
                         and not self.cache.length(r.slot)), key=lambda r: r.slot or 0)
         runs: list[list[Request]] = []
@@ -342,51 +383,65 @@ class Scheduler:
             runs.append(run)
         return runs
 
-    def _prefilled(self, req: Request, n: int, logits: np.ndarray) -> None:
-        """``n`` more prompt tokens of ``req`` are in its row; at the prompt's end its first token is chosen."""
+    def _prefilled(self, req: Request, n: int) -> bool:
+        """``n`` more prompt tokens of ``req`` are in its row; True at the prompt's end (its first token is due)."""
         req.num_computed += n
         with self._cond:
             self._prompt_tokens += n
-        if req.num_computed == len(req.prompt_ids):
-            req._batch_size = sum(r is not None for r in self._slots)
-            self._emit(req, logits)
+        if req.num_computed < len(req.prompt_ids):
+            return False
+        req._batch_size = sum(r is not None for r in self._slots)
+        return True
+
+    @staticmethod
+    def _tail(req: Request) -> bool:
+        """Whether only the last prompt token of ``req`` is left after a reused prefix: it joins the decode step
+        (a beam's continuation, a repeated prompt), as one more row of that call."""
+        return req.num_computed > 0 and req.num_computed == len(req.prompt_ids) - 1
 
     def _decode(self) -> None:
-        """One batched step over every request with a token to feed; a request with a prompt-lookup draft instead
-        verifies it in its own pass (its token and the draft, logits at each)."""
+        """One batched step over every request with a token to feed (its last token, or a prompt's last after a
+        reused prefix); a request with a draft (prompt lookup, an assistant) instead verifies it in its own pass
+        (its token and the draft, logits at each)."""
+        running = self._running()
+        tails = [r for r in running if self._tail(r)]
         batch = []
-        for req in [r for r in self._running() if r.next_token is not None]:
-            draft = self._draft(req)
+        for req in [r for r in running if r.next_token is not None]:
+            try:
+                draft = self._draft(req)
+            except Exception as e:  # noqa: BLE001  an assistant's failure ends that request only
+                self._error(req, e)
+                continue
             if draft:
                 self._speculate(req, draft)
             else:
                 batch.append(req)
+        batch += tails
         if not batch:
             return
+        feed = {r.slot: r.prompt_ids[-1] if r.next_token is None else r.next_token for r in batch}
         try:
-            logits = self.cache.decode({r.slot: r.next_token for r in batch if r.slot is not None and
-                                        r.next_token is not None})
+            logits = self.cache.decode({s: t for s, t in feed.items() if s is not None})
         except Exception as e:  # noqa: BLE001  the whole batch failed: each of its requests ends with the error
             for req in batch:
                 self._error(req, e)
             return
-        for req in batch:
-            assert req.slot is not None
-            try:
-                self._emit(req, logits[req.slot])
-            except Exception as e:  # noqa: BLE001
-                self._error(req, e)
+        for req in tails:
+            self._prefilled(req, 1)
+        self._emit_all([(req, logits[req.slot]) for req in batch if req.slot is not None])
 
     def _draft(self, req: Request) -> list[int]:
-        """The request's next prompt-lookup draft (none without prompt lookup): the n-gram lookup, within what the
-        request may still generate and its row may hold, cut before its first EOS id."""
-        k = req.cfg.prompt_lookup_num_tokens
-        if req._ngram is None or k is None:
+        """The request's next draft (none without a proposer), within what the request may still generate and its
+        row may hold, cut before its first EOS id or a token ``no_repeat_ngram_size`` bans."""
+        if req.proposer is None:
             return []
-        room = min(req.cfg.max_new_tokens - len(req.generated), self.max_seq_len - len(req._ngram.tokens)) - 1
-        draft = req._ngram.draft(min(k, room))
-        cut = next((j for j, t in enumerate(draft) if t in req.eos), len(draft))
-        return draft[:cut]
+        seq = req.prompt_ids + req.generated  # its last token is the one fed next
+        room = min(req.cfg.max_new_tokens - len(req.generated), self.max_seq_len - len(seq),
+                   self.cache.capacity - len(seq)) - 1  # the model adds a token of its own after the draft
+        if room <= 0:
+            return []
+        draft = req.proposer.propose(seq, room)[:room]
+        return trim_draft(draft, seq, req.eos, req.cfg.no_repeat_ngram_size)
 
     def _speculate(self, req: Request, draft: list[int]) -> None:
         """Feed the request's token and ``draft`` in one pass; keep the draft while the model's own choices (made
@@ -404,14 +459,16 @@ class Scheduler:
         kept = 0
         for j in range(len(draft) + 1):
             try:
-                tok = self._emit(req, logits[j])
+                tok = int(self._choose([req], logits[j][None, :])[0])
+                match = j < len(draft) and tok == draft[j]
+                kept += match
+                req.accepted += match  # before the token is recorded: a request that ends on it counts it
+                self._record(req, tok, logits[j])
             except Exception as e:  # noqa: BLE001
                 self._error(req, e)
                 return
-            if req.slot is None or j == len(draft) or tok != draft[j]:
+            if req.slot is None or not match:  # it ended, or the model chose otherwise (or past the draft)
                 break
-            kept += 1
-        req.accepted += kept
         with self._cond:
             self._drafted += len(draft)
             self._accepted += kept
@@ -419,19 +476,56 @@ class Scheduler:
             self.cache.keep(req.slot, start + 1 + kept)
 
     def _emit(self, req: Request, logits: np.ndarray) -> int:
-        """Choose the request's next token from its logits ``[V]``, push its event, finish it if it ends here;
-        the token.
+        """Choose one request's next token from its logits ``[V]`` and record it (:meth:`_record`); the token."""
+        tok = int(self._choose([req], logits[None, :])[0])
+        self._record(req, tok, logits)
+        return tok
 
-        The same rules, in the same order, as :class:`~trtinfer.runtime.generator.Generation` for one row.
-        """
-        cfg, x = req.cfg, logits[None, :]
-        # the grammar's mask before any processor (a draft token outside it can then never be kept)
-        y = x if req.matcher is None else req.matcher.mask(logits)[None, :]
-        tok = int(select_next(y, cfg, [req._seen], len(req.generated), req.eos,
-                              [req._rng] if req._rng is not None else [])[0])
+    def _emit_all(self, rows: list[tuple[Request, np.ndarray]]) -> None:
+        """Choose and record the next token of each ``(request, logits [V])``: one batched selection per group of
+        requests with the same settings object, hook and step (the rows of one ``engine.generate``), so a greedy
+        batch is one argmax and the user's ``logits_processor`` sees the batch, as transformers' does."""
+        groups: dict[tuple[Any, ...], list[tuple[Request, np.ndarray]]] = {}
+        for req, lg in rows:
+            key = (id(req.cfg), id(req.logits_processor), len(req.generated), req.eos)
+            groups.setdefault(key, []).append((req, lg))
+        for members in groups.values():
+            reqs = [m[0] for m in members]
+            try:
+                tokens = self._choose(reqs, np.stack([m[1] for m in members]))
+            except Exception as e:  # noqa: BLE001  the group's selection failed (a user's hook): it ends
+                for req in reqs:
+                    self._error(req, e)
+                continue
+            for (req, lg), tok in zip(members, tokens):
+                try:
+                    self._record(req, int(tok), lg)
+                except Exception as e:  # noqa: BLE001
+                    self._error(req, e)
+
+    @staticmethod
+    def _choose(reqs: list[Request], logits: np.ndarray) -> np.ndarray:
+        """The next token of each request (same settings, same step) from its row of ``logits [B, V]``: each grammar's
+        mask first (a draft token outside it can then never be kept), then :func:`select_next` with each request's
+        own generator."""
+        cfg, first = reqs[0].cfg, reqs[0]
+        x = logits if all(r.matcher is None for r in reqs) else np.stack(
+            [row if r.matcher is None else r.matcher.mask(row) for r, row in zip(reqs, logits)])
+        seen = [r._seen for r in reqs]
+        # the user's processor runs after the built-in ones, before the warpers (transformers' order)
+        hook = None if first.logits_processor is None else partial(user_hook, first.logits_processor, seen)
+        rngs = [r._rng for r in reqs if r._rng is not None]
+        return select_next(x, cfg, seen, len(first.generated), first.eos, rngs, hook=hook)
+
+    def _record(self, req: Request, tok: int, logits: np.ndarray) -> None:
+        """The request's next token ``tok`` (chosen from ``logits [V]``): push its event, finish it if it ends here.
+        The stop rules of :func:`~trtinfer.runtime.generator.row_finish`, in their order."""
+        cfg = req.cfg
         if req.matcher is not None:
             req.matcher.consume(tok)
-        lp = token_logprobs(x, np.array([tok]), cfg.top_logprobs)[0] if cfg.logprobs else None
+        lp = token_logprobs(logits[None, :], np.array([tok]), cfg.top_logprobs)[0] if cfg.logprobs else None
+        if req.keep_logits:
+            req.last_logits = logits
         now = time.perf_counter()
         if req.t_first_token is None:
             req.t_first_token = now
@@ -440,13 +534,13 @@ class Scheduler:
         req._seen = np.append(req._seen, tok)
         if req._logprobs is not None and lp is not None:
             req._logprobs.append(lp)
-        if req._ngram is not None:
-            req._ngram.extend((tok,))
         with self._cond:
             self._generation_tokens += 1
         dec = req._decoder
-        delta = dec.add(tok)
-        halt = "length" if req._deadline is not None and now > req._deadline else None  # max_time, as Generation
+        delta = "" if dec is None else dec.add(tok)
+        # out of time (max_time) first, then a halt the caller set (engine.generate's should_stop)
+        halt = ("length" if req._deadline is not None and now > req._deadline else
+                "cancelled" if req.should_stop is not None and req.should_stop(len(req.generated)) else None)
         if halt is None and req.matcher is not None and req.matcher.done:
             halt = "stop"  # the grammar is complete: nothing but EOS could follow
         end, why = row_finish(tok, dec, req.eos, len(req.generated), len(req.prompt_ids) + len(req.generated),
@@ -454,10 +548,9 @@ class Scheduler:
         if end is None:
             req.next_token = tok
             req._push(Event(tok, delta, lp, None, None, now))
-            return tok
+            return
         tail, finish, stop = settle(dec, end, why)
         self._finish(req, finish, stop, Event(tok, delta + tail, lp, finish, stop, now))
-        return tok
 
     # --- endings ------------------------------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
@@ -468,6 +561,8 @@ class Scheduler:
             self._slots[req.slot] = None
             req.slot = None
         req.next_token = None
+        if req.proposer is not None:  # an assistant's KV buffers go with the request
+            req.proposer.close()
 
     def _count(self, reason: str) -> None:
         with self._cond:
@@ -485,8 +580,10 @@ class Scheduler:
         timings = Timings(prompt_tokens=len(req.prompt_ids), batch_size=req._batch_size,
                           prefill_ms=(times[1] - times[0]) * 1000.0 if len(times) > 1 else 0.0,
                           decode_ms=[(b - a) * 1000.0 for a, b in itertools.pairwise(times[1:])])
-        result = GenerationResult(list(req.generated), req._decoder.text, finish, list(req.prompt_ids), timings, stop,
-                                  None if req._logprobs is None else list(req._logprobs))
+        text = req._decoder.text if req._decoder is not None else self.tokenizer.decode(req.generated)
+        result = GenerationResult(list(req.generated), text, finish, list(req.prompt_ids), timings, stop,
+                                  None if req._logprobs is None else list(req._logprobs),
+                                  draft_tokens=req.drafted, accepted_tokens=req.accepted)
         req._push(last, result=result)
 
     def _fail(self, req: Request, error: BaseException) -> None:

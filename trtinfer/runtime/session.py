@@ -132,6 +132,27 @@ class DecoderSession(ABC):
         """
         raise EngineLoadError(f"the {type(self).__name__} backend cannot run chunks of a sequence (scoring)")
 
+    # --- slot rows: the scheduler's KV cache (:class:`~trtinfer.runtime.slots.SlotCache`) ---------------------
+    def slot_values(self, slots: int, capacity: int) -> list[Any]:
+        """One zeroed ``[slots, kv_heads, capacity, head_dim]`` KV buffer per past input, on the backend's device."""
+        raise EngineLoadError(f"the {type(self).__name__} backend keeps no KV rows for continuous batching")
+
+    def kv_row_bytes(self, capacity: int) -> int:
+        """Bytes of one row of a :meth:`slot_values` buffer (rows are contiguous: row r starts at r * this)."""
+        raise EngineLoadError(f"the {type(self).__name__} backend keeps no KV rows for continuous batching")
+
+    @staticmethod
+    def row_pointer(value: Any) -> int:
+        """The device (or host) address of a :meth:`slot_values` buffer."""
+        return int(value.data_ptr())
+
+    def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
+                 positions: np.ndarray, staging: Any) -> np.ndarray:
+        """One pass over rows ``first_row .. first_row + rows - 1`` of ``values`` (read and written in place);
+        ``feeds`` are the layout's :meth:`~trtinfer.runtime.kv_layouts.KVLayout.buffer_feeds`; logits
+        ``[rows, K, V]`` at ``positions [rows, K]``."""
+        raise EngineLoadError(f"the {type(self).__name__} backend keeps no KV rows for continuous batching")
+
     def copy_cache(self, kv: KVCache) -> KVCache:
         """An independent copy of a one-row cache (a forked context), made on the backend's device."""
         raise EngineLoadError(f"the {type(self).__name__} backend cannot copy a KV cache")

@@ -25,11 +25,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer.errors import EngineLoadError, InputError
-from trtinfer.runtime.kv_feeds import LOGITS_POSITIONS
 from trtinfer.runtime.prefix_cache import PrefixIndex
-
-#: ONNX element types of the KV dtypes (IOBinding takes these for pointer bindings; numpy has no bfloat16)
-_ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}
 
 
 class SlotCache:
@@ -39,11 +35,11 @@ class SlotCache:
     Not thread-safe: one thread (the scheduler's) drives it. :attr:`lengths` counts each row's tokens.
     """
 
-    def __init__(self, session: Any, slots: int, capacity: int) -> None:
+    def __init__(self, session: Any, slots: int, capacity: int, reserve: bool = True) -> None:
         layout = getattr(session, "layout", None)
-        if layout is None or not hasattr(session, "kv_value"):
-            raise EngineLoadError(f"continuous batching runs ONNX Runtime engines; this engine runs on "
-                                  f"{type(session).__name__}: serve it with ONNX Runtime")
+        if layout is None:
+            raise EngineLoadError(f"continuous batching needs a session that keeps KV rows; {type(session).__name__} "
+                                  "does not: serve the engine with ONNX Runtime or TensorRT")
         self.layout = layout
         if not layout.in_place and session.device != "cpu":
             raise EngineLoadError(f"the {layout.name} KV layout's rows are gathered and written back in host memory: "
@@ -54,22 +50,17 @@ class SlotCache:
                 raise InputError(f"the engine's KV buffers hold {session.scatter_capacity} positions; {capacity} "
                                  "were asked for: lower max_model_len")
             capacity = session.scatter_capacity
-        session.check_can_score()  # a chunk's logits are read at its last token: needs logits_positions
         self.session = session
         self.slots, self.capacity = slots, capacity
-        kvh, hd = session.kv_shape
-        self._row_shape = [1, kvh, capacity, hd]
-        self._elem = _ONNX_TYPES[str(session.kv_dtype)]
-        self._np_kv = np.dtype(np.float32 if self._elem == 1 else np.float16)  # bf16 never runs on the CPU
-        self._row_bytes = kvh * capacity * hd * (4 if self._elem == 1 else 2)
+        self._row_bytes = session.kv_row_bytes(capacity)
         # zeros: a row never read past its length still holds finite values (0 * x, never NaN)
-        self.values = [session.kv_value((slots, kvh, capacity, hd)) for _ in session.past_names]
+        self.values = session.slot_values(slots, capacity)
         self.nbytes = self._row_bytes * slots * len(self.values)
-        if session.device == "cpu":
+        if reserve and session.device == "cpu":
             # reserve the memory now: GroupQueryAttention touches a row's whole capacity on its first prefill, and
             # faulting in ~190 MB (SmolLM2, 4096 positions) mid-request stalled that step by 0.5-1 s
             for val in self.values:
-                ctypes.memset(val.data_ptr(), 0, self._row_bytes * slots)
+                ctypes.memset(session.row_pointer(val), 0, self._row_bytes * slots)
         self.index = PrefixIndex(slots)  # the tokens each row's KV holds: the one record of each row's length
         self._staging = session.new_staging()  # this cache's host input buffers (CUDA), reused step to step
 
@@ -83,26 +74,27 @@ class SlotCache:
         return len(self.index.tokens[slot])
 
     def _rows(self, val: Any) -> np.ndarray:
-        """A numpy view ``[S, kv_heads, capacity, head_dim]`` of a CPU buffer (fp16/bf16 seen as their bits)."""
-        kvh, cap, hd = self._row_shape[1:]
-        dtype = np.float32 if self._elem == 1 else np.uint16
-        raw = (ctypes.c_char * (self._row_bytes * self.slots)).from_address(val.data_ptr())
-        return np.frombuffer(memoryview(raw), dtype=dtype).reshape(self.slots, kvh, cap, hd)
+        """A numpy view ``[S, kv_heads, capacity, bytes per position]`` of a host buffer's raw bytes."""
+        raw = (ctypes.c_char * (self._row_bytes * self.slots)).from_address(self.session.row_pointer(val))
+        return np.frombuffer(memoryview(raw), dtype=np.uint8).reshape(self.slots, self.session.kv_shape[0],
+                                                                        self.capacity, -1)
 
     def _run_gathered(self, feeds: dict[str, np.ndarray], first_row: int, rows: int,
                       positions: np.ndarray) -> np.ndarray:
-        """A pass of a layout that returns new KV (concat): each row's past gathered from the buffers (the first
-        ``max(starts)`` positions, holes masked), the pass's new KV written back at each row's start."""
+        """A pass of a layout that returns new KV (concat, ONNX Runtime on the CPU): each row's past gathered from the
+        buffers (the first ``max(starts)`` positions, holes masked), the pass's new KV written back at each row's
+        start."""
         s = self.session
         width = feeds["input_ids"].shape[1]
         past = feeds["attention_mask"].shape[1] - width
         starts = feeds["position_ids"][:, 0]
+        kv = np.dtype(s.kv_dtype if s.kv_dtype != "bfloat16" else np.uint16)
         views = [self._rows(v)[first_row:first_row + rows] for v in self.values]
-        kv_in = [s.kv_value_from(np.ascontiguousarray(v[:, :, :past]).view(self._np_kv)) for v in views]
+        kv_in = [s.kv_value_from(np.ascontiguousarray(v[:, :, :past]).view(kv)) for v in views]
         logits, present = s.run_bound(feeds, kv_in, None, positions, self._staging)
         real = feeds["attention_mask"][:, past:].sum(axis=1)
         for view, val in zip(views, present):
-            new = val.numpy().view(view.dtype)[:, :, past:]
+            new = val.numpy().view(np.uint8)[:, :, past:]
             for r in range(rows):
                 n, at = int(real[r]), int(starts[r])
                 view[r, :, at:at + n] = new[r, :, :n]
@@ -112,20 +104,8 @@ class SlotCache:
         """One pass over buffer rows ``first_row .. first_row + rows - 1``; logits ``[rows, K, V]`` at ``positions``."""
         if not self.layout.in_place:
             return self._run_gathered(feeds, first_row, rows, positions)
-        s = self.session
-        feeds[LOGITS_POSITIONS] = np.ascontiguousarray(positions, dtype=np.int64)
-        io = s.sess.io_binding()
-        for name, arr in feeds.items():
-            s.bind_host_input(io, name, arr, self._staging)
-        io.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
-        shape = [rows, *self._row_shape[1:]]
-        device, device_id = s.device, s.config.device_id
-        for past, present, val in zip(s.past_names, s.present_names, self.values):
-            ptr = val.data_ptr() + first_row * self._row_bytes
-            io.bind_input(past, device, device_id, self._elem, shape, ptr)
-            io.bind_output(present, device, device_id, self._elem, shape, ptr)  # written in place
-        s.sess.run_with_iobinding(io)
-        return s.select(io.get_outputs()[0].numpy(), positions)  # type: ignore[no-any-return]
+        return self.session.run_rows(feeds, self.values, first_row, rows, self.capacity,  # type: ignore[no-any-return]
+                                     positions, self._staging)
 
     def prefill(self, slot: int, tokens: Sequence[int], every: bool = False) -> np.ndarray:
         """Feed the next ``tokens`` of slot ``slot``'s sequence (one batch-1 call); logits ``[V]`` after the last,
@@ -186,6 +166,17 @@ class SlotCache:
         self.index.cut(slot, n)
 
     @property
+    def can_verify(self) -> bool:
+        """Whether a pass returns logits at every position asked for (a draft's verification needs them)."""
+        return bool(self.session.logits_every_position)
+
+    @property
+    def batched_prefill(self) -> bool:
+        """Whether right-padded rows can prefill in one call: each row's logits are read at its own last token
+        (a last-position-only graph reads the padded call's last column, so its rows prefill one by one)."""
+        return bool(self.session.logits_every_position)
+
+    @property
     def can_copy(self) -> bool:
         """Whether :meth:`copy_prefix` works here: rows are copied in host memory (the CPU provider)."""
         return self.session.device == "cpu"
@@ -197,7 +188,7 @@ class SlotCache:
         held = self.length(src)
         if src == dst or not 0 < n <= held:
             raise InputError(f"cannot copy {n} tokens of slot {src} (holding {held}) to slot {dst}")
-        for val in self.values:  # fp16/bf16: the bits, copied as they are
+        for val in self.values:  # the bytes, copied as they are
             rows = self._rows(val)
             rows[dst, :, :n] = rows[src, :, :n]
         self.index.cut(dst, 0)

@@ -34,6 +34,7 @@ from trtinfer.errors import BackendUnavailableError, EngineLoadError, InputError
 from trtinfer.runtime import cuda
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.kv_feeds import chunk_feeds, decode_feeds, prefill_feeds
+from trtinfer.runtime.kv_layouts import kv_layout
 from trtinfer.runtime.manifest import Manifest
 from trtinfer.runtime.session import LOGITS_POSITIONS, DecoderSession, KVCache, register_backend
 from trtinfer.runtime.trt_plan import DTYPE_BYTES, ProfilePlan, check_compatible, select_profile
@@ -129,6 +130,13 @@ class _Staging:
         self.device.clear()
 
 
+class _Rows:
+    """Rows of a slot buffer, from ``ptr``: what :meth:`TrtDecoderSession._run` binds (it reads ``.ptr`` only)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
 @register_backend("tensorrt")
 class TrtDecoderSession(DecoderSession):
     """TensorRT engine: two profiles (prefill, decode), one execution context each, KV on the device."""
@@ -175,6 +183,10 @@ class TrtDecoderSession(DecoderSession):
         self._vocab = int(geo["vocab_size"])
         self._lock = threading.Lock()
         self.device = "cuda"
+        self.scatter_capacity = self.capacity  # the graph's fixed KV slot count
+        # the scheduler's slot cache takes the scatter layout's feeds for rows kept in buffers (buffer_feeds); this
+        # session's own prefill/decode/chunk make theirs with kv_feeds
+        self.layout = kv_layout("scatter_buffer", self)  # type: ignore[arg-type]
 
     def _check_aliases(self) -> None:
         """Each ``present.*`` must alias its ``past_key_values.*`` (ICudaEngine.get_aliased_input_tensor, TRT >= 10.15)."""
@@ -308,6 +320,41 @@ class TrtDecoderSession(DecoderSession):
         assert out is not None
         return out[0], KVCache(kv.values, np.array([start + n], np.int64), capacity=self.capacity,
                                staging=kv.staging)
+
+    # --- slot rows (the scheduler's KV cache): statically checked only, TensorRT cannot run here --------------
+    def new_staging(self) -> _Staging:
+        """A slot cache's own host and device I/O buffers (and its captured decode graph)."""
+        return _Staging(self.stream)
+
+    def slot_values(self, slots: int, capacity: int) -> list[Any]:
+        if capacity != self.capacity:
+            raise InputError(f"this TensorRT engine's KV buffers hold {self.capacity} positions, not {capacity}")
+        with self._lock:
+            cuda.set_device(self.config.device_id)
+            bufs = [cuda.DeviceBuffer(slots * self._kv_bytes_per_row) for _ in self.past_names]
+            for buf in bufs:
+                buf.zero(self.stream)
+            self.stream.synchronize()
+        return bufs
+
+    def kv_row_bytes(self, capacity: int) -> int:
+        return self._kv_bytes_per_row
+
+    @staticmethod
+    def row_pointer(value: Any) -> int:
+        return int(value.ptr)
+
+    def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
+                 positions: np.ndarray, staging: Any) -> np.ndarray:
+        """Rows ``first_row..`` of the slot buffers bound by address (a row's ``[KV, capacity, D]`` block is
+        contiguous), as the generation's own buffers are; a decode step of the same rows replays its CUDA graph."""
+        views = [_Rows(int(v.ptr) + first_row * self._kv_bytes_per_row) for v in values]
+        kv = KVCache(views, np.zeros(rows, np.int64), capacity=self.capacity, staging=staging)
+        want = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
+        with self._lock:
+            logits, _ = self._run(want, kv, True)
+        assert logits is not None
+        return logits
 
     def copy_cache(self, kv: KVCache) -> KVCache:
         """Device-to-device copies of the KV buffers; the copy gets its own staging."""

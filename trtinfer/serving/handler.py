@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -16,10 +17,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from trtinfer.errors import ConfigError, InputError, ServingError
+from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.engine import Engine
-from trtinfer.runtime.generator import TokenLogprob
+from trtinfer.runtime.generator import GenerationResult, TokenLogprob
 from trtinfer.runtime.request import Event
 from trtinfer.runtime.request import Request as Submitted
+from trtinfer.runtime.scheduler import Scheduler
 from trtinfer.serving import protocol as P
 
 if TYPE_CHECKING:
@@ -120,6 +123,8 @@ class Handler:
         cfgs = [P.generation_config(req, engine.generation_defaults, prompt_len=len(ids), max_seq_len=max_seq_len,
                                     default_max_tokens=None if chat else 16,
                                     defaults_set=engine.generation_defaults_set) for ids in prompts]
+        if cfgs[0].num_beams > 1:
+            return await self._beams(scheduler, prompts, cfgs, chat, request)
         if self.config.speculative_ngram:
             cfgs = [dataclasses.replace(c, prompt_lookup_num_tokens=self.config.speculative_ngram) for c in cfgs]
         submitted: list[Submitted] = []
@@ -160,6 +165,38 @@ class Handler:
                             s.logprobs if cfgs[0].logprobs else None) for i, s in enumerate(streamed)]
         build = P.chat_response if chat else P.completion_response
         return JSONResponse(build(rid, self.service.model_name, choices, prompt_tokens, text_of))
+
+    async def _beams(self, scheduler: Scheduler, prompts: list[list[int]], cfgs: list[GenerationConfig], chat: bool,
+                     request: Request) -> Response:
+        """vLLM's ``use_beam_search``: beam search over the scheduler (its steps are requests like any other), one
+        prompt after another in a worker thread; every beam a choice, best first. A client that leaves stops it."""
+        from trtinfer.runtime.beam import BeamSearch
+
+        gone_flag = threading.Event()
+
+        def search() -> list[GenerationResult]:
+            out: list[GenerationResult] = []
+            for ids, cfg in zip(prompts, cfgs):
+                out += BeamSearch(scheduler, [ids], cfg, drive=False, should_stop=gone_flag.is_set).run()
+            return out
+
+        work = asyncio.ensure_future(run_in_threadpool(search))
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                gone_flag.set()  # the search ends at its next step; its requests finish on their own
+        if gone_flag.is_set():
+            log.info("client disconnected; beam search stopped")
+            return Response(status_code=499)
+        results = work.result()
+        choices = [P.Choice(i, r.text, r.finish_reason, r.stop_reason, r.token_ids, None) for i, r in enumerate(results)]
+        build = P.chat_response if chat else P.completion_response
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        return JSONResponse(build(rid, self.service.model_name, choices, sum(map(len, prompts)),
+                                  self.service.token_text))
 
     async def _collect(self, requests: list[Submitted]) -> list[_Streamed]:
         out = [_Streamed() for _ in requests]

@@ -86,7 +86,10 @@ class _Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    use_beam_search: bool = False  # vLLM's: refused until beam search runs on the scheduler
+    # vLLM's beam search: the n best of n beams (trtinfer.runtime.beam over the server's scheduler)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class CompletionRequest(_Sampling):
@@ -150,8 +153,16 @@ def check_unsupported(req: _Sampling, max_n: int) -> None:
     if req.logit_bias:
         raise BadRequest("logit_bias is not supported by this server; leave it out", param="logit_bias")
     if req.use_beam_search:
-        raise BadRequest("use_beam_search is not served yet (beam search runs in engine.generate(num_beams=...), not "
-                         "on the server's batcher); leave it out", param="use_beam_search")
+        structured = response_format_of(req) is not None
+        beams_refuse = [
+            ("stream", req.stream, "beam search cannot stream: the best beams are known only at the end"),
+            ("stop", bool(req.stop), "beam search ends beams at EOS or the length limit, not at stop strings"),
+            ("response_format", structured, "beam search does not combine with structured outputs"),
+            ("logprobs", bool(getattr(req, "logprobs", None)), "beam search gives each beam's score, not logprobs"),
+        ]
+        for param, bad, why in beams_refuse:
+            if bad:
+                raise BadRequest(f"{why}; leave {param} out with use_beam_search", param=param)
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
     if isinstance(req, CompletionRequest):
@@ -250,6 +261,11 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
         fields["do_sample"] = True
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
+    if req.use_beam_search and req.n > 1:  # vLLM: n is the beam width, and every beam is a choice
+        fields.update(num_beams=req.n, num_return_sequences=req.n, do_sample=False, length_penalty=req.length_penalty,
+                      early_stopping=req.early_stopping, stop=[])
+    elif req.use_beam_search:  # a beam width of 1 is greedy decoding
+        fields["do_sample"] = False
     fmt = response_format_of(req)
     if fmt is not None:
         fields["response_format"] = fmt

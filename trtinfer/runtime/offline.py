@@ -1,0 +1,137 @@
+"""``engine.generate`` / ``stream`` / ``stream_batch``: the scheduler (:mod:`trtinfer.runtime.scheduler`) sized for one
+call's rows and stepped in the caller's thread.
+
+There is one decode loop in the runtime: the scheduler's ``step()``. An offline generation submits its rows (each its
+own request, seeded ``SeedSequence(seed).spawn(rows)[i]``) to a scheduler with a slot per row and KV room for the
+longest prompt plus ``max_new_tokens``, without prefix caching, and steps it until every row ends. So a row's output is
+what the server returns for the same prompt and seed, and every feature of the loop (sampling, stop rules, logprobs,
+response formats, prompt lookup, assisted decoding) is the same code in both.
+
+Every row's length is its own: a row finishes with ``"length"`` when its prompt + generated tokens reach the engine's
+``max_seq_len``, so a short prompt next to a long one may generate more than ``max_seq_len - longest`` tokens.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from trtinfer.errors import InputError, TrtInferError
+from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.generator import GenerationResult, LogitsProcessor, StreamEvent, check_hooks, check_prompts
+from trtinfer.runtime.request import Request
+from trtinfer.runtime.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class _Stopper:
+    """``should_stop()`` asked once per generation step, whichever row reaches that step first; True sticks."""
+
+    def __init__(self, should_stop: Callable[[], bool]) -> None:
+        self.fn, self.asked, self.stopped = should_stop, 0, False
+
+    def __call__(self, k: int) -> bool:
+        while not self.stopped and self.asked < k:
+            self.asked += 1
+            self.stopped = bool(self.fn())
+        return self.stopped
+
+
+class Generation:
+    """One batched generation of an engine. Iterate :meth:`events` for streaming, or call :meth:`run`; read
+    :attr:`results` after."""
+
+    def __init__(self, engine: Any, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, *,
+                 logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None,
+                 assistant: Any = None) -> None:
+        limit = int(engine.manifest.max_batch_size)
+        if len(prompts) > limit:
+            raise InputError(f"batch of {len(prompts)} prompts exceeds the engine's max batch size {limit}; "
+                             "split it, or rebuild with a larger --max-batch-size")
+        self.engine, self.cfg, self.assistant = engine, cfg, assistant
+        self.max_seq_len = int(engine.manifest.max_seq_len)
+        self.prompts = check_prompts(prompts, int(engine.manifest.geometry["vocab_size"]), self.max_seq_len)
+        self.logits_processor, self.should_stop = check_hooks(logits_processor, should_stop)
+        self.results: list[GenerationResult] = []
+
+    def events(self) -> Iterator[StreamEvent]:
+        """Run the generation, yielding each row's text deltas as tokens arrive; fills :attr:`results`."""
+        return self._steps(text=True)
+
+    def run(self) -> list[GenerationResult]:
+        """Run the generation without streaming: without stop strings, each row is detokenized once, at its end."""
+        for _ in self._steps(text=False):
+            pass
+        return self.results
+
+    def _steps(self, text: bool) -> Iterator[StreamEvent]:
+        cfg, prompts = self.cfg, self.prompts
+        longest = max(map(len, prompts))
+        seeds = np.random.SeedSequence(cfg.seed).spawn(len(prompts))
+        # a slot per row, KV room for every token a row may feed (its last is never fed), every prompt prefilled
+        # in the first step (one call for neighbouring fresh rows)
+        sched = Scheduler(self.engine, max_queue=len(prompts), prefill_chunk=len(prompts) * longest,
+                          max_slots=len(prompts), kv_capacity=min(self.max_seq_len, longest + cfg.max_new_tokens + 1),
+                          prefix_caching=False, reserve=False)
+        try:
+            stopper = None if self.should_stop is None else _Stopper(self.should_stop)
+            reqs: list[Request] = []
+            for p, seed in zip(prompts, seeds):
+                req = sched.submit(p, cfg, clip=True, seed=seed, logits_processor=self.logits_processor,
+                                   assistant=self.assistant, text=text)
+                req.should_stop = stopper
+                reqs.append(req)
+            read = [0] * len(reqs)
+            while sched.step():
+                yield from self._drain(reqs, read, text)
+            yield from self._drain(reqs, read, text)
+            self.results = [r.result() for r in reqs]
+        finally:
+            sched.close()
+
+    @staticmethod
+    def _drain(reqs: list[Request], read: list[int], text: bool) -> Iterator[StreamEvent]:
+        """Each row's new events (raising a failed row's error as the caller's)."""
+        for i, req in enumerate(reqs):
+            new = req.events_since(read[i])
+            read[i] += len(new)
+            if text:
+                for ev in new:
+                    yield StreamEvent(i, ev.text, ev.token_id, ev.finish_reason)
+            err = req.error
+            if err is not None:  # the scheduler wraps a request's failure: the cause is what the caller did wrong
+                cause = err.__cause__
+                raise cause if isinstance(cause, TrtInferError) else err
+
+
+class BeamGeneration:
+    """``engine.generate(num_beams=...)``: :class:`~trtinfer.runtime.beam.BeamSearch` over a scheduler with a row
+    per beam (prefix caching on: each beam's KV stays in its row), stepped in the caller's thread."""
+
+    def __init__(self, engine: Any, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, *,
+                 logits_processor: LogitsProcessor | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        self.engine, self.prompts, self.cfg = engine, prompts, cfg
+        self.logits_processor, self.should_stop = logits_processor, should_stop
+        self.results: list[GenerationResult] = []
+
+    def run(self) -> list[GenerationResult]:
+        from trtinfer.runtime.beam import BeamSearch
+
+        limit, max_len = int(self.engine.manifest.max_batch_size), int(self.engine.manifest.max_seq_len)
+        if self.cfg.num_beams > limit:
+            raise InputError(f"num_beams={self.cfg.num_beams} exceeds the engine's max batch size {limit} (each beam "
+                             "is a row of the batch); lower num_beams or rebuild with a larger --max-batch-size")
+        slots = min(limit, self.cfg.num_beams * len(self.prompts))
+        longest = max((len(p) for p in self.prompts), default=1)
+        sched = Scheduler(self.engine, max_queue=slots, max_slots=slots, reserve=False,
+                          kv_capacity=min(max_len, longest + self.cfg.max_new_tokens + 1))
+        try:
+            self.results = BeamSearch(sched, self.prompts, self.cfg, drive=True, logits_processor=self.logits_processor,
+                                      should_stop=self.should_stop).run()
+        finally:
+            sched.close()
+        return self.results
