@@ -22,7 +22,7 @@ SERVE_FLAGS = {"host": "--host", "port": "--port", "api_key": "--api-key", "mode
                "max_queue": "--max-queue", "max_body_bytes": "--max-body-bytes", "prefill_chunk": "--prefill-chunk",
                "max_n": "--max-n", "provider": "--provider", "intra_op_threads": "--threads",
                "max_slots": "--max-slots", "max_model_len": "--max-model-len", "prefix_caching": "--prefix-caching",
-               "speculative_ngram": "--speculative-ngram"}
+               "speculative_ngram": "--speculative-ngram", "chat_template": "--chat-template"}
 #: RayConfig field -> flag (``--ray`` itself chooses Ray Serve)
 RAY_FLAGS = {"replicas": "--replicas", "replica_cpus": "--replica-cpus", "address": "--ray-address"}
 #: where --api-key is read from when the flag is not given (a key on the command line shows in `ps`)
@@ -57,6 +57,10 @@ def add_parser(sub: Any) -> None:
                    help="prompt lookup (vLLM's ngram speculation): each request drafts up to K tokens from its own "
                         "n-grams and verifies them in one pass; same tokens, faster where output copies its input "
                         "(default 0: off)")
+    p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                   help="the chat route's template instead of the model's: a jinja file, or built in: chatml-tools "
+                        "(SmolLM2, Qwen2 and other ChatML models), gemma3-tools; both render tools (function "
+                        "calling) and parse <tool_call> blocks back")
     p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default=None, help="default cpu")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default 0: one per core)")
     ray = p.add_argument_group("scale-out on Ray Serve (pip install 'trtinfer[ray]')")
@@ -91,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     ray_config = ray_config_from_args(args)
     path = Path(args.engine)
     manifest = read_manifest(path)  # a bad directory fails here, before anything listens
+    if config.chat_template is not None:  # so does a template that is neither built in nor a readable jinja file
+        from trtinfer.runtime.tokenizer import load_chat_template
+
+        load_chat_template(config.chat_template)
     if manifest.raw.get("kind", "decoder") != "decoder":
         raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
     if ray_config is not None:  # the same create_app in every Ray replica

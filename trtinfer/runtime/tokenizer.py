@@ -100,35 +100,83 @@ class EngineTokenizer:
         """Text of ``ids``."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, str]] | str, add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (or one user message) through the model's chat template, as transformers does."""
-        if self.chat_template is None:
+    def apply_chat_template(self, messages: list[dict[str, Any]] | str, add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, template: str | None = None) -> str:
+        """Render ``messages`` (or one user message) through the model's chat template (or ``template``, a
+        template's text), as transformers does; ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``)
+        reach the template as its ``tools`` variable, and messages may carry ``tool_calls`` / ``tool_call_id``."""
+        template = template if template is not None else self.chat_template
+        if template is None:
             raise InputError("this model has no chat template; drop --chat / chat=True and give plain prompts")
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-
-        def raise_exception(msg: str) -> None:
-            raise InputError(f"chat template refused the messages: {msg}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-        env.globals["raise_exception"] = raise_exception
-        # what transformers' template environment also offers (e.g. Llama 3 templates print today's date)
-        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        if tools and not template_takes_tools(template):
+            raise InputError("this model's chat template does not render tools; give a template that does (trtinfer "
+                             f"serve --chat-template, built in: {', '.join(sorted(BUILTIN_TEMPLATES))})")
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+            return template_env().from_string(template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
                 bos_token=self.info.get("bos_token") or "", eos_token=self.info.get("eos_token") or "",
             )
         except jinja2.TemplateError as e:
             raise InputError(f"chat template failed to render: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, str]] | str) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]] | str, tools: list[dict[str, Any]] | None = None,
+                    template: str | None = None) -> list[int]:
         """Ids of the rendered chat (the template already holds the special tokens)."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools, template=template), add_special_tokens=False)
+
+
+#: chat templates with function calling that ship with trtinfer (``trtinfer/runtime/chat_templates``), by name
+BUILTIN_TEMPLATES = {"chatml-tools": "chatml_tools.jinja", "gemma3-tools": "gemma3_tools.jinja"}
+
+
+def load_chat_template(name_or_path: str) -> str:
+    """A chat template's text: a built-in one by name (:data:`BUILTIN_TEMPLATES`) or a jinja file; InputError names
+    both kinds when it is neither, or the file does not parse."""
+    import jinja2
+
+    if name_or_path in BUILTIN_TEMPLATES:
+        text = (Path(__file__).parent / "chat_templates" / BUILTIN_TEMPLATES[name_or_path]).read_text(encoding="utf-8")
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise InputError(f"chat template {name_or_path!r} is neither a built-in one "
+                             f"({', '.join(sorted(BUILTIN_TEMPLATES))}) nor a file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"chat template {path} is not readable UTF-8 text ({e})") from e
+    try:
+        template_env().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise InputError(f"chat template {name_or_path} does not parse: {e.message} (line {e.lineno})") from e
+    return text
+
+
+def template_takes_tools(template: str) -> bool:
+    """Whether a chat template reads the ``tools`` variable (renders function definitions)."""
+    from jinja2 import meta
+
+    return "tools" in meta.find_undeclared_variables(template_env().parse(template))
+
+
+def template_env() -> Any:
+    """transformers' template environment: sandboxed, trimmed blocks, loop controls, ``tojson``, ``raise_exception``,
+    ``strftime_now``."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg: str) -> None:
+        raise InputError(f"chat template refused the messages: {msg}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+    env.globals["raise_exception"] = raise_exception
+    # what transformers' template environment also offers (e.g. Llama 3 templates print today's date)
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
 
 
 class IncrementalDecoder:

@@ -37,6 +37,7 @@ from trtinfer.runtime.engine import Engine
 from trtinfer.runtime.request import Event
 from trtinfer.runtime.request import Request as Submitted
 from trtinfer.runtime.scheduler import Scheduler
+from trtinfer.runtime.tokenizer import load_chat_template
 from trtinfer.serving import protocol as P
 from trtinfer.serving.config import ServeConfig
 from trtinfer.serving.handler import Handler, status_of
@@ -88,6 +89,7 @@ class Service:
         self.created = P.now()
         self.on_failure: list[Callable[[BaseException], None]] = []
         self.on_finish: list[Callable[[Submitted, Event], None]] = []
+        self.chat_template: str | None = None
         self._closing = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -109,7 +111,12 @@ class Service:
         engine = None
         try:
             t0 = time.perf_counter()
+            #: the chat route's template: --chat-template's, else the model's (None: the engine has none)
+            self.chat_template = (None if self.config.chat_template is None else
+                                  load_chat_template(self.config.chat_template))
             engine = self._source if isinstance(self._source, Engine) else load_engine(self._source, self.config)
+            if self.chat_template is None:
+                self.chat_template = engine.tokenizer.chat_template
             m = engine.manifest
             scheduler = Scheduler(engine, max_queue=self.config.max_queue, prefill_chunk=self.config.prefill_chunk,
                                   max_slots=self.config.slots_for(m.max_batch_size),

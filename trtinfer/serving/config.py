@@ -26,6 +26,8 @@ there a moment before a slot takes it, so at least 1).
     :mod:`trtinfer.runtime.scheduler`); False prefills every prompt whole. ``speculative_ngram`` K > 0: every
     request drafts up to K tokens from its own n-grams (prompt lookup, vLLM's ``ngram`` speculative method) and
     verifies them in one pass; the tokens are the same, faster where the output copies its context.
+    ``chat_template``: the chat route's template instead of the model's: a jinja file, or a built-in one
+    (``chatml-tools``, ``gemma3-tools``: the model families' formats with function calling, for ``tools``).
     """
 
     host: str = "127.0.0.1"
@@ -42,6 +44,7 @@ there a moment before a slot takes it, so at least 1).
     max_model_len: int | None = None
     prefix_caching: bool = True
     speculative_ngram: int = 0
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.host, str) and self.host):
@@ -60,7 +63,7 @@ there a moment before a slot takes it, so at least 1).
                               field="prefix_caching")
         if self.port > 65535:
             raise ConfigError(f"port must be within 0..65535 (0: a free one), got {self.port}", field="port")
-        for name in ("api_key", "model_name"):
+        for name in ("api_key", "model_name", "chat_template"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value.strip() and value.isprintable()):
                 raise ConfigError(f"{name} must be a non-empty printable string or None, got {describe(value)}",

@@ -24,6 +24,7 @@ from trtinfer.runtime.request import Event
 from trtinfer.runtime.request import Request as Submitted
 from trtinfer.runtime.scheduler import Scheduler
 from trtinfer.serving import protocol as P
+from trtinfer.serving import tools as T
 
 if TYPE_CHECKING:
     from trtinfer.serving.app import Service
@@ -118,11 +119,18 @@ class Handler:
         extra = P.unknown_fields(req)
         if extra:
             log.warning("ignoring unknown request field(s) %s", extra)
-        prompts = await run_in_threadpool(_encode, engine, req)
+        tool_plan = (T.plan(req.tools, req.tool_choice, req.parallel_tool_calls) if isinstance(req, P.ChatCompletionRequest) else
+                     T.ToolPlan(None, None, False))
+        if tool_plan.response_format is not None and P.response_format_of(req) is not None:
+            raise P.BadRequest("this tool_choice makes the answer a tool call; drop response_format (or use "
+                               "tool_choice auto)", param="response_format")
+        prompts = await run_in_threadpool(_encode, engine, req, self.service.chat_template, tool_plan.tools)
         max_seq_len = self.service.scheduler.max_seq_len if self.service.scheduler else engine.manifest.max_seq_len
         cfgs = [P.generation_config(req, engine.generation_defaults, prompt_len=len(ids), max_seq_len=max_seq_len,
                                     default_max_tokens=None if chat else 16,
                                     defaults_set=engine.generation_defaults_set) for ids in prompts]
+        if tool_plan.response_format is not None:  # a call is required: the output is one, by grammar
+            cfgs = [dataclasses.replace(c, response_format=tool_plan.response_format) for c in cfgs]
         if cfgs[0].num_beams > 1:
             return await self._beams(scheduler, prompts, cfgs, chat, request)
         if self.config.speculative_ngram:
@@ -144,7 +152,7 @@ class Handler:
             usage: Literal["last", "continuous"] | None = None
             if opts is not None and opts.include_usage:  # vLLM: continuous_usage_stats only with include_usage
                 usage = "continuous" if opts.continuous_usage_stats else "last"
-            body = self._events(submitted, rid, chat, prompt_tokens, usage, text_of)
+            body = self._events(submitted, rid, chat, prompt_tokens, usage, text_of, tool_plan.parse)
             return _EventStream(body, lambda: self._cancel(submitted))
         collect = asyncio.ensure_future(self._collect(submitted))
         gone = asyncio.ensure_future(_disconnected(request.receive))
@@ -163,6 +171,11 @@ class Handler:
         streamed = collect.result()
         choices = [P.Choice(i, "".join(s.text), s.finish_reason or "length", s.stop_reason, s.token_ids,
                             s.logprobs if cfgs[0].logprobs else None) for i, s in enumerate(streamed)]
+        if tool_plan.parse:  # the answers' <tool_call> blocks become tool_calls
+            for c in choices:
+                parsed = T.parse(c.text)
+                if parsed.calls:
+                    c.text, c.tool_calls, c.finish_reason = parsed.content or "", parsed.calls, "tool_calls"
         build = P.chat_response if chat else P.completion_response
         return JSONResponse(build(rid, self.service.model_name, choices, prompt_tokens, text_of))
 
@@ -225,17 +238,19 @@ class Handler:
 
     async def _events(self, requests: list[Submitted], rid: str, chat: bool, prompt_tokens: int,
                       usage: Literal["last", "continuous"] | None,
-                      text_of: Callable[[int], str]) -> AsyncIterator[str]:
+                      text_of: Callable[[int], str], tools: bool = False) -> AsyncIterator[str]:
         """The SSE body: a chunk per event that carries something, the usage chunk if asked, then ``[DONE]``.
 
         ``usage``: None, none; ``"last"``: a last chunk with the usage (``include_usage``); ``"continuous"``: that,
         and every chunk with the usage so far (vLLM's ``continuous_usage_stats``). The usage so far counts every
         choice's tokens, as the last chunk does (vLLM counts each choice's own), so the last chunk with choices
-        carries the final usage.
+        carries the final usage. ``tools``: text that may be a ``<tool_call>`` is held back and the calls go as one
+        ``tool_calls`` delta at the choice's end (finish reason ``"tool_calls"``).
         """
         kind: Literal["completion", "chat"] = "chat" if chat else "completion"
         model, created = self.service.model_name, P.now()
         states = [_Streamed() for _ in requests]
+        filters = [T.StreamFilter() for _ in requests] if tools else None
 
         def sse(choices: list[dict[str, Any]]) -> str:
             so_far = P.usage(prompt_tokens, sum(len(s.token_ids) for s in states)) if usage == "continuous" else None
@@ -250,17 +265,26 @@ class Handler:
             async for i, ev in _merged(requests):
                 s = states[i]
                 self._add(s, ev)
-                lp = ev.logprob
-                if not ev.text and lp is None and ev.finish_reason is None:
+                lp, text = ev.logprob, ev.text
+                calls: list[dict[str, Any]] = []
+                if filters is not None:
+                    text = filters[i].feed(ev.text)
+                    if ev.finish_reason is not None:
+                        tail, calls = filters[i].finish()
+                        text += tail
+                if not text and lp is None and ev.finish_reason is None:
                     continue
                 if chat:
-                    choice: dict[str, Any] = {"index": i, "delta": {"content": ev.text} if ev.text else {},
+                    delta: dict[str, Any] = {"content": text} if text else {}
+                    if calls:
+                        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                    choice: dict[str, Any] = {"index": i, "delta": delta,
                                               "logprobs": None if lp is None else P.chat_logprobs([lp], text_of)}
                 else:
-                    choice = {"index": i, "text": ev.text, "logprobs": None if lp is None else
+                    choice = {"index": i, "text": text, "logprobs": None if lp is None else
                               P.completion_logprobs([lp], text_of, s.offset)}
                     s.offset += len(text_of(lp.token_id)) if lp is not None else 0
-                choice["finish_reason"] = ev.finish_reason
+                choice["finish_reason"] = "tool_calls" if calls else ev.finish_reason
                 if ev.finish_reason is not None:
                     choice["stop_reason"] = s.stop_reason
                 yield sse([choice])
@@ -278,11 +302,15 @@ class Handler:
         yield "data: [DONE]\n\n"
 
 
-def _encode(engine: Engine, req: P.CompletionRequest | P.ChatCompletionRequest) -> list[list[int]]:
-    """Token ids of each prompt (a chat: one, through the model's chat template)."""
+def _encode(engine: Engine, req: P.CompletionRequest | P.ChatCompletionRequest, template: str | None = None,
+            tools: list[dict[str, Any]] | None = None) -> list[list[int]]:
+    """Token ids of each prompt (a chat: one, through the served chat template, with the tools if any)."""
     tok = engine.tokenizer
     if isinstance(req, P.ChatCompletionRequest):
-        return [tok.encode_chat(P.chat_messages(req))]
+        try:
+            return [tok.encode_chat(P.chat_messages(req), tools=tools, template=template)]
+        except InputError as e:  # the template's refusal (no tools in it, a bad message) is the request's 400
+            raise P.BadRequest(str(e), param="tools" if tools and "tools" in str(e) else "messages") from e
     vocab = int(engine.manifest.geometry["vocab_size"])
     out = []
     for i, p in enumerate(P.completion_prompts(req)):

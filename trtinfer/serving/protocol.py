@@ -114,11 +114,14 @@ Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 
 
 class ChatMessage(_Body):
-    """A chat message: a role and its content (text, or text parts)."""
+    """A chat message: a role and its content (text, or text parts); an assistant's earlier ``tool_calls``, a tool
+    result's ``tool_call_id``."""
 
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -174,17 +177,16 @@ def check_unsupported(req: _Sampling, max_n: int) -> None:
             raise BadRequest(f"best_of must equal n ({req.n}) or be left out: this server returns every choice it "
                              "generates", param="best_of")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise BadRequest("tool calling is not supported by this server", param="tools")
         if req.functions or req.function_call not in (None, "none"):
-            raise BadRequest("function calling (the legacy form of tools) is not supported by this server",
-                             param="functions")
+            raise BadRequest("functions/function_call (the legacy form of tools) are not served; send tools and "
+                             "tool_choice", param="functions")
         if req.top_logprobs and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The conversation as ``{"role", "content"}`` dicts of text (text parts joined by newlines, as vLLM does)."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as ``{"role", "content"}`` dicts of text (text parts joined by newlines, as vLLM does), with
+    ``name``, ``tool_calls`` and ``tool_call_id`` where given (for the chat template)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -194,7 +196,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
                 raise BadRequest(f"messages[{i}].content has a {bad[0]!r} part; only text parts are supported",
                                  param=f"messages.{i}.content")
             content = "\n".join(p.text or "" for p in content)
-        out.append({"role": m.role, "content": content or ""})
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        out.append(msg)
     return out
 
 
@@ -351,6 +357,7 @@ class Choice:
     stop_reason: str | int | None
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool_calls parsed out of ``text`` (chat with tools)
 
 
 def completion_response(rid: str, model: str, choices: Sequence[Choice], prompt_tokens: int,
@@ -368,11 +375,18 @@ def chat_response(rid: str, model: str, choices: Sequence[Choice], prompt_tokens
                   token_text: TokenText) -> dict[str, Any]:
     """A whole ``chat.completion``."""
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": _message(c),
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                          "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, token_text)}
                         for c in choices],
             "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
+
+
+def _message(c: Choice) -> dict[str, Any]:
+    """A choice's assistant message: its text, or its tool calls (and the text before them, or null)."""
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
 
 
 def chunk(kind: Literal["completion", "chat"], rid: str, model: str, created: int,
