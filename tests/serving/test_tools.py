@@ -178,11 +178,12 @@ def test_builtin_templates_render_a_tool_conversation():
 
 
 @pytest.mark.slow
-def test_smollm2_instruct_calls_the_tool(real_engine):
-    """SmolLM2-135M-Instruct with the built-in ChatML tools template: a required call names the city it was asked
-    about; with tool_choice auto the answer is either text or calls that validate."""
-    server = Live(create_app(real_engine("smollm2-135m"),
-                             ServeConfig(port=0, model_name="smol", chat_template="chatml-tools")))
+@pytest.mark.parametrize(("model", "template"), [("smollm2-135m", "chatml-tools"), ("gemma-3-270m", "gemma3-tools")])
+def test_real_model_calls_the_tool(real_engine, model, template):
+    """SmolLM2-135M-Instruct and Gemma-3-270M-it with the built-in tools templates of their families: a required call
+    validates (SmolLM2's names the city it was asked about); with tool_choice auto the answer is either text or calls
+    that validate."""
+    server = Live(create_app(real_engine(model), ServeConfig(port=0, model_name="smol", chat_template=template)))
     server.wait_ready()
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
@@ -190,7 +191,8 @@ def test_smollm2_instruct_calls_the_tool(real_engine):
                                            parallel_tool_calls=False, max_tokens=80, temperature=0)
         (call,) = r.choices[0].message.tool_calls
         args = check_call(call, WEATHER)
-        assert "paris" in args["city"].lower()
+        if model == "smollm2-135m":  # Gemma-3-270M fills the schema but leaves the city empty (greedy)
+            assert "paris" in args["city"].lower()
         auto = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER], max_tokens=80,
                                               temperature=0)
         choice = auto.choices[0]
