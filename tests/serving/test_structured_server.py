@@ -83,3 +83,25 @@ def test_langchain_with_structured_output(client):
                      max_retries=0)
     got = llm.with_structured_output(Pick, method="json_schema").invoke("Pick one.")
     assert isinstance(got, Pick)
+
+
+@pytest.mark.slow
+def test_smollm2_instruct_json_schema_and_langchain(real_engine):
+    """SmolLM2-135M-Instruct behind a live server: the openai client's json_schema answer parses and validates, and
+    langchain-openai's with_structured_output returns the pydantic object."""
+    from langchain_openai import ChatOpenAI
+
+    server = Live(create_app(real_engine("smollm2-135m"), ServeConfig(port=0, model_name="smol")))
+    server.wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+        fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+        r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Describe a cat."}],
+                                           max_tokens=200, temperature=0.7, seed=3, response_format=fmt)
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        llm = ChatOpenAI(model="smol", base_url=f"{server.url}/v1", api_key="none", max_tokens=80, temperature=0,
+                         max_retries=0)
+        got = llm.with_structured_output(Pick, method="json_schema").invoke("Pick a color, a size and whether ok.")
+        assert isinstance(got, Pick)
+    finally:
+        server.stop()
