@@ -53,7 +53,7 @@ def test_runtime_and_serving_import_without_the_export_stack() -> None:
                     if e.name.split(".")[0] in HEAVY:
                         raise
         import trtinfer.cli
-        trtinfer.cli._parser()  # every verb registers its flags without the stack
+        trtinfer.cli.parser()  # every verb registers its flags without the stack
     """)
     assert p.returncode == 0, p.stderr[-3000:]
 

@@ -1,4 +1,5 @@
-"""README's quickstart runs as written: its Python block on the Gemma-3-270M engine its first command builds."""
+"""README's quickstart runs as written: its Python block and the generation guide's on the Gemma-3-270M engine its
+first command builds (and SmolLM2 for chat); the docs' getting-started page gives the same two set-up commands."""
 from __future__ import annotations
 
 import os
@@ -12,19 +13,36 @@ import pytest
 from trtinfer.builder import build
 
 README = Path(__file__).parent.parent / "README.md"
+DOCS = README.parent / "docs"
 
 
-def readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+def python_blocks(path: Path = README) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.DOTALL)
+
+
+def test_getting_started_gives_the_readme_commands():
+    def bash(path: Path) -> list[str]:
+        return re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.DOTALL)[:2]
+
+    assert bash(DOCS / "getting-started.md") == bash(README)
+    assert len(README.read_text().splitlines()) <= 150
+
+
+def test_readme_links_resolve():
+    """Every relative link of README.md names a file of the repository (a docs page or a result file)."""
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text())
+    local = [x for x in links if not x.startswith(("http://", "https://"))]
+    assert local and [x for x in local if not (README.parent / x).exists()] == []
 
 
 def test_readme_names_the_engine_its_first_command_builds():
     first = re.search(r"```bash\n(.*?)```", README.read_text(), flags=re.DOTALL)
     assert first and "trtinfer build gemma-3-270m -o engines/gemma3" in first.group(1)
-    assert 'trtinfer.load("engines/gemma3")' in readme_python_blocks()[0]
+    assert 'trtinfer.load("engines/gemma3")' in python_blocks()[0]
     # chat and serving examples run on the chat model (the packaged Gemma-3 GGUF is pretrained, not instruction-tuned)
     text = README.read_text()
-    assert 'chat = trtinfer.load("engines/smollm2")' in readme_python_blocks()[0]
+    guide = python_blocks(DOCS / "guides" / "generation.md")[0]
+    assert 'trtinfer.load("engines/gemma3")' in guide and 'chat = trtinfer.load("engines/smollm2")' in guide
     assert "engine.generate([conv], chat=True" not in text and 'model="gemma3"' not in text
     assert "trtinfer serve engines/smollm2" in text
 
@@ -39,9 +57,9 @@ def test_readme_python_quickstart_runs_on_the_default_engine(tmp_path, in_user_c
     with in_user_cache():
         build("gemma-3-270m", tmp_path / "engines" / "gemma3", progress=False)
         build("smollm2-135m", tmp_path / "engines" / "smollm2", progress=False)
-    blocks = readme_python_blocks()
-    forward = next(b for b in blocks if "engine.context(" in b)  # the Forward API example, on the same engine
-    code = blocks[0] + forward + "\nprint('best candidate', tok.decode(best))\n"
+    forward = next(b for b in python_blocks(DOCS / "guides" / "contexts.md") if "engine.context(" in b)
+    code = python_blocks()[0] + python_blocks(DOCS / "guides" / "generation.md")[0] + forward
+    code += "\nprint('best candidate', tok.decode(best))\n"
     code += ("plain = chat.generate([f'Repeat this exactly: {passage}'], chat=True, max_new_tokens=40, "
              "do_sample=False)[0]\n"
              "print('beams ordered', top.score >= runner_up.score, 'lookup', plain.token_ids == r.token_ids)\n")

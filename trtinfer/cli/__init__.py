@@ -73,7 +73,8 @@ def _needs_exit(verb: str, extra: str) -> int:
     return 2
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The `trtinfer` command line: every verb and flag (verbs whose extra is missing accept anything and say so)."""
     from importlib import import_module
 
     from trtinfer import __version__
@@ -146,15 +147,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = any(a in ("-q", "--quiet") for a in argv)
     verbose = debug or any(a in ("-v", "--verbose") for a in argv)
     argv = [a for a in argv if a not in ("--debug", "-q", "--quiet", "-v", "--verbose")]
-    parser = _parser()
+    cli = parser()
     try:
-        args = parser.parse_args(argv)
+        args = cli.parse_args(argv)
         args.debug, args.quiet, args.verbose = debug, quiet, verbose
     except SystemExit as e:  # argparse already printed usage + one error line
         return int(e.code or 0)
     _setup_logging(debug, quiet, verbose)
     if args.verb is None:
-        parser.print_help(sys.stderr)
+        cli.print_help(sys.stderr)
         return 2
     extra = VERB_EXTRAS.get(args.verb)
     if extra is not None and _missing(extra) is not None:
