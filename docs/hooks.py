@@ -38,9 +38,10 @@ def cli_page() -> str:
     from trtinfer.cli import parser
 
     top = parser()
-    out = ["# CLI reference", "", "Generated from the `trtinfer` argparse parsers at docs build time: every verb and "
-           "flag as `trtinfer VERB --help` prints it.", "", "```text", _help(top), "```", ""]
-    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001 (stdlib)
+    intro = ("Generated from the `trtinfer` argparse parsers at docs build time: every verb and flag as "
+             "`trtinfer VERB --help` prints it.")
+    out = ["# CLI reference", "", intro, "", "```text", _help(top), "```", ""]
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))  # the stdlib's subparsers action
     for verb, p in sub.choices.items():
         out += [f"## trtinfer {verb}", "", "```text", _help(p), "```", ""]
     return "\n".join(out)
@@ -135,8 +136,9 @@ def _sections(data: Any, name: str, depth: int = 2) -> list[str]:
 def result_page(path: Path) -> str:
     data = json.loads(path.read_text())
     machine = data.get("machine") if isinstance(data, dict) else None
-    lines = [f"# {path.stem}", "", f"`benchmarks/results/{path.name}`, last changed {_git(path)} (date, commit). "
-             "Generated from the file at docs build time.", ""]
+    origin = (f"`benchmarks/results/{path.name}`, last changed {_git(path)} (date, commit). Generated from the file "
+              "at docs build time.")
+    lines = [f"# {path.stem}", "", origin, ""]
     if isinstance(machine, dict):
         flags = machine.get("cpu_flags")
         shown = {k: v for k, v in machine.items() if k != "cpu_flags"}
@@ -151,8 +153,9 @@ def result_page(path: Path) -> str:
 
 
 def results_index(paths: list[Path]) -> str:
-    lines = ["# Result files", "", "Every `benchmarks/results/*.json`, one page each, generated at docs build time "
-             "(the narrative pages quote them).", "", "| file | last changed | chart |", "|---|---|---|"]
+    intro = ("Every `benchmarks/results/*.json`, one page each, generated at docs build time (the narrative pages "
+             "quote them).")
+    lines = ["# Result files", "", intro, "", "| file | last changed | chart |", "|---|---|---|"]
     for p in paths:
         chart = "yes" if p.with_suffix(".png").is_file() else ""
         lines.append(f"| [{p.stem}]({p.stem}.md) | {_git(p)} | {chart} |")
