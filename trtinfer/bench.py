@@ -62,7 +62,7 @@ def _prompt_ids(engine_dir: Path, prompt_len: int) -> list[int]:
     from trtinfer.runtime.manifest import read_manifest
     from trtinfer.runtime.tokenizer import EngineTokenizer
 
-    tok = EngineTokenizer(engine_dir, read_manifest(engine_dir).raw.get("tokenizer", {}))
+    tok = EngineTokenizer(engine_dir, read_manifest(engine_dir).tokenizer_info)
     ids = tok.encode(PROMPT_TEXT)
     if len(ids) < prompt_len:
         raise InputError(f"prompt_len {prompt_len} exceeds the {len(ids)}-token benchmark text")
@@ -188,7 +188,7 @@ def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repea
 
     from trtinfer.runtime.manifest import read_manifest
 
-    src = Path(read_manifest(engine_dir).raw["source"]["path"])
+    src = Path(read_manifest(engine_dir).source["path"])
     if not (src / "config.json").is_file():
         raise InputError(f"the eager baseline needs the engine's source model at {src}; rebuild the engine here")
     dev = torch.device(device)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._cache import atomic_dir, cached_dir, check_files, key_of, record_files
+from trtinfer.artifact import ArtifactRecord
 from trtinfer.errors import ModelSourceError
 
 STAGE_FILE = "stage.json"
@@ -33,11 +34,15 @@ MODEL_FACTS = ("kind", "architecture", "model_type", "source", "geometry", "weig
 
 
 @dataclass(frozen=True)
-class StageDir:
-    """A stage directory and its parsed ``stage.json``."""
+class StageDir(ArtifactRecord):
+    """A stage directory and its parsed ``stage.json`` (typed facts: :class:`~trtinfer.artifact.ArtifactRecord`)."""
 
     path: Path
     info: dict[str, Any]
+
+    @property
+    def record(self) -> dict[str, Any]:
+        return self.info
 
     @property
     def stage(self) -> str:
@@ -45,32 +50,9 @@ class StageDir:
         return str(self.info["stage"])
 
     @property
-    def kind(self) -> str:
-        """``decoder`` or ``encoder``."""
-        return str(self.info.get("kind", "decoder"))
-
-    @property
     def onnx_path(self) -> Path:
         """The graph file."""
         return self.path / ONNX_NAME
-
-    @property
-    def geometry(self) -> dict[str, Any]:
-        """Layers, heads, vocab, windows: as the exporter read them from the model config."""
-        return dict(self.info["geometry"])
-
-    @property
-    def io(self) -> dict[str, Any]:
-        """Inputs and outputs of this stage's graph."""
-        return dict(self.info["io"])
-
-    @property
-    def kv_layout(self) -> str:
-        """``concat`` (past and present are separate, growing tensors; left padding + ``attention_mask``),
-        ``shared_buffer`` (ORT GroupQueryAttention: past and present share one preallocated buffer; right padding +
-        ``seqlens_k``) or ``scatter_buffer`` (``tensorrt``: TensorScatter writes each step into a preallocated
-        buffer at ``position_ids[:, 0]``; right padding, masks from ``position_ids``)."""
-        return str(self.info.get("kv_layout", "concat"))
 
     @property
     def history(self) -> dict[str, Any]:

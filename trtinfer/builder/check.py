@@ -124,6 +124,6 @@ def check_accuracy(engine_dir: Path, manifest: Manifest, heldout: Path, provider
     with open_session(engine_dir, manifest, RuntimeConfig(provider=provider)) as sess:
         got = score_ids(sess, ref["ids"].tolist(), what="the held-out text")
     report = compare_scores(ref["logprobs"], ref["argmax"], got.logprobs, got.argmax,
-                            manifest.raw["geometry"]["vocab_size"])
+                            manifest.geometry["vocab_size"])
     log.debug("engine accuracy: %s", report)
     return report

@@ -92,7 +92,7 @@ def build_encoder(resolved: ResolvedModel, out: Path, config: BuildConfig, t_sta
     if config.backend != "onnxruntime":
         raise BuildError(f"encoders build for the onnxruntime backend only, not '{config.backend}'")
     exported = export_encoder_cached(resolved, config.export.atol)
-    info, geo = exported.info, exported.info["geometry"]
+    info, geo = exported.info, exported.geometry
     report = _fuse(exported.onnx_path, out / "model.onnx", geo, info["model_type"])
     diff = _check(exported.onnx_path, out / "model.onnx")
     if diff > 1e-3:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer._files import read_text_file
+from trtinfer.artifact import TensorSpec
 from trtinfer.errors import CalibrationError
 from trtinfer.stages import StageDir
 
@@ -176,19 +177,19 @@ def calibration_set(tokenizer_json: str | Path, source: str | Path | None, *, nu
 
 # --- feeds --------------------------------------------------------------------------------------------------------
 
-def _dtype(spec: dict[str, Any]) -> Any:
-    name = spec["dtype"]
+def _dtype(spec: TensorSpec) -> Any:
+    name = spec.dtype
     if name not in _NUMPY:
-        raise CalibrationError(f"graph input {spec['name']} is {name}; calibration feeds float32/float16/int32/int64 "
+        raise CalibrationError(f"graph input {spec.name} is {name}; calibration feeds float32/float16/int32/int64 "
                                f"inputs only: calibrate the fp32 (or fp16) graph")
     return _NUMPY[name]
 
 
 def _kv_names(stage: StageDir) -> tuple[list[str], list[str]]:
     """Past inputs and the matching present outputs, in graph order."""
-    past = [i["name"] for i in stage.io["inputs"] if i["name"].startswith("past_key_values.")]
+    past = [t.name for t in stage.io.past]
     present = ["present." + p[len("past_key_values."):] for p in past]
-    outs = {o["name"] for o in stage.io["outputs"]}
+    outs = set(stage.io.output_names)
     missing = [p for p in present if p not in outs]
     if missing:
         raise CalibrationError(f"{stage.onnx_path} has no output {missing[0]} for its input "
@@ -204,7 +205,7 @@ def _step_feeds(stage: StageDir, ids: np.ndarray, done: int, capacity: int,
     at every token, not only the last one (GPTQ's LM-head statistics need the rows).
     """
     n = ids.shape[1]
-    specs = {i["name"]: i for i in stage.io["inputs"]}
+    specs = {t.name: t for t in stage.io.inputs}
     known: dict[str, Callable[[], np.ndarray]] = {
         "input_ids": lambda: ids,
         "position_ids": lambda: np.arange(done, done + n)[None, :],
@@ -221,7 +222,7 @@ def _step_feeds(stage: StageDir, ids: np.ndarray, done: int, capacity: int,
             raise CalibrationError(f"{stage.onnx_path} has an input {name} calibration does not know how to feed; "
                                    f"known: {', '.join(known)}")
         value = np.asarray(known[name](), dtype=_dtype(spec))
-        if len(spec.get("shape", [])) == 1 and value.ndim == 0:  # a [1]-shaped scalar input
+        if len(spec.shape) == 1 and value.ndim == 0:  # a [1]-shaped scalar input
             value = value.reshape(1)
         feeds[name] = value
     return feeds
@@ -246,11 +247,11 @@ def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
         with materialized_file(stage.onnx_path) as whole:  # the session keeps what it read after the copy is gone
             session = ort.InferenceSession(str(whole), stage_session_options(whole), providers=["CPUExecutionProvider"])
     past, present = _kv_names(stage)
-    specs = {i["name"]: i for i in stage.io["inputs"]}
+    specs = {t.name: t for t in stage.io.inputs}
     geo = stage.geometry
     out_names = [o.name for o in session.get_outputs()]
     shared = stage.kv_layout == "shared_buffer"
-    fixed = int(specs[past[0]]["shape"][2]) if stage.kv_layout == "scatter_buffer" and past else 0  # static slots
+    fixed = int(specs[past[0]].shape[2]) if stage.kv_layout == "scatter_buffer" and past else 0  # static slots
     if fixed and cset.seq_len + cset.decode_steps > fixed:
         raise CalibrationError(f"calibration windows of {cset.seq_len + cset.decode_steps} tokens do not fit the "
                                f"graph's {fixed} KV slots; use a shorter sequence length or fewer decode steps")

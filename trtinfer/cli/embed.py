@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from trtinfer.runtime.manifest import read_manifest
 
     check_text_flag("--text", args.text)  # before loading: the tokenizer would fail on undecodable bytes
-    if read_manifest(args.engine).raw.get("kind") != "encoder":
+    if read_manifest(args.engine).kind != "encoder":
         raise InputError(f"{args.engine} is a decoder engine; `trtinfer embed` needs an encoder engine "
                          "(e.g. trtinfer build all-minilm-l6-v2 -o DIR)")
     eng = EncoderEngine(args.engine)

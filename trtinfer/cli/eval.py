@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     text = read_text_file(args.text_file)
     runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider)
     manifest = read_manifest(Path(args.engine))
-    if manifest.raw.get("kind") == "encoder":
+    if manifest.kind == "encoder":
         raise InputError(f"{args.engine} is an encoder engine; `trtinfer eval` needs a decoder engine")
     window = args.window or manifest.max_seq_len
     if window > manifest.max_seq_len:

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         from trtinfer.runtime.tokenizer import load_chat_template
 
         load_chat_template(config.chat_template)
-    if manifest.raw.get("kind", "decoder") != "decoder":
+    if manifest.kind != "decoder":
         raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
     if ray_config is not None:  # the same create_app in every Ray replica
         from trtinfer.serving.ray_app import serve_ray

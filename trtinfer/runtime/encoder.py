@@ -21,14 +21,14 @@ class EncoderEngine:
     def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
         self.path = Path(engine_dir)
         self.manifest: Manifest = read_manifest(self.path)
-        if self.manifest.raw.get("kind") != "encoder":
+        if self.manifest.kind != "encoder":
             raise EngineLoadError(f"{self.path} is not an encoder engine; load it with trtinfer.load()")
         self.config = config or RuntimeConfig()
-        self.pooling: dict[str, Any] = dict(self.manifest.raw.get("pooling", {"mode": "mean", "normalize": False}))
+        self.pooling: dict[str, Any] = self.manifest.pooling
         self.max_seq_len = self.manifest.max_seq_len
         tok = read_tokenizer(self.path)
         tok.enable_truncation(self.max_seq_len)
-        tok.enable_padding(pad_id=int(self.manifest.raw.get("tokenizer", {}).get("pad_token_id") or 0))
+        tok.enable_padding(pad_id=self.manifest.pad_token_id)
         self._tok = tok
         from trtinfer.runtime.ort_env import open_ort_session
 

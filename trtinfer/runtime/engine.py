@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,7 +36,7 @@ class Engine:
         self.path = Path(engine_dir)
         self.manifest: Manifest = read_manifest(self.path)
         self.config = config or RuntimeConfig()
-        self.tokenizer = EngineTokenizer(self.path, self.manifest.raw.get("tokenizer", {}))
+        self.tokenizer = EngineTokenizer(self.path, self.manifest.tokenizer_info)
         self.session: DecoderSession = open_session(self.path, self.manifest, self.config)
         #: defaults of every generate/stream call: the model's generation_config.json over transformers' defaults
         self.generation_defaults: GenerationConfig
@@ -227,7 +226,7 @@ class Engine:
 
     def describe(self) -> dict[str, Any]:
         """The manifest as a dict."""
-        return json.loads(json.dumps(self.manifest.raw))
+        return self.manifest.to_dict()
 
 
 def _messages(prompt: Any, i: int) -> str | list[dict[str, str]]:
@@ -253,7 +252,7 @@ def load(engine_dir: str | Path, config: RuntimeConfig | None = None, **override
     """
     if overrides:
         config = dataclasses.replace(config or RuntimeConfig(), **overrides)
-    kind = read_manifest(Path(engine_dir)).raw.get("kind", "decoder")
+    kind = read_manifest(Path(engine_dir)).kind
     if kind == "encoder":
         from trtinfer.runtime.encoder import EncoderEngine
 

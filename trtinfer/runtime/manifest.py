@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trtinfer.artifact import KINDS, KV_LAYOUTS, ArtifactRecord, GraphIO
 from trtinfer.errors import EngineLoadError
 
 MANIFEST_NAME = "manifest.json"
@@ -14,20 +15,56 @@ MANIFEST_VERSION = 1
 
 
 @dataclass(frozen=True)
-class Manifest:
-    """Parsed manifest; ``raw`` keeps every field for ``inspect``."""
+class Manifest(ArtifactRecord):
+    """A parsed, checked manifest: typed accessors (:class:`~trtinfer.artifact.ArtifactRecord`'s kind, geometry, io,
+    kv_layout, tokenizer, and the build's own below); :meth:`to_dict` gives every field (``inspect``)."""
 
     raw: dict[str, Any]
 
     @property
+    def record(self) -> dict[str, Any]:
+        return self.raw
+
+    @classmethod
+    def of_stage(cls, stage: ArtifactRecord, decoder_file: str, max_seq_len: int) -> Manifest:
+        """A stage directory's graph read as a batch-1 engine (scoring a stage): the stage record's own facts,
+        without a build record."""
+        return cls({"manifest_version": MANIFEST_VERSION, "backend": "onnxruntime", "kind": stage.kind,
+                    "geometry": stage.geometry, "io": stage.io.to_dict(), "kv_layout": stage.kv_layout,
+                    "files": {"decoder": decoder_file}, "tokenizer": stage.tokenizer_info,
+                    "limits": {"max_batch_size": 1, "max_seq_len": max_seq_len}})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as a new JSON-friendly dict."""
+        return json.loads(json.dumps(self.raw))  # type: ignore[no-any-return]
+
+    @property
     def backend(self) -> str:
-        """Backend name (``onnxruntime``)."""
+        """Backend name (``onnxruntime`` or ``tensorrt``)."""
         return str(self.raw["backend"])
 
     @property
-    def geometry(self) -> dict[str, Any]:
-        """Layers, KV heads, head dim, vocab, layer types."""
-        return dict(self.raw["geometry"])
+    def target(self) -> str:
+        """The build target (``cpu``, ``cuda``, ``tensorrt``; ``cpu`` when not recorded)."""
+        return str(self.raw.get("target") or "cpu")
+
+    @property
+    def precision(self) -> str:
+        """The engine's precision (``fp32``, ``fp16``, ``bf16``, ``int4``, ...): the manifest's, or, for a stage
+        opened for scoring (no build record), what its KV type says."""
+        if "precision" in self.raw:
+            return str(self.raw["precision"])
+        return {"float16": "fp16", "bfloat16": "bf16"}.get(self.io.kv_dtype, "fp32")
+
+    @property
+    def pooling(self) -> dict[str, Any]:
+        """An encoder's pooling (``mode``, ``normalize``); mean without normalization when not recorded."""
+        return dict(self.raw.get("pooling") or {"mode": "mean", "normalize": False})
+
+    @property
+    def tensorrt(self) -> dict[str, Any]:
+        """A TensorRT engine's build record (profiles, versions, device); empty for ONNX Runtime engines."""
+        return dict(self.raw.get("tensorrt") or {})
 
     @property
     def max_batch_size(self) -> int:
@@ -47,8 +84,7 @@ class Manifest:
 
 def kv_dtype(io: dict[str, Any]) -> str:
     """Element type of the KV cache (``float32``, ``float16`` or ``bfloat16``) from a graph's I/O listing."""
-    past = [t for t in io["inputs"] if t["name"].startswith("past_key_values.")]
-    return str(past[0]["dtype"]) if past else "float32"
+    return GraphIO.from_dict(io).kv_dtype
 
 
 def read_manifest(engine_dir: Path) -> Manifest:
@@ -84,12 +120,10 @@ def read_manifest(engine_dir: Path) -> Manifest:
 
 
 # --- structure check -----------------------------------------------------------------------------------------
-KINDS = ("decoder", "encoder")  # the engine kinds a manifest may declare ("kind", default decoder)
 # what the runtime reads, per engine kind: geometry ints and file roles
 _GEOMETRY_INTS = {"decoder": ("num_layers", "num_kv_heads", "head_dim", "vocab_size"),
                   "encoder": ("num_layers", "vocab_size")}
 _FILE_ROLES = {"decoder": ("decoder", "kv_select"), "encoder": ("encoder",)}
-_KV_LAYOUTS = ("concat", "shared_buffer", "scatter_buffer")
 
 
 def is_int(value: Any) -> bool:
@@ -143,7 +177,7 @@ class _ManifestCheck:
         """Raise :class:`EngineLoadError` at the first field of ``raw`` the runtime could not use."""
         kind = self.get(raw, "kind", "", _one_of(KINDS), required=False) or "decoder"
         self.get(raw, "backend", "", _NAME)
-        self.get(raw, "kv_layout", "", _one_of(_KV_LAYOUTS), required=False)
+        self.get(raw, "kv_layout", "", _one_of(KV_LAYOUTS), required=False)
         limits = self.get(raw, "limits", "", _OBJECT)
         for key in ("max_batch_size", "max_seq_len"):
             self.get(limits, key, "limits", _POSITIVE_INT)

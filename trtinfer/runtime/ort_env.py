@@ -20,7 +20,7 @@ import numpy as np
 
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, OutputError
 from trtinfer.runtime.config import RuntimeConfig
-from trtinfer.runtime.manifest import Manifest, kv_dtype
+from trtinfer.runtime.manifest import Manifest
 from trtinfer.runtime.memory import lean_weights
 
 log = logging.getLogger(__name__)
@@ -165,10 +165,7 @@ def _dist_versions(names: Sequence[str]) -> dict[str, str]:
 
 def engine_precision(manifest: Manifest) -> str:
     """The engine's precision (``fp32``, ``fp16``, ``bf16``, ``int4``, ...): the manifest's, or its KV type's."""
-    if "precision" in manifest.raw:
-        return str(manifest.raw["precision"])
-    # a stage opened for scoring has no build record: its KV dtype says the float precision
-    return {"float16": "fp16", "bfloat16": "bf16"}.get(kv_dtype(manifest.raw["io"]), "fp32")
+    return manifest.precision
 
 
 def trt_cache_paths(engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> tuple[Path, Path]:
@@ -198,7 +195,7 @@ def trt_cache_paths(engine_dir: Path, manifest: Manifest, config: RuntimeConfig)
         stamps[role] = [name, st.st_size, st.st_mtime_ns]
     versions = _dist_versions(("onnxruntime-gpu", "onnxruntime", *_TENSORRT_DISTS))
     root = cache_path() / "ort-trt"
-    return root / key_of([manifest.raw, stamps, versions]), root
+    return root / key_of([manifest.to_dict(), stamps, versions]), root
 
 
 def ort_providers(config: RuntimeConfig, manifest: Manifest, engine_dir: Path) -> list[Any]:

@@ -18,7 +18,7 @@ from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import GPU_PROVIDERS, RuntimeConfig
 from trtinfer.runtime.kv_feeds import LOGITS_POSITIONS
 from trtinfer.runtime.kv_layouts import kv_layout
-from trtinfer.runtime.manifest import Manifest, kv_dtype
+from trtinfer.runtime.manifest import Manifest
 from trtinfer.runtime.ort_env import PinnedInputs, open_ort_session, ort_providers, staging_memory_info
 from trtinfer.runtime.session import DecoderSession, KVCache, register_backend
 
@@ -55,11 +55,11 @@ class OrtDecoderSession(DecoderSession):
                             ort.InferenceSession(str(engine_dir / select), so, providers=providers))
         geo = manifest.geometry
         self.kv_shape: tuple[int, int] = (int(geo["num_kv_heads"]), int(geo["head_dim"]))
-        self.kv_dtype = kv_dtype(manifest.raw["io"])  # float16/bfloat16 in fp16/bf16 engines
+        self.kv_dtype = manifest.io.kv_dtype  # float16/bfloat16 in fp16/bf16 engines
         self.needs_positions = "position_ids" in self.input_names
-        past = [t for t in manifest.raw["io"]["inputs"] if t["name"] in self.past_names[:1]]
+        past = manifest.io.past
         # scatter_buffer graphs fix their KV slot count (TensorRT needs it static): every buffer has exactly that many
-        self.scatter_capacity = int(past[0]["shape"][2]) if past and isinstance(past[0]["shape"][2], int) else 0
+        self.scatter_capacity = int(past[0].shape[2]) if past and isinstance(past[0].shape[2], int) else 0
         # host inputs of CUDA runs go through a per-generation PinnedInputs; the CPU binds numpy arrays directly
         self._stage_inputs = self.device == "cuda"
         self._staging_info = staging_memory_info(ort, config.device_id) if self._stage_inputs else None

@@ -179,14 +179,11 @@ def open_stage_session(stage: Any, config: RuntimeConfig | None = None) -> Decod
     st = stage if isinstance(stage, StageDir) else read_stage(Path(stage), verify=False)
     opt = st.history.get("optimize", {}).get("config", {})
     max_seq = int(opt.get("max_seq_len") or default_max_seq_len(st.geometry))
-    raw = {"backend": "onnxruntime", "kind": "decoder", "geometry": st.geometry, "io": st.io,
-           "kv_layout": st.kv_layout, "files": {"decoder": ONNX_NAME}, "tokenizer": st.info.get("tokenizer", {}),
-           "limits": {"max_batch_size": 1, "max_seq_len": max_seq}}
     if st.info.get("checkpoint_weights"):
         raise InputError(f"{st.path}'s graph reads {st.info['checkpoint_weights']} weights from the checkpoint it was "
                          "exported from; ONNX Runtime needs them in files: score the engine built from it, or a whole "
                          "copy (with trtinfer.stage_weights.materialized(stage) as whole: ...)")
-    session = OrtDecoderSession(st.path, Manifest(raw), config or RuntimeConfig())
+    session = OrtDecoderSession(st.path, Manifest.of_stage(st, ONNX_NAME, max_seq), config or RuntimeConfig())
     try:
         session.check_can_score()
     except InputError:

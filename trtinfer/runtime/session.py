@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from trtinfer.artifact import PRESENT_PREFIX
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import RuntimeConfig
 
@@ -74,18 +75,18 @@ class DecoderSession(ABC):
         self.engine_dir = engine_dir
         self.manifest = manifest
         self.config = config
-        io = manifest.raw["io"]
-        self.input_names = [t["name"] for t in io["inputs"]]
-        self.output_names = [t["name"] for t in io["outputs"]]
-        self.past_names = [n for n in self.input_names if n.startswith("past_key_values.")]
-        self.present_names = [n for n in self.output_names if n.startswith("present.")]
-        self.kv_layout = str(manifest.raw.get("kv_layout", "concat"))
-        self.pad_token_id = int(manifest.raw.get("tokenizer", {}).get("pad_token_id") or 0)
+        io = manifest.io
+        self.input_names = io.input_names
+        self.output_names = io.output_names
+        self.past_names = [t.name for t in io.past]
+        self.present_names = [n for n in self.output_names if n.startswith(PRESENT_PREFIX)]
+        self.kv_layout = manifest.kv_layout
+        self.pad_token_id = manifest.pad_token_id
         self.has_logits_positions = LOGITS_POSITIONS in self.input_names
-        logits: dict[str, Any] = next((t for t in io["outputs"] if t["name"] == "logits"), {"shape": []})
+        logits = io.output("logits")
         # graphs exported with logits="all" return every position too (no logits_positions input needed)
         self.logits_every_position = self.has_logits_positions or (
-            len(logits["shape"]) == 3 and logits["shape"][1] != 1)
+            logits is not None and len(logits.shape) == 3 and logits.shape[1] != 1)
 
     def __enter__(self) -> DecoderSession:  # noqa: PYI034
         return self

@@ -149,7 +149,7 @@ class TrtDecoderSession(DecoderSession):
                                   f"{self.kv_layout}; rebuild it with --backend tensorrt")
         import tensorrt as trt  # checked by import_tensorrt; imported by name so mypy checks the calls below
 
-        info = manifest.raw.get("tensorrt") or {}
+        info = manifest.tensorrt
         cuda.set_device(config.device_id)
         check_compatible(info, {"tensorrt_version": trt.__version__, **cuda.device_info(config.device_id)},
                          str(engine_dir))
@@ -174,12 +174,14 @@ class TrtDecoderSession(DecoderSession):
         self.stream.synchronize()
         self._check_aliases()
         geo = manifest.geometry
-        io = manifest.raw["io"]
-        past = next(t for t in io["inputs"] if t["name"].startswith("past_key_values."))
-        self.capacity = int(past["shape"][2])
+        io = manifest.io
+        past = io.past[0]
+        self.capacity = int(past.shape[2])
         self._kv_shape = (int(geo["num_kv_heads"]), self.capacity, int(geo["head_dim"]))
-        self._kv_bytes_per_row = int(np.prod(self._kv_shape)) * DTYPE_BYTES[past["dtype"]]
-        self._logits_dtype = _NP[next(t["dtype"] for t in io["outputs"] if t["name"] == "logits")]
+        self._kv_bytes_per_row = int(np.prod(self._kv_shape)) * DTYPE_BYTES[past.dtype]
+        logits = io.output("logits")
+        assert logits is not None
+        self._logits_dtype = _NP[logits.dtype]
         self._vocab = int(geo["vocab_size"])
         self._lock = threading.Lock()
         self.device = "cuda"

@@ -184,7 +184,7 @@ def build(engine_dir: str | Path, config: ServeConfig | None = None, ray_config:
     config, ray_config = config or ServeConfig(), ray_config or RayConfig()
     path = Path(engine_dir).resolve()
     manifest = read_manifest(path)
-    if manifest.raw.get("kind", "decoder") != "decoder":
+    if manifest.kind != "decoder":
         raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
     ongoing = ray_config.max_ongoing_requests or max_ongoing(config.slots_for(manifest.max_batch_size), config.max_queue)
     replica_config = dataclasses.replace(config, intra_op_threads=_threads(config, ray_config))

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer._cache import atomic_dir
+from trtinfer.artifact import GraphIO
 from trtinfer.errors import BackendUnavailableError, ConfigError, EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.manifest import Manifest, read_manifest
@@ -138,10 +139,10 @@ def _dims(shape: list[Any]) -> list[int]:
     return [d if isinstance(d, int) and not isinstance(d, bool) and d >= 0 else -1 for d in shape]
 
 
-def _batched(io: dict[str, list[dict[str, Any]]]) -> bool:
+def _batched(io: GraphIO) -> bool:
     """True if every input and output has a dynamic first axis (Triton's batch dimension)."""
-    specs = io["inputs"] + io["outputs"]
-    return bool(specs) and all(s["shape"] and _dims(s["shape"][:1]) == [-1] for s in specs)
+    specs = io.inputs + io.outputs
+    return bool(specs) and all(s.shape and _dims(list(s.shape[:1])) == [-1] for s in specs)
 
 
 def decoder_config(manifest: Manifest, name: str, config: TritonConfig) -> Any:
@@ -166,25 +167,25 @@ def decoder_config(manifest: Manifest, name: str, config: TritonConfig) -> Any:
 def _provider(manifest: Manifest, config: TritonConfig) -> str:
     if config.provider is not None:
         return config.provider
-    return "cuda" if manifest.backend == "onnxruntime" and manifest.raw.get("target") == "cuda" else "cpu"
+    return "cuda" if manifest.backend == "onnxruntime" and manifest.target == "cuda" else "cpu"
 
 
 def _encoder_config(manifest: Manifest, name: str, config: TritonConfig, platform: str, filename: str) -> Any:
     """An encoder's ``ModelConfig``: the graph served as is, inputs/outputs from the manifest's I/O listing."""
     pb2 = _pb2()
-    io = manifest.raw["io"]
+    io = manifest.io
     batched = _batched(io)
     msg = pb2.ModelConfig(name=name, platform=platform, default_model_filename=filename,
                           max_batch_size=manifest.max_batch_size if batched else 0)
-    for cls, key in (("ModelInput", "inputs"), ("ModelOutput", "outputs")):
-        for spec in io[key]:
-            dims = _dims(spec["shape"])[1:] if batched else _dims(spec["shape"])
-            dtype = _triton_type(spec["dtype"], f"the engine's {key[:-1]} {spec['name']}")
-            getattr(msg, "input" if key == "inputs" else "output").append(_tensor(pb2, cls, spec["name"], dtype, dims))
+    for cls, key, specs in (("ModelInput", "inputs", io.inputs), ("ModelOutput", "outputs", io.outputs)):
+        for spec in specs:
+            dims = _dims(list(spec.shape))[1:] if batched else _dims(list(spec.shape))
+            dtype = _triton_type(spec.dtype, f"the engine's {key[:-1]} {spec.name}")
+            getattr(msg, "input" if key == "inputs" else "output").append(_tensor(pb2, cls, spec.name, dtype, dims))
     if batched:
         msg.dynamic_batching.max_queue_delay_microseconds = config.max_queue_delay_us
     group = pb2.ModelInstanceGroup(count=config.instances)
-    gpu = platform == "tensorrt_plan" or manifest.raw.get("target") == "cuda"
+    gpu = platform == "tensorrt_plan" or manifest.target == "cuda"
     group.kind = pb2.ModelInstanceGroup.Kind.Value("KIND_GPU" if gpu else "KIND_CPU")
     msg.instance_group.append(group)
     return msg
@@ -258,7 +259,7 @@ def write_repository(engine_dir: str | Path, repo_dir: str | Path, config: Trito
     engine_dir = Path(engine_dir)
     _pb2()  # before any work: a missing tritonclient is the first thing to say
     manifest = read_manifest(engine_dir)
-    form = (manifest.raw.get("kind", "decoder"), manifest.backend)
+    form = (manifest.kind, manifest.backend)
     if form not in MODEL_FORMS:
         known = ", ".join(f"{k} on {b}" for k, b in MODEL_FORMS)
         raise EngineLoadError(f"{engine_dir} is a {form[0]} engine on {form[1]}; Triton repositories are written for: "

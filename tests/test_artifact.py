@@ -1,0 +1,43 @@
+"""One typed record of an artifact's facts: stage.json and manifest.json read through trtinfer.artifact; nothing
+outside the manifest module indexes a manifest's raw dict."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from trtinfer.artifact import KV_LAYOUTS, GraphIO, KVLayoutKind
+from trtinfer.runtime.manifest import Manifest, read_manifest
+
+ROOT = Path(__file__).resolve().parent.parent / "trtinfer"
+
+
+def test_engine_and_stage_share_the_record(tiny_engine, tiny_model_dir):
+    from trtinfer.export import ExportConfig
+    from trtinfer.export.onnx_export import export_cached
+
+    m = read_manifest(tiny_engine("llama"))
+    assert m.kind == "decoder" and m.kv_layout == KVLayoutKind.SHARED_BUFFER.value
+    assert GraphIO.from_dict(m.io.to_dict()) == m.io and "input_ids" in m.io.input_names
+    assert m.io.kv_dtype == "float32" and m.precision == "fp32" and m.pooling["mode"] == "mean"
+    stage = export_cached(tiny_model_dir("llama"), ExportConfig())
+    assert stage.kind == "decoder" and stage.kv_layout in KV_LAYOUTS and stage.io.past
+    as_engine = Manifest.of_stage(stage, "model.onnx", 64)
+    assert as_engine.io == stage.io and as_engine.geometry == stage.geometry and as_engine.max_seq_len == 64
+
+
+def test_an_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="ring_buffer"):
+        _ = Manifest({"kv_layout": "ring_buffer"}).kv_layout
+
+
+def test_no_raw_manifest_lookups_outside_the_manifest_module():
+    found = []
+    for path in ROOT.rglob("*.py"):
+        if path.name == "manifest.py" and path.parent.name == "runtime":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"manifest\w*\.raw\b|\.raw\[|\.raw\.get\(", line):
+                found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert found == []
