@@ -1,6 +1,6 @@
 """Assisted decoding: an fp32 engine with its own int4 build as the assistant, against plain greedy, on real models.
 
-usage: python benchmarks/assisted.py [--models smollm2-135m gemma-3-270m] [--new-tokens 96] [--rounds 3]
+usage: python -m benchmarks.assisted [--models smollm2-135m gemma-3-270m] [--new-tokens 96] [--rounds 3]
 
 Per model and prompt (three chat prompts: repeat a passage, write a story, answer a question), plain greedy on the fp32
 engine and assisted greedy (the int4 engine drafting: transformers' heuristic schedule from 20, and a constant 4)
@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
-
 import trtinfer
+from benchmarks.machine import machine_info, result_path
 from trtinfer.builder import BuildConfig, build
 
 HERE = Path(__file__).parent
@@ -41,7 +38,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma-3-270m"])
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(HERE / "results" / "assisted.json"))
+    ap.add_argument("--out", default=str(result_path("assisted")))
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     for model in args.models:

@@ -5,21 +5,18 @@ the fp32 graph, summed into Hessians. Evaluation: one window of a held-out text 
 LM head sees every position (the export computes logits at the last position only), with the quantized weights
 written back as floats (session-level initializer overrides, so no 600 MB copies land on disk).
 
-    python benchmarks/gptq_probe.py [STAGE_DIR] [--json out.json]
-    python benchmarks/gptq_probe.py --timing     # GPTQ time on SmolLM2's shapes (random weights), numpy only
+    python -m benchmarks.gptq_probe [STAGE_DIR] [--json out.json]
+    python -m benchmarks.gptq_probe --timing     # GPTQ time on SmolLM2's shapes (random weights), numpy only
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trtinfer.quantization.blocks import BlockWeight, quantize_rtn
 from trtinfer.quantization.gptq import HessianAccumulator, gptq_quantize, weighted_error

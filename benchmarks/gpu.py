@@ -1,6 +1,6 @@
 """GPU benchmark: trtinfer engines on ONNX Runtime's CUDA provider (and TensorRT) vs PyTorch eager on the same GPU.
 
-usage: python benchmarks/gpu.py [--models smollm2-135m gemma-3-270m] [--batch-sizes 1 8] [--precisions fp16 fp32]
+usage: python -m benchmarks.gpu [--models smollm2-135m gemma-3-270m] [--batch-sizes 1 8] [--precisions fp16 fp32]
                                 [--eager-dtypes fp16 fp32] [--backends onnxruntime tensorrt]
                                 [--prompt-len 128] [--new-tokens 64] [--out benchmarks/results/gpu.json]
 
@@ -23,11 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.machine import machine_info, result_path
 from trtinfer.bench import EAGER_DTYPES, compare, measure_eager, nvidia_smi, ratios, smi_device
 from trtinfer.errors import TrtInferError
-
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
 
 HERE = Path(__file__).parent
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -253,7 +251,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--out", default=str(HERE / "results" / "gpu.json"))
+    ap.add_argument("--out", default=str(result_path("gpu")))
     return ap.parse_args(argv)
 
 

@@ -1,6 +1,6 @@
 """Grammar engines for constrained decoding: llguidance against xgrammar on our own tokenizers.
 
-usage: python benchmarks/grammar_engines.py TOKENIZER_JSON [TOKENIZER_JSON ...] [--libs llguidance xgrammar]
+usage: python -m benchmarks.grammar_engines TOKENIZER_JSON [TOKENIZER_JSON ...] [--libs llguidance xgrammar]
            [--repeats 3] [--batch 8] [--threads N] [--apply-iters 200] [--out NAME]
 
 Runs in a throwaway venv holding both libraries (not the project's: neither is a dependency of trtinfer), e.g.
@@ -47,8 +47,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
+from benchmarks.machine import machine_info
 
 RESULTS = Path(__file__).parent / "results"
 LIBS = ("llguidance", "xgrammar")

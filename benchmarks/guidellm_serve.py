@@ -1,6 +1,6 @@
 """Load on ``trtinfer serve`` measured by guidellm (the vLLM project's load tool), at concurrency 1, 4, 8, 16.
 
-usage: python benchmarks/guidellm_serve.py --engine DIR [--levels 1 4 8 16] [--requests-per-level 16]
+usage: python -m benchmarks.guidellm_serve --engine DIR [--levels 1 4 8 16] [--requests-per-level 16]
                                            [--max-seconds 120] [--prompt-tokens 128] [--output-tokens 64]
                                            [--api completions|chat] [--guidellm ~/glvenv/bin/guidellm]
                                            [--tokenizer DIR] [--client-processes 1] [--serve-arg=--max-slots=16 ...]
@@ -52,9 +52,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
-from roofline import cpu_kind
+from benchmarks.machine import cpu_kind, machine_info
 
 RESULTS = Path(__file__).parent / "results"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

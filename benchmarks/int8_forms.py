@@ -1,6 +1,6 @@
 """Which int8 form is fastest on this CPU: 8-bit MatMulNBits (accuracy level 4) or DynamicQuantizeMatMul.
 
-usage: python benchmarks/int8_forms.py [--model smollm2-135m]
+usage: python -m benchmarks.int8_forms [--model smollm2-135m]
 Both are made from the same optimized fp32 graph: ours with ``trtinfer quantize --precision int8`` (symmetric
 blocks of 32, int8 compute), the other with ``onnxruntime.quantization.quantize_dynamic`` (per-channel int8
 weights, activations quantized per call: ORT fuses it into DynamicQuantizeMatMul). Times one decode step (batch 1,
@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
+from benchmarks.machine import machine_info, result_path
 
 HERE = Path(__file__).parent
 
@@ -109,7 +107,7 @@ def main() -> None:
     base = rows["fp32"]["perplexity"]
     for r in rows.values():
         r["perplexity_vs_fp32"] = round(r["perplexity"] / base, 4) if math.isfinite(r["perplexity"]) else None
-    out = HERE / "results" / "int8_forms.json"
+    out = result_path("int8_forms")
     out.write_text(json.dumps({"machine": machine_info(), "model": args.model, "rows": rows}, indent=2))
     print(f"wrote {out}")
 

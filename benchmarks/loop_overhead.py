@@ -1,6 +1,6 @@
 """What the generate loop costs beside the model: host time per decode step outside the backend session's calls.
 
-usage: python benchmarks/loop_overhead.py [--engine DIR ...] [--compare PATH] [--steps 64] [--rounds 3]
+usage: python -m benchmarks.loop_overhead [--engine DIR ...] [--compare PATH] [--steps 64] [--rounds 3]
 
 ``generate`` is the scheduler's loop (:mod:`trtinfer.runtime.offline`: slots of one KV cache, a batched pass per
 step, selection on the host). Its cost beside the model is measured directly, which timing whole steps on a noisy
@@ -21,8 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
+from benchmarks.machine import machine_info, result_path
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +107,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     record = {"machine": machine_info(), "engine": str(engine), "trees": {k: str(v) for k, v in trees.items()},
               "steps": args.steps, "rounds": args.rounds, "summary": summary, "runs": runs}
-    (RESULTS / "loop_overhead.json").write_text(json.dumps(record, indent=1))
+    out = result_path("loop_overhead")
+    out.write_text(json.dumps(record, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +124,7 @@ def main() -> None:
     ax.set_title("generate loop overhead per decode step")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "loop_overhead.png", dpi=120)
+    fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
 if __name__ == "__main__":

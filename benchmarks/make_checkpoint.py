@@ -1,6 +1,6 @@
 """Seeded random-weight checkpoints in the exact shapes of real models, written the way the hub ships them.
 
-usage: python benchmarks/make_checkpoint.py PRESET -o DIR [--layers N] [--vocab V] [--seed S]
+usage: python -m benchmarks.make_checkpoint PRESET -o DIR [--layers N] [--vocab V] [--seed S]
                                             [--dtype bf16|fp16|fp32] [--single-file | --shard-mb MB] [--force]
 
 Presets: llama-3.2-1b, qwen3-8b, qwen3-14b (public config.json values). DIR gets ``config.json`` (transformers'
@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import math
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -37,7 +36,6 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from trtinfer._cache import atomic_dir
 from trtinfer.errors import ConfigError, TrtInferError

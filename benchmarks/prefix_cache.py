@@ -1,6 +1,6 @@
 """Prefix caching on ``trtinfer serve``: a shared system prompt, with and without ``--no-prefix-caching``.
 
-usage: python benchmarks/prefix_cache.py [--engine DIR | --model smollm2-135m] [--system 1000] [--suffix 32]
+usage: python -m benchmarks.prefix_cache [--engine DIR | --model smollm2-135m] [--system 1000] [--suffix 32]
                                          [--max-tokens 32] [--clients 8] [--requests 3]
 
 The workload of a chat service: every request starts with the same ``--system``-token prompt and ends with its own
@@ -32,10 +32,8 @@ import httpx
 import numpy as np
 import openai
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
-from roofline import cpu_kind
-from serve_soak import start_server
+from benchmarks.machine import cpu_kind, machine_info
+from benchmarks.serve_soak import start_server
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -2,7 +2,7 @@
 cache and engine bytes), what its checks said, what the engine costs to load and run, and how close its decode
 steps get to the machine's measured memory bandwidth.
 
-usage: python benchmarks/real_size.py (--checkpoint DIR | --preset NAME [--layers N] [--vocab V])
+usage: python -m benchmarks.real_size (--checkpoint DIR | --preset NAME [--layers N] [--vocab V])
            [--precisions fp32,int8,int4] [--method M] [--cache DIR] [--work DIR] [--batch-sizes 1,8]
            [--prompt-len 512] [--batch-prompt-len 32] [--new-tokens 32] [--buffer-mib 1024] [--oga-python PY]
            [--llama-cpp-python PY --llama-cpp-convert SCRIPT [--llama-cpp-types Q4_0,Q4_K_M]] [--keep] [--out PREFIX]
@@ -52,11 +52,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-import roofline
-from machine import machine_info
-
+from benchmarks import roofline
+from benchmarks.machine import ROOT, cpu_kind, machine_info
 from trtinfer.errors import TrtInferError
 
 log = logging.getLogger("real_size")
@@ -80,13 +77,13 @@ def ensure_checkpoint(work: Path, preset: str, layers: int | None, vocab: int | 
     """The checkpoint of ``preset`` (sliced) under ``work/checkpoints``, written by make_checkpoint.py if absent."""
     name = preset + (f"-l{layers}" if layers else "") + (f"-v{vocab}" if vocab else "")
     folder = work / "checkpoints" / name
-    cmd = [sys.executable, str(HERE / "make_checkpoint.py"), preset, "-o", str(folder)]
+    cmd = [sys.executable, "-m", "benchmarks.make_checkpoint", preset, "-o", str(folder)]
     cmd += [*(["--layers", str(layers)] if layers else []), *(["--vocab", str(vocab)] if vocab else [])]
     if (folder / "config.json").is_file():
         log.info("reusing checkpoint %s", folder)
     else:
         log.info("writing checkpoint %s", folder)
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
     return folder, cmd
 
 
@@ -447,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config = json.loads((ckpt / "config.json").read_text())
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
                             check=False).stdout.strip()
-    report = {"machine": machine, "cpu_tag": roofline.cpu_kind(machine), "date": date, "git_commit": commit,
+    report = {"machine": machine, "cpu_tag": cpu_kind(machine), "date": date, "git_commit": commit,
               "versions": _versions(), "command": [sys.executable, *sys.argv],
               "load_average": {"before": load_before, "after": os.getloadavg()},
               "checkpoint": {"path": str(ckpt), "name": ckpt.name, "bytes": tree_bytes(ckpt), "made_by": ckpt_cmd,

@@ -1,6 +1,6 @@
 """No-change rebuild time: `trtinfer build MODEL -o DIR --force` when every stage is already in the cache.
 
-usage: python benchmarks/rebuild.py [--models gemma-3-270m smollm2-135m] [--runs 3]
+usage: python -m benchmarks.rebuild [--models gemma-3-270m smollm2-135m] [--runs 3]
 The first build fills the cache (export, optimize; the engine itself is not cached: every build compiles it into
 ``-o`` and checks it again); the timed runs are the whole CLI command as a user types it (process start, imports,
 cache verification, compilation and engine check), best and median of --runs. Prints a table, writes benchmarks/results/rebuild.json and benchmarks/results/rebuild.png.
@@ -16,8 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
+from benchmarks.machine import machine_info, result_path
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -62,7 +61,7 @@ def main() -> None:
               f"{r['rebuild_best_s']:.1f} / {r['rebuild_median_s']:.1f} | {r['engine_mib']} | "
               f"{', '.join(r['stages_reused']) or 'none'} |")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "rebuild.json"
+    out = result_path("rebuild")
     out.write_text(json.dumps({"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
     import matplotlib
 
@@ -76,8 +75,8 @@ def main() -> None:
     ax.set_xlabel("seconds (whole `trtinfer build` command)")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "rebuild.png", dpi=120)
-    print(f"\nwrote {out} and {RESULTS / 'rebuild.png'}")
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

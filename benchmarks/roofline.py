@@ -1,7 +1,7 @@
 """The physical limit, measured: the memory bandwidth ONNX Runtime's own thread pool can pull, and how much of it
 each engine's decode step uses.
 
-usage: python benchmarks/roofline.py ENGINE_DIR [ENGINE_DIR ...] [--batch-sizes 1 8] [--buffer-mib 1024]
+usage: python -m benchmarks.roofline ENGINE_DIR [ENGINE_DIR ...] [--batch-sizes 1 8] [--buffer-mib 1024]
                                      [--threads N] [--prompt-len 128] [--new-tokens 64] [--out FILE.json]
 
 1. Probe: STREAM-style kernels run as one-node ONNX Runtime graphs with ``intra_op_num_threads`` set as the engine
@@ -32,9 +32,6 @@ import argparse
 import json
 import math
 import os
-import re
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,8 +39,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
+from benchmarks.machine import cpu_kind, git_commit, machine_info
 
 HERE = Path(__file__).parent
 GATHER_INPUTS = {"Gather": (0,), "GatherBlockQuantized": (0, 2, 3)}  # inputs read one slice per index
@@ -215,19 +211,6 @@ def roofline_row(engine_dir: Path, batch_size: int, prompt_len: int, new_tokens:
             "fraction_of_copy": achieved / ceiling["copy"], "first_tokens": res.first_tokens}
 
 
-def cpu_kind(machine: dict[str, Any]) -> str:
-    """Short name of the CPU for file names: vendor word + widest vector ISA (``amd-epyc-avx512``)."""
-    words = re.sub(r"\(r\)|\(tm\)|cpu|processor|@.*", "", machine["cpu"].lower()).split()[:2]
-    isa = "avx512" if "avx512f" in machine["cpu_flags"] else "avx2" if "avx2" in machine["cpu_flags"] else "base"
-    return "-".join(re.sub(r"[^a-z0-9]", "", w) for w in [*words, isa] if w)
-
-
-def _git_commit() -> str:
-    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
-                         check=False)
-    return out.stdout.strip() or "unknown"
-
-
 def format_table(report: dict[str, Any]) -> str:
     """Markdown tables: the probe, then one row per engine and batch size."""
     p = report["probe"]
@@ -300,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       .items()} for t in args.extra_threads if t != probe["threads_effective"]}
     huge = {"before": probe["anon_huge_pages_mib"], "after": probe_after["anon_huge_pages_mib"]}
     date = time.strftime("%Y-%m-%d")
-    report = {"machine": machine, "date": date, "git_commit": _git_commit(),
+    report = {"machine": machine, "date": date, "git_commit": git_commit(),
               "load_average": {"before": load_before, "after": os.getloadavg()},
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "probe": probe,
               "probe_after": {k: round(v["gb_s"], 2) for k, v in probe_after["kernels"].items()},

@@ -1,6 +1,6 @@
 """Produce README's benchmark tables: trtinfer engines (fp32 and quantized) vs PyTorch eager, one run, one machine.
 
-usage: python benchmarks/run_benchmarks.py [--models smollm2-135m gemma-3-270m] [--batch-sizes 1 8]
+usage: python -m benchmarks.run_benchmarks [--models smollm2-135m gemma-3-270m] [--batch-sizes 1 8]
                                            [--precisions fp32 int8 int4 gguf]
 
 For each model and batch size, PyTorch eager fp32 is measured once and every engine precision is measured in its
@@ -21,11 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.machine import machine_info, result_path
 from trtinfer.bench import compare
 from trtinfer.builder import BuildConfig, build
-
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
 
 HERE = Path(__file__).parent
 
@@ -102,7 +100,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ppl-tokens", type=int, default=1024)
-    ap.add_argument("--out", default=str(HERE / "results" / "cpu.json"))
+    ap.add_argument("--out", default=str(result_path("cpu")))
     args = ap.parse_args()
 
     rows: list[dict[str, Any]] = []

@@ -1,6 +1,6 @@
 """Per-step next-token selection time: the sampling rewrite against the implementation before it.
 
-usage: python benchmarks/sampling.py [--engine DIR] [--vocab 49152] [--steps 200] [--rounds 3]
+usage: python -m benchmarks.sampling [--engine DIR] [--vocab 49152] [--steps 200] [--rounds 3]
 Random logits of SmolLM2's vocabulary size, batch 1 and 8, for greedy, top_p=0.9, top_k=50, top_p+top_k+min_p and
 temperature alone; "before" is ``trtinfer/runtime/sampling.py`` as of commit 1279c45, kept verbatim below (names
 prefixed ``old_``; it has no min_p, so its top_p+top_k+min_p entry runs top_p+top_k). Two kinds of logits: "lm",
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,10 +25,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from machine import machine_info
-
+from benchmarks.machine import machine_info, result_path
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.sampling import select_next
 
@@ -248,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"| {e['batch']} | {e['greedy step_ms']} | {e['top_p=0.9 step_ms']} | "
                   f"{e['top_p=0.9 before step_ms']} |")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "sampling.json"
+    out = result_path("sampling")
     load = {"before": [round(v, 2) for v in load_before], "after": [round(v, 2) for v in os.getloadavg()]}
     out.write_text(json.dumps({"machine": machine_info(), "load_average_1_5_15_min": load,
                                "date": time.strftime("%Y-%m-%d"), "vocab": args.vocab,

@@ -1,6 +1,6 @@
 """Load on ``trtinfer serve``: concurrent streaming clients at concurrency 1, 4, 8, 16 (the ``openai`` client).
 
-usage: python benchmarks/serve_load.py [--engine DIR | --model smollm2-135m] [--levels 1 4 8 16] [--requests 2]
+usage: python -m benchmarks.serve_load [--engine DIR | --model smollm2-135m] [--levels 1 4 8 16] [--requests 2]
                                        [--max-tokens 64]
 
 Starts ``trtinfer serve`` as its own process on loopback, then for each concurrency level C runs C client threads,
@@ -17,7 +17,6 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,9 +24,8 @@ from typing import Any
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
-from serve_soak import QUESTIONS, start_server
+from benchmarks.machine import machine_info, result_path
+from benchmarks.serve_soak import QUESTIONS, start_server
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -103,7 +101,8 @@ def main() -> None:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--requests", type=int, default=2, help="requests per client per level")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", default="serve_load", help="results name under benchmarks/results (.json and .png)")
+    ap.add_argument("--out", default=None, help="results name under benchmarks/results (.json and .png; default "
+                    "serve_load_<machine kind>_<date>)")
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                     help="more `trtinfer serve` flags (e.g. --prefill-chunk 64), last on the line")
     args = ap.parse_args()
@@ -133,7 +132,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     record = {"machine": machine_info(), "engine": str(engine), "max_tokens": args.max_tokens,
               "requests_per_client": args.requests, "server_args": args.server_args, "levels": levels}
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(record, indent=1))
+    out = RESULTS / f"{args.out}.json" if args.out else result_path("serve_load")
+    out.write_text(json.dumps(record, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,8 +153,8 @@ def main() -> None:
     b.legend()
     b.set_title("latency")
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{args.out}.png", dpi=120)
-    print(statistics.median([lv["tokens_per_s"] for lv in levels]) > 0 and f"wrote benchmarks/results/{args.out}.*")
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    print(statistics.median([lv["tokens_per_s"] for lv in levels]) > 0 and f"wrote {out} and its .png")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Soak test of ``trtinfer serve``: 1,000 requests through the ``openai`` client; nothing lost, memory flat.
 
-usage: python benchmarks/serve_soak.py [--engine DIR | --model smollm2-135m] [--requests 1000] [--concurrency 16]
+usage: python -m benchmarks.serve_soak [--engine DIR | --model smollm2-135m] [--requests 1000] [--concurrency 16]
 
 Starts ``trtinfer serve`` as its own process on loopback (its resident memory is read from /proc), then sends
 ``--requests`` requests from ``--concurrency`` client threads: completions and chat, whole and streamed, ragged
@@ -31,11 +31,8 @@ from typing import Any
 import httpx
 import openai
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from machine import machine_info
-
 import trtinfer
+from benchmarks.machine import machine_info, result_path
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -245,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for line in lost[:5]:
         print("lost:", line)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "serve_soak.json"
+    out = result_path("serve_soak")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     if lost or result["rss_growth_after_warmup_pct"] > 5:

@@ -1,6 +1,6 @@
 """Prompt-lookup decoding against plain greedy on SmolLM2-135M: tokens/s, speed-up, acceptance, same tokens.
 
-usage: python benchmarks/speculative.py [--precisions fp32 int4] [--ks 3 5 10] [--new-tokens 128] [--rounds 5]
+usage: python -m benchmarks.speculative [--precisions fp32 int4] [--ks 3 5 10] [--new-tokens 128] [--rounds 5]
 Three chat prompts: (a) repeat a ~150-word passage verbatim, (b) edit a function (rename a variable, return the
 whole code), (c) a question with nothing to copy. Per engine and prompt, plain greedy and prompt_lookup_num_tokens=K
 for each K run in turn, ``--rounds`` times (interleaved, so a burst of other load on the machine hits one round of
@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,11 +27,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from machine import machine_info
-
 import trtinfer
+from benchmarks.machine import machine_info, result_path
 from trtinfer.builder import BuildConfig, build
 from trtinfer.runtime.generator import GenerationResult
 
@@ -246,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"| {p['layout']} | {p['context']} | {p['decode_ms']} | "
                   + " | ".join(str(p[f"run_chunk_{n}_ms"]) for n in (1, 2, 4, 6, 11)) + f" | {p['truncate_ms']} |")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "speculative.json"
+    out = result_path("speculative")
     load = {"before": [round(v, 2) for v in load_before], "after": [round(v, 2) for v in os.getloadavg()]}
     out.write_text(json.dumps({"machine": machine_info(), "load_average_1_5_15_min": load,
                                "date": time.strftime("%Y-%m-%d"), "model": MODEL, "new_tokens": args.new_tokens,

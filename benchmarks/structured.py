@@ -1,6 +1,6 @@
 """Structured outputs on a real chat model: validity over many schemas, and what the grammar mask costs per step.
 
-usage: python benchmarks/structured.py [--engine DIR] [--per-schema 20] [--bs 1 8] [--steps 48]
+usage: python -m benchmarks.structured [--engine DIR] [--per-schema 20] [--bs 1 8] [--steps 48]
 
 1. Validity: 10 JSON schemas (flat, nested, arrays, enums, bounded numbers, patterns, optional fields, ...), each
    asked ``--per-schema`` times through the chat template with sampling (temperature 0.7, a seed per request):
@@ -19,16 +19,13 @@ import argparse
 import datetime
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
-from roofline import cpu_kind
+from benchmarks.machine import cpu_kind, machine_info
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -1,6 +1,6 @@
 """trtinfer engines, PyTorch eager and the peers (onnxruntime-genai, optimum-onnx, llama.cpp) in one run, one machine.
 
-usage: python benchmarks/vs_peers.py [--models smollm2-135m] [--batch-sizes 1 8] [--rounds 2]
+usage: python -m benchmarks.vs_peers [--models smollm2-135m] [--batch-sizes 1 8] [--rounds 2]
            [--oga-python VENV/bin/python] [--optimum-python VENV/bin/python] [--llama-cpp-python VENV/bin/python]
 
 Each peer runs in its own venv (their pins clash with ours: optimum-onnx wants transformers < 4.58), named by the
@@ -28,14 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.machine import machine_info, result_path
 from trtinfer.bench import _prompt_ids, measure_eager, measure_engine
 from trtinfer.builder import BuildConfig, build
 from trtinfer.errors import TrtInferError
 from trtinfer.export.sources import ALIASES
 from trtinfer.runtime.manifest import read_manifest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
 
 HERE = Path(__file__).parent
 WORKERS = HERE / "peer_workers"
@@ -161,7 +159,7 @@ def main() -> None:
     ap.add_argument("--oga-python", help="interpreter of a venv with onnxruntime-genai")
     ap.add_argument("--optimum-python", help="interpreter of a venv with optimum-onnx[onnxruntime]")
     ap.add_argument("--llama-cpp-python", help="interpreter of a venv with llama-cpp-python")
-    ap.add_argument("--out", default=str(HERE / "results" / "vs_peers.json"))
+    ap.add_argument("--out", default=str(result_path("vs_peers")))
     args = ap.parse_args()
     for flag in ("oga_python", "optimum_python", "llama_cpp_python"):
         path = getattr(args, flag)

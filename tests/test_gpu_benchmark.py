@@ -58,7 +58,7 @@ def _hand_made() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 @pytest.mark.skipif(gpu.gpu_missing(gpu.BACKENDS) is None, reason="a CUDA GPU is visible: the script would run")
 def test_refuses_without_gpu(tmp_path: Path) -> None:
     out = tmp_path / "results" / "gpu.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--models", "smollm2-135m", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--models", "smollm2-135m", "--out", str(out)],
                           check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stdout + proc.stderr

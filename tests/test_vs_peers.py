@@ -55,9 +55,9 @@ def test_measuring_rule_without_first_token_times():
 
 
 def test_bad_interpreter_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_peers.py"), "--oga-python",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.vs_peers", "--oga-python",
                            str(tmp_path / "nope" / "python"), "--out", str(tmp_path / "r.json")],
-                          check=False, capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0
     want = (f"--oga-python {tmp_path / 'nope' / 'python'}: not an executable interpreter; make the venvs with "
             "benchmarks/peer_workers/setup.sh or leave the flag out")

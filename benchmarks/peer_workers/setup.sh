@@ -15,5 +15,5 @@ mkdir -p "$D"
 [ -x "$D/lcpp/bin/python" ] && "$D/lcpp/bin/python" -c "import llama_cpp" 2>/dev/null || { python -m venv "$D/lcpp" && "$D/lcpp/bin/pip" install -q llama-cpp-python==0.3.36; }
 [ -f "$D/llama.cpp-src/convert_hf_to_gguf.py" ] || { pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$D/sdist" && mkdir -p "$D/llama.cpp-src" && tar xzf "$D"/sdist/llama_cpp_python-0.3.36.tar.gz -C "$D/llama.cpp-src" --strip-components=3 llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py llama_cpp_python-0.3.36/vendor/llama.cpp/conversion llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py; }
 python -c "import sentencepiece" 2>/dev/null || pip install -q sentencepiece
-echo "python benchmarks/real_size.py --preset llama-3.2-1b --oga-python $D/oga/bin/python --llama-cpp-python $D/lcpp/bin/python --llama-cpp-convert $D/llama.cpp-src/convert_hf_to_gguf.py"
-echo "python benchmarks/vs_peers.py --oga-python $D/oga/bin/python --optimum-python $D/optimum/bin/python --llama-cpp-python $D/lcpp/bin/python"
+echo "python -m benchmarks.real_size --preset llama-3.2-1b --oga-python $D/oga/bin/python --llama-cpp-python $D/lcpp/bin/python --llama-cpp-convert $D/llama.cpp-src/convert_hf_to_gguf.py"
+echo "python -m benchmarks.vs_peers --oga-python $D/oga/bin/python --optimum-python $D/optimum/bin/python --llama-cpp-python $D/lcpp/bin/python"

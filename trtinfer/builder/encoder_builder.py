@@ -17,7 +17,7 @@ from trtinfer.errors import BuildError
 from trtinfer.export.encoder import ENCODER_TYPES, export_encoder_cached
 from trtinfer.export.sources import ResolvedModel
 from trtinfer.passes.report import FusionReport, PassRecord
-from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
+from trtinfer.runtime.manifest import new_manifest, write_manifest
 from trtinfer.stages import DATA_NAME
 
 log = logging.getLogger(__name__)
@@ -110,20 +110,16 @@ def build_encoder(resolved: ResolvedModel, out: Path, config: BuildConfig, t_sta
     if config.max_seq_len:
         max_seq = min(max_seq, config.max_seq_len)
     hist = op_histogram(out / "model.onnx")
-    manifest = {
-        "manifest_version": MANIFEST_VERSION, "kind": "encoder", "backend": "onnxruntime",
-        "precision": "fp32", "target": config.target, "architecture": info["architecture"],
-        "model_type": info["model_type"], "source": info["source"],
-        "limits": {"max_batch_size": config.max_batch_size, "max_seq_len": max_seq},
-        "geometry": geo, "io": graph_io(out / "model.onnx"), "pooling": pooling,
-        "files": {"encoder": "model.onnx", "encoder_data": DATA_NAME, "fusion_report": "fusion_report.json"},
-        "tokenizer": {"pad_token_id": tok.pad_token_id or 0, "cls_token": tok.cls_token, "sep_token": tok.sep_token},
-        "export": {k: exported.history["export"].get(k) for k in ("config", "seconds", "validation")},
-        "build_config": config.to_dict(), "op_histogram": hist, "fusion_report": report.to_dict(),
-        "fused_ops": {r.name: {"count": r.fired, "expected": r.expected} for r in report.passes},
-        "fused_vs_unfused_max_abs_diff": diff, "versions": engine_versions(),
-        "build_seconds": round(time.perf_counter() - t_start, 2),
-    }
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+    manifest = new_manifest(
+        exported, kind="encoder", backend="onnxruntime", precision="fp32", target=config.target,
+        max_batch_size=config.max_batch_size, max_seq_len=max_seq, io=graph_io(out / "model.onnx"),
+        files={"encoder": "model.onnx", "encoder_data": DATA_NAME, "fusion_report": "fusion_report.json"},
+        tokenizer={"pad_token_id": tok.pad_token_id or 0, "cls_token": tok.cls_token, "sep_token": tok.sep_token},
+        pooling=pooling, export={k: exported.history["export"].get(k) for k in ("config", "seconds", "validation")},
+        build_config=config.to_dict(), op_histogram=hist, fusion_report=report.to_dict(),
+        fused_ops={r.name: {"count": r.fired, "expected": r.expected} for r in report.passes},
+        fused_vs_unfused_max_abs_diff=diff, versions=engine_versions(),
+        build_seconds=round(time.perf_counter() - t_start, 2))
+    write_manifest(out, manifest)
     for w in report.warnings:
         log.warning("%s", w)

@@ -25,7 +25,7 @@ from trtinfer.builder.config import BuildConfig
 from trtinfer.builder.progress import StageProgress
 from trtinfer.errors import BuildError, ConfigError, InputError
 from trtinfer.export.sources import ResolvedModel
-from trtinfer.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest
+from trtinfer.runtime.manifest import Manifest, new_manifest, write_manifest
 from trtinfer.stages import TOKENIZER_FILES, StageDir, graph_io, is_stage_dir, package_versions, read_stage
 
 log = logging.getLogger(__name__)
@@ -37,38 +37,26 @@ def engine_versions() -> dict[str, str]:
     return {**package_versions("onnxruntime", "onnx"), "python": platform.python_version()}
 
 
-def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engine: Path,
-              max_seq: int) -> dict[str, Any]:
+def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engine: Path, max_seq: int) -> Manifest:
     """The engine's manifest: the stage's model facts, unchanged, plus what the build made."""
     graph = engine / files.get("network", files["decoder"])  # TensorRT: the plan's source graph, weights left out
     hist = op_histogram(graph)
     history = stage.history
     report = history.get("optimize", {}).get("fusion_report", {})
     export = history.get("export", {})
-    return {
-        "manifest_version": MANIFEST_VERSION,
-        "kind": "decoder",
-        "backend": config.backend,
-        "precision": config.precision,
-        "target": config.target,
-        **{k: stage.info[k] for k in ("architecture", "model_type", "source", "geometry")},
-        "limits": {"max_batch_size": config.max_batch_size, "max_seq_len": max_seq},
-        "io": graph_io(graph),
-        "kv_layout": stage.kv_layout,
-        "files": files,
-        "tokenizer": stage.info.get("tokenizer", {}),
-        "export": {"config": export.get("config"), "seconds": export.get("seconds"),
-                   "validation": export.get("validation"),
-                   **{k: export[k] for k in ("validation_skipped", "reference_skipped") if export.get(k)}},
-        "build_config": config.to_dict(),
-        "op_histogram": hist,
-        "fusion_report": report,
-        "fused_ops": fused_op_counts(hist, stage.geometry, report),
-        "versions": engine_versions(),
-        "quantization": ({k: history["quantize"][k] for k in ("config", "target", "report", "accuracy")}
-                         if "quantize" in history else None),
+    return new_manifest(
+        stage, kind="decoder", backend=config.backend, precision=config.precision, target=config.target,
+        max_batch_size=config.max_batch_size, max_seq_len=max_seq, io=graph_io(graph), kv_layout=stage.kv_layout,
+        files=files, tokenizer=stage.tokenizer_info,
+        export={"config": export.get("config"), "seconds": export.get("seconds"),
+                "validation": export.get("validation"),
+                **{k: export[k] for k in ("validation_skipped", "reference_skipped") if export.get(k)}},
+        build_config=config.to_dict(), op_histogram=hist, fusion_report=report,
+        fused_ops=fused_op_counts(hist, stage.geometry, report), versions=engine_versions(),
+        quantization=({k: history["quantize"][k] for k in ("config", "target", "report", "accuracy")}
+                      if "quantize" in history else None),
         **({"tensorrt": json.loads((engine / files["tensorrt"]).read_text())} if "tensorrt" in files else {}),
-    }
+    )
 
 
 def _from_stage(stage: StageDir, config: BuildConfig) -> tuple[BuildConfig, int]:
@@ -107,7 +95,7 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     if stage.reference_path is None:
         return files, None, None
     manifest = _manifest(config, stage, files, dest, max_seq)
-    check = check_engine(dest, Manifest(manifest), stage.reference_path, config.precision, provider=config.target,
+    check = check_engine(dest, manifest, stage.reference_path, config.precision, provider=config.target,
                          graph=stage if stage.stage == "quantize" else None)
     if not check.passed:
         nan = check.max_abs_diff == float("inf")
@@ -121,7 +109,7 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     accuracy = None
     if stage.stage == "quantize" and HELDOUT_NAME in stage.info["files"]:
         try:
-            accuracy = check_accuracy(dest, Manifest(manifest), stage.path / HELDOUT_NAME, provider=config.target)
+            accuracy = check_accuracy(dest, manifest, stage.path / HELDOUT_NAME, provider=config.target)
         except InputError as e:  # e.g. the logits_positions pass disabled: the engine cannot score a sequence
             log.warning("the engine's accuracy is not checked: %s", e)
     return files, check, accuracy
@@ -216,15 +204,11 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
                     raise BuildError(verdict_error(accuracy, config.precision))
             with bar.stage("package"):
                 stage.copy_files(TOKENIZER_FILES, tmp)
-                manifest = _manifest(config, stage, files, tmp, max_seq)
-                if check is not None:
-                    manifest["engine_check"] = check.to_dict()
-                manifest["accuracy_check"] = accuracy
-                if piece is not None:
-                    manifest["reduced_depth_check"] = piece
-                manifest["stages"] = bar.records
-                manifest["build_seconds"] = round(time.perf_counter() - t_start, 2)
-                (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+                manifest = _manifest(config, stage, files, tmp, max_seq).updated(
+                    **({} if check is None else {"engine_check": check.to_dict()}), accuracy_check=accuracy,
+                    **({} if piece is None else {"reduced_depth_check": piece}), stages=bar.records,
+                    build_seconds=round(time.perf_counter() - t_start, 2))
+                write_manifest(tmp, manifest)
     log.debug("built %s in %.1f s", out, time.perf_counter() - t_start)
     return out
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import tempfile
@@ -52,7 +51,7 @@ def reduced_depth_check(resolved: Any, config: BuildConfig, geometry: dict[str, 
     :data:`VOCAB` tokens with ``config`` (``quantized``: the whole model's quantize-stage config, whose method it
     follows) in a temporary folder beside ``near``; returns its checks. A failed check fails this build."""
     from trtinfer.builder.engine_builder import build
-    from trtinfer.runtime.manifest import MANIFEST_NAME
+    from trtinfer.runtime.manifest import read_manifest
 
     num_layers, vocab = int(geometry["num_layers"]), min(VOCAB, int(geometry["vocab_size"]))
     layers = min(LAYERS, num_layers - 1)
@@ -68,7 +67,7 @@ def reduced_depth_check(resolved: Any, config: BuildConfig, geometry: dict[str, 
             engine = build(resolved, Path(tmp) / "engine", cut, progress=False)
         except TrtInferError as e:
             raise BuildError(f"the reduced-depth check ({layers} of {num_layers} layers) failed: {e}") from e
-        m = json.loads((engine / MANIFEST_NAME).read_text())
+        m = read_manifest(engine).to_dict()
     return {"scope": f"reduced model: the first {layers} of {num_layers} decoder layers and the first {vocab} of "
                      f"{geometry['vocab_size']} rows of the embedding table and LM head, read from the same checkpoint "
                      "tensors, built with the same settings; the deeper layers and other rows are not compared with "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtinfer.artifact import KINDS, KV_LAYOUTS, ArtifactRecord, GraphIO
+from trtinfer.artifact import KINDS, KV_LAYOUTS, ArtifactRecord, GraphIO, KVLayoutKind
 from trtinfer.errors import EngineLoadError
 
 MANIFEST_NAME = "manifest.json"
@@ -33,6 +33,10 @@ class Manifest(ArtifactRecord):
                     "geometry": stage.geometry, "io": stage.io.to_dict(), "kv_layout": stage.kv_layout,
                     "files": {"decoder": decoder_file}, "tokenizer": stage.tokenizer_info,
                     "limits": {"max_batch_size": 1, "max_seq_len": max_seq_len}})
+
+    def updated(self, **fields: Any) -> Manifest:
+        """This manifest with ``fields`` set (a build adding its checks and timings)."""
+        return Manifest({**self.raw, **fields})
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as a new JSON-friendly dict."""
@@ -80,6 +84,29 @@ class Manifest(ArtifactRecord):
     def files(self) -> dict[str, str]:
         """Role -> file name inside the engine directory."""
         return dict(self.raw["files"])
+
+
+def new_manifest(model: ArtifactRecord, *, kind: str, backend: str, precision: str, target: str, max_batch_size: int,
+                 max_seq_len: int, io: dict[str, Any], files: dict[str, str], tokenizer: dict[str, Any],
+                 kv_layout: str | None = None, **record: Any) -> Manifest:
+    """The one constructor of engine manifests (the builders call it): the model's facts from its stage record
+    (architecture, model type, source, geometry), the engine's typed facts, then the build's own record
+    (``record``: export, build config, histograms, checks, ...); checked as :func:`read_manifest` checks one."""
+    raw: dict[str, Any] = {
+        "manifest_version": MANIFEST_VERSION, "kind": kind, "backend": backend, "precision": precision,
+        "target": target, **{k: model.record[k] for k in ("architecture", "model_type", "source") if k in model.record},
+        "geometry": model.geometry, "limits": {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len},
+        "io": io, **({} if kv_layout is None else {"kv_layout": KVLayoutKind(kv_layout).value}), "files": files,
+        "tokenizer": tokenizer, **record}
+    _ManifestCheck(Path(f"the new {kind} manifest")).check(raw)
+    return Manifest(raw)
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Path:
+    """``folder/manifest.json`` written from ``manifest``; its path."""
+    path = Path(folder) / MANIFEST_NAME
+    path.write_text(json.dumps(manifest.raw, indent=2))
+    return path
 
 
 def kv_dtype(io: dict[str, Any]) -> str:
