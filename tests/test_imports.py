@@ -107,3 +107,15 @@ def test_session_modules_stay_small(module):
     """The session split: interface, environment, ONNX Runtime session and KV layouts, each under ~500 lines."""
     path = ROOT.parent / (module.replace(".", "/") + ".py")
     assert len(path.read_text().splitlines()) < 400
+
+
+def test_graph_passes_load_no_runtime():
+    """Importing the passes, the export package or the stage records loads no part of the runtime (the package's
+    top-level names come from it lazily)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trtinfer, trtinfer.passes, trtinfer.passes.optimizer, trtinfer.export, trtinfer.stages\n"
+            "print(sorted(m for m in sys.modules if m.startswith('trtinfer.runtime')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]"
