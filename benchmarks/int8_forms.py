@@ -60,9 +60,10 @@ def timings(path: Path, reps: int = 40) -> dict[str, float]:
 
 
 def perplexity(stage_dir: Path, onnx_path: Path, tokens: int = 512) -> float:
+    from trtinfer.artifact import StageDir, read_stage
     from trtinfer.quantization.accuracy import held_out_ids
     from trtinfer.runtime.scoring import open_stage_session, score_ids
-    from trtinfer.stages import StageDir, graph_io, read_stage
+    from trtinfer.stages import graph_io
 
     st = read_stage(stage_dir, verify=False)
     view = StageDir(onnx_path.parent, {**st.info, "io": graph_io(onnx_path)})
@@ -77,13 +78,13 @@ def main() -> None:
     args = ap.parse_args()
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from trtinfer.artifact import STAGE_FILE
     from trtinfer.builder import BuildConfig
     from trtinfer.export.onnx_export import export_cached
     from trtinfer.export.sources import resolve_model
     from trtinfer.passes import PassConfig
     from trtinfer.passes.optimizer import optimize_cached
     from trtinfer.quantization import QuantConfig, quantize_cached
-    from trtinfer.stages import STAGE_FILE
 
     cfg = BuildConfig()
     exp = export_cached(resolve_model(args.model), cfg.export)

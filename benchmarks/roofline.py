@@ -146,7 +146,7 @@ def decode_bytes(engine_dir: str | Path, batch_size: int = 1, kv_len: float = 0.
     the KV cache at ``kv_len`` entries per row. Returns the parts and the ``total``."""
     import onnx
 
-    from trtinfer.runtime.manifest import kv_dtype, read_manifest
+    from trtinfer.artifact import kv_dtype, read_manifest
 
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
@@ -198,7 +198,7 @@ def roofline_row(engine_dir: Path, batch_size: int, prompt_len: int, new_tokens:
                  ceiling: dict[str, float]) -> dict[str, Any]:
     """Relate one measured decode (a ``BenchResult``) to the bytes its step reads and to ``ceiling`` (GB/s per probe
     kernel: the best of the probes before and after the engines)."""
-    from trtinfer.runtime.manifest import read_manifest
+    from trtinfer.artifact import read_manifest
 
     step_s = batch_size / res.decode_tok_s
     counted = decode_bytes(engine_dir, batch_size, prompt_len + new_tokens / 2)  # steps 1..N-1 hold prompt+k

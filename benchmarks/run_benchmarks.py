@@ -44,8 +44,8 @@ def eager_perplexity(engine: Path, tokens: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from trtinfer.artifact import read_manifest
     from trtinfer.calibration.data import builtin_text
-    from trtinfer.runtime.manifest import read_manifest
     from trtinfer.runtime.tokenizer import EngineTokenizer
 
     m = read_manifest(engine).raw

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import machine_info, result_path
+from trtinfer.artifact import read_manifest
 from trtinfer.bench import _prompt_ids, measure_eager, measure_engine
 from trtinfer.builder import BuildConfig, build
 from trtinfer.errors import TrtInferError
 from trtinfer.export.sources import ALIASES
-from trtinfer.runtime.manifest import read_manifest
 
 HERE = Path(__file__).parent
 WORKERS = HERE / "peer_workers"

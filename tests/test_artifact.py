@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trtinfer.artifact import KV_LAYOUTS, GraphIO, KVLayoutKind
-from trtinfer.runtime.manifest import Manifest, read_manifest
+from trtinfer.artifact import KV_LAYOUTS, GraphIO, KVLayoutKind, Manifest, read_manifest
 
 ROOT = Path(__file__).resolve().parent.parent / "trtinfer"
 
@@ -35,9 +34,29 @@ def test_an_unknown_layout_is_refused():
 def test_no_raw_manifest_lookups_outside_the_manifest_module():
     found = []
     for path in ROOT.rglob("*.py"):
-        if path.name == "manifest.py" and path.parent.name == "runtime":
+        if path.name == "artifact.py" and path.parent == ROOT:
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"manifest\w*\.raw\b|\.raw\[|\.raw\.get\(", line):
                 found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert found == []
+
+
+def test_a_stage_record_of_the_wrong_shape_is_one_line(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from trtinfer.artifact import STAGE_FILE, read_stage
+    from trtinfer.errors import ModelSourceError
+    from trtinfer.export import ExportConfig
+    from trtinfer.export.onnx_export import export_cached
+
+    stage = export_cached(tiny_model_dir("llama"), ExportConfig())
+    for field, value, named in (("kv_layout", "ring_buffer", "kv_layout"), ("io", {"inputs": [{"name": "x"}]}, "io")):
+        bad = tmp_path / field
+        shutil.copytree(stage.path, bad)
+        info = json.loads((bad / STAGE_FILE).read_text())
+        info[field] = value
+        (bad / STAGE_FILE).write_text(json.dumps(info))
+        with pytest.raises(ModelSourceError, match=f"lacks or mistypes .*{named}.*; produce"):
+            read_stage(bad, verify=False)

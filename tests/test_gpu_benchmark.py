@@ -118,7 +118,8 @@ def test_parse_args_defaults() -> None:
     assert (a.models, a.batch_sizes, a.precisions, a.eager_dtypes) == (
         ["smollm2-135m", "gemma-3-270m"], [1, 8], ["fp16", "fp32"], ["fp16", "fp32"])
     assert (a.backends, a.prompt_len, a.new_tokens) == (["onnxruntime", "tensorrt"], 128, 64)
-    assert a.out.endswith(os.path.join("results", "gpu.json"))
+    out = Path(a.out)  # named by what, where and when: results/gpu_<machine kind>_<date>.json
+    assert out.parent.name == "results" and out.name.startswith("gpu_") and out.suffix == ".json"
 
 
 def test_chart_writes_png(tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ def whole_file(onnx_path: Path) -> Path:
 
 def whole_stage(stage: Any) -> Any:
     """:func:`whole_file` for a stage directory: the same stage record, with its other files linked beside."""
-    from trtinfer.stages import DATA_NAME, ONNX_NAME, StageDir
+    from trtinfer.artifact import DATA_NAME, ONNX_NAME, StageDir
 
     path = whole_file(stage.onnx_path)
     for name in stage.info["files"]:

@@ -1,16 +1,32 @@
-"""The facts every artifact directory carries, typed once: a stage directory's ``stage.json`` and an engine's
-``manifest.json`` both describe a graph by its kind, geometry, inputs/outputs, KV layout and tokenizer.
+"""Artifact records, read, checked and written in one place: a stage directory's ``stage.json`` and an engine
+directory's ``manifest.json``.
 
-:class:`ArtifactRecord` is what :class:`trtinfer.stages.StageDir` and :class:`trtinfer.runtime.manifest.Manifest`
-share: typed accessors over their JSON record, so no code outside them indexes the raw dicts. Stdlib only: the
-runtime imports it.
+Both describe a graph by the same facts (kind, geometry, inputs/outputs, KV layout, tokenizer), typed once in
+:class:`ArtifactRecord`, which :class:`StageDir` and :class:`Manifest` share, so no code outside this module indexes
+the raw dicts. :func:`write_stage` / :func:`read_stage` (files recorded by size and sha256, checked on read) and
+:func:`new_manifest` / :func:`write_manifest` / :func:`read_manifest` (structure checked on write and read) are
+the only writers and readers. Stdlib only: the runtime imports it.
 """
 from __future__ import annotations
 
+import json
+import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
+
+from trtinfer._cache import check_files, key_of, record_files
+from trtinfer.errors import EngineLoadError, ModelSourceError
+
+STAGE_FILE = "stage.json"
+STAGE_FORMAT = 1
+STAGES = ("export", "optimize", "quantize")
+ONNX_NAME = "model.onnx"
+DATA_NAME = "model.onnx.data"
+REFERENCE_NAME = "reference.npz"
 
 
 class KVLayoutKind(str, Enum):
@@ -132,3 +148,345 @@ class ArtifactRecord(ABC):
     def source(self) -> dict[str, Any]:
         """Where the weights came from (``path``, ``sha256``, ...)."""
         return dict(self.record.get("source") or {})
+
+
+# --- stage directories ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageDir(ArtifactRecord):
+    """A stage directory and its parsed ``stage.json`` (typed facts: :class:`~trtinfer.artifact.ArtifactRecord`)."""
+
+    path: Path
+    info: dict[str, Any]
+
+    @property
+    def record(self) -> dict[str, Any]:
+        return self.info
+
+    @property
+    def stage(self) -> str:
+        """``export``, ``optimize`` or ``quantize``."""
+        return str(self.info["stage"])
+
+    @property
+    def onnx_path(self) -> Path:
+        """The graph file."""
+        return self.path / ONNX_NAME
+
+    @property
+    def history(self) -> dict[str, Any]:
+        """Per stage so far: its config, seconds and report."""
+        return dict(self.info.get("history", {}))
+
+    @property
+    def validation(self) -> dict[str, Any] | None:
+        """The export's comparison with PyTorch eager (None if it was skipped)."""
+        return self.history.get("export", {}).get("validation")
+
+    @property
+    def reference_path(self) -> Path | None:
+        """The engine check's reference logits, if the export computed them."""
+        p = self.path / REFERENCE_NAME
+        return p if REFERENCE_NAME in self.info.get("files", {}) else None
+
+    def copy_files(self, names: tuple[str, ...], dst: Path) -> None:
+        """Copy those of ``names`` this stage holds into ``dst``."""
+        for name in names:
+            if name in self.info["files"]:
+                shutil.copyfile(self.path / name, dst / name)
+
+    def content_key(self) -> str:
+        """A key for everything this directory holds (its files' hashes and its stage.json facts)."""
+        files = {n: r["sha256"] for n, r in self.info["files"].items()}
+        facts = {k: v for k, v in self.info.items() if k not in ("files", "history", "source")}
+        # what each stage did matters, how long it took and where the model was read from do not
+        done = {stage: {k: v for k, v in rec.items() if k != "seconds"} for stage, rec in self.history.items()}
+        return key_of([files, facts, done, self.info.get("source", {}).get("sha256")])
+
+
+def write_stage(folder: Path, info: dict[str, Any]) -> StageDir:
+    """Record every file in ``folder`` (size, sha256) and write ``stage.json``; returns the stage."""
+    info = {**info, "format": STAGE_FORMAT}
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != STAGE_FILE)
+    info["files"] = record_files(folder, names)
+    (folder / STAGE_FILE).write_text(json.dumps(info, indent=2))
+    return StageDir(folder, info)
+
+
+def is_stage_dir(path: str | Path) -> bool:
+    """True if ``path`` is a folder holding a ``stage.json``."""
+    return (Path(path) / STAGE_FILE).is_file()
+
+
+def read_stage(path: str | Path, *, verify: bool = True) -> StageDir:
+    """Read a stage directory; with ``verify``, check its files against their record (size, then sha256).
+
+    A file that changed after the stage wrote it is an error: validation figures and fusion reports describe the
+    files as written, so a modified folder must be produced again.
+    """
+    folder = Path(path)
+    file = folder / STAGE_FILE
+    try:
+        info = json.loads(file.read_text())
+    except FileNotFoundError as e:
+        raise ModelSourceError(f"{folder} has no {STAGE_FILE}: not a trtinfer export or optimize output") from e
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"{file} is unreadable ({e}); produce {folder} again") from e
+    if not isinstance(info, dict) or info.get("stage") not in STAGES or not isinstance(info.get("files"), dict):
+        raise ModelSourceError(f"{file} is not a trtinfer stage record; produce {folder} again")
+    shape = {"geometry": dict, "io": dict, "history": dict, "architecture": str}
+    bad = [k for k, t in shape.items() if not isinstance(info.get(k), t)]
+    bad += [f"files.{n}" for n, r in info["files"].items() if not isinstance(r, dict) or not {"size", "sha256"} <= set(r)]
+    if info.get("kv_layout", KVLayoutKind.CONCAT.value) not in KV_LAYOUTS:
+        bad.append("kv_layout")
+    io = info.get("io")
+    specs = [*io.get("inputs", ()), *io.get("outputs", ())] if isinstance(io, dict) else []
+    if not (isinstance(io, dict) and all(isinstance(io.get(k), list) for k in ("inputs", "outputs")) and all(
+            isinstance(t, dict) and {"name", "dtype", "shape"} <= set(t) for t in specs)):
+        bad.append("io")
+    for done in ("optimize", "quantize")[:STAGES.index(info["stage"])]:
+        if not isinstance(info.get("history", {}).get(done, {}).get("config"), dict):
+            bad.append(f"history.{done}.config")
+    if bad:
+        raise ModelSourceError(f"{file} lacks or mistypes {', '.join(bad)}; produce {folder} again")
+    if info.get("format") != STAGE_FORMAT:
+        raise ModelSourceError(f"{file} has format {info.get('format')}, this trtinfer reads {STAGE_FORMAT}; "
+                               f"produce {folder} again with this version")
+    if verify:
+        problem = check_files(folder, info["files"])
+        if problem:
+            raise ModelSourceError(f"{folder} was modified after `trtinfer {info['stage']}` wrote it ({problem}); "
+                                   f"run `trtinfer {info['stage']}` again")
+    return StageDir(folder, info)
+
+
+# --- engine manifests -----------------------------------------------------------------------------------------
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Manifest(ArtifactRecord):
+    """A parsed, checked manifest: typed accessors (:class:`~trtinfer.artifact.ArtifactRecord`'s kind, geometry, io,
+    kv_layout, tokenizer, and the build's own below); :meth:`to_dict` gives every field (``inspect``)."""
+
+    raw: dict[str, Any]
+
+    @property
+    def record(self) -> dict[str, Any]:
+        return self.raw
+
+    @classmethod
+    def of_stage(cls, stage: ArtifactRecord, decoder_file: str, max_seq_len: int) -> Manifest:
+        """A stage directory's graph read as a batch-1 engine (scoring a stage): the stage record's own facts,
+        without a build record."""
+        return cls({"manifest_version": MANIFEST_VERSION, "backend": "onnxruntime", "kind": stage.kind,
+                    "geometry": stage.geometry, "io": stage.io.to_dict(), "kv_layout": stage.kv_layout,
+                    "files": {"decoder": decoder_file}, "tokenizer": stage.tokenizer_info,
+                    "limits": {"max_batch_size": 1, "max_seq_len": max_seq_len}})
+
+    def updated(self, **fields: Any) -> Manifest:
+        """This manifest with ``fields`` set (a build adding its checks and timings)."""
+        return Manifest({**self.raw, **fields})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as a new JSON-friendly dict."""
+        return json.loads(json.dumps(self.raw))  # type: ignore[no-any-return]
+
+    @property
+    def backend(self) -> str:
+        """Backend name (``onnxruntime`` or ``tensorrt``)."""
+        return str(self.raw["backend"])
+
+    @property
+    def target(self) -> str:
+        """The build target (``cpu``, ``cuda``, ``tensorrt``; ``cpu`` when not recorded)."""
+        return str(self.raw.get("target") or "cpu")
+
+    @property
+    def precision(self) -> str:
+        """The engine's precision (``fp32``, ``fp16``, ``bf16``, ``int4``, ...): the manifest's, or, for a stage
+        opened for scoring (no build record), what its KV type says."""
+        if "precision" in self.raw:
+            return str(self.raw["precision"])
+        return {"float16": "fp16", "bfloat16": "bf16"}.get(self.io.kv_dtype, "fp32")
+
+    @property
+    def pooling(self) -> dict[str, Any]:
+        """An encoder's pooling (``mode``, ``normalize``); mean without normalization when not recorded."""
+        return dict(self.raw.get("pooling") or {"mode": "mean", "normalize": False})
+
+    @property
+    def tensorrt(self) -> dict[str, Any]:
+        """A TensorRT engine's build record (profiles, versions, device); empty for ONNX Runtime engines."""
+        return dict(self.raw.get("tensorrt") or {})
+
+    @property
+    def max_batch_size(self) -> int:
+        """Largest batch the engine accepts."""
+        return int(self.raw["limits"]["max_batch_size"])
+
+    @property
+    def max_seq_len(self) -> int:
+        """Largest prompt + generated length."""
+        return int(self.raw["limits"]["max_seq_len"])
+
+    @property
+    def files(self) -> dict[str, str]:
+        """Role -> file name inside the engine directory."""
+        return dict(self.raw["files"])
+
+
+def new_manifest(model: ArtifactRecord, *, kind: str, backend: str, precision: str, target: str, max_batch_size: int,
+                 max_seq_len: int, io: dict[str, Any], files: dict[str, str], tokenizer: dict[str, Any],
+                 kv_layout: str | None = None, **record: Any) -> Manifest:
+    """The one constructor of engine manifests (the builders call it): the model's facts from its stage record
+    (architecture, model type, source, geometry), the engine's typed facts, then the build's own record
+    (``record``: export, build config, histograms, checks, ...); checked as :func:`read_manifest` checks one."""
+    raw: dict[str, Any] = {
+        "manifest_version": MANIFEST_VERSION, "kind": kind, "backend": backend, "precision": precision,
+        "target": target, **{k: model.record[k] for k in ("architecture", "model_type", "source") if k in model.record},
+        "geometry": model.geometry, "limits": {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len},
+        "io": io, **({} if kv_layout is None else {"kv_layout": KVLayoutKind(kv_layout).value}), "files": files,
+        "tokenizer": tokenizer, **record}
+    typed = {"manifest_version", "kind", "backend", "precision", "target", "geometry", "limits", "io", "kv_layout",
+             "files", "tokenizer"}
+    if typed & set(record):
+        raise TypeError(f"new_manifest: {sorted(typed & set(record))} are typed arguments, not record fields")
+    _ManifestCheck(Path(f"the new {kind} manifest")).check(raw)
+    return Manifest(raw)
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Path:
+    """``folder/manifest.json`` written from ``manifest``; its path."""
+    path = Path(folder) / MANIFEST_NAME
+    path.write_text(json.dumps(manifest.raw, indent=2))
+    return path
+
+
+def kv_dtype(io: dict[str, Any]) -> str:
+    """Element type of the KV cache (``float32``, ``float16`` or ``bfloat16``) from a graph's I/O listing."""
+    return GraphIO.from_dict(io).kv_dtype
+
+
+def read_manifest(engine_dir: Path) -> Manifest:
+    """Read and check ``engine_dir/manifest.json``: its structure, its types and that its files are present."""
+    path = Path(engine_dir) / MANIFEST_NAME
+    if not Path(engine_dir).is_dir():
+        raise EngineLoadError(f"engine directory {engine_dir} does not exist; build one with `trtinfer build`")
+    if not path.is_file():
+        raise EngineLoadError(f"{engine_dir} has no {MANIFEST_NAME}: not an engine directory (build one with `trtinfer build`)")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise EngineLoadError(f"{path} could not be read ({e}); check its permissions") from e
+    try:
+        raw = json.loads(data)
+    except ValueError as e:  # bytes that are not UTF-8 too (UnicodeDecodeError)
+        raise EngineLoadError(f"{path} is not valid JSON ({e}); rebuild the engine") from e
+    if not isinstance(raw, dict):
+        raise EngineLoadError(f"{path} should hold a JSON object, found {_show(raw)}; rebuild the engine")
+    version = raw.get("manifest_version")
+    if not is_int(version) or version != MANIFEST_VERSION:
+        raise EngineLoadError(
+            f"{path} has manifest version {version}, this trtinfer reads {MANIFEST_VERSION}; rebuild the engine"
+        )
+    for key in ("backend", "geometry", "limits", "files", "io"):
+        if key not in raw:
+            raise EngineLoadError(f"{path} lacks '{key}'; rebuild the engine")
+    _ManifestCheck(path).check(raw)
+    for role, name in raw["files"].items():
+        if not (Path(engine_dir) / name).is_file():
+            raise EngineLoadError(f"engine file {name} ({role}) is missing from {engine_dir}; rebuild the engine")
+    return Manifest(raw)
+
+
+# --- structure check -----------------------------------------------------------------------------------------
+# what the runtime reads, per engine kind: geometry ints and file roles
+_GEOMETRY_INTS = {"decoder": ("num_layers", "num_kv_heads", "head_dim", "vocab_size"),
+                  "encoder": ("num_layers", "vocab_size")}
+_FILE_ROLES = {"decoder": ("decoder", "kv_select"), "encoder": ("encoder",)}
+#: a TensorRT decoder selects KV rows on its own device buffers: no kv_select graph
+_TRT_FILE_ROLES = {"decoder": ("decoder",), "encoder": ("encoder",)}
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list)) else repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"a {type(value).__name__} ({text})" if isinstance(value, (dict, list)) else text
+
+
+# (description, test) pairs: the description completes "KEY should be ..."
+_Rule = tuple[str, Callable[[Any], bool]]
+_POSITIVE_INT: _Rule = ("a positive integer", lambda v: is_int(v) and v > 0)
+_TOKEN_ID: _Rule = ("a token id (integer >= 0) or null", lambda v: v is None or (is_int(v) and v >= 0))
+_TOKEN_IDS: _Rule = ("a list of token ids (integers >= 0) or null",
+                     lambda v: v is None or (isinstance(v, list) and all(is_int(t) and t >= 0 for t in v)))
+_NAME: _Rule = ("a non-empty string", lambda v: isinstance(v, str) and bool(v))
+_TEXT_OR_NULL: _Rule = ("a string or null", lambda v: v is None or isinstance(v, str))
+_OBJECT: _Rule = ("a JSON object", lambda v: isinstance(v, dict))
+_LIST: _Rule = ("a JSON list", lambda v: isinstance(v, list))
+_SHAPE: _Rule = ("a list of dimensions (integers or names)",
+                 lambda v: isinstance(v, list) and all(is_int(d) or isinstance(d, str) for d in v))
+
+
+def _one_of(choices: tuple[str, ...]) -> _Rule:
+    return (f"one of {list(choices)}", lambda v: v in choices)
+
+
+class _ManifestCheck:
+    """Checks the fields the runtime reads; each failure names the manifest, the key path and what was found."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def get(self, section: dict[str, Any], key: str, where: str, rule: _Rule, required: bool = True) -> Any:
+        """``section[key]`` checked against ``rule``; None when absent and not ``required``."""
+        name = f"{where}.{key}" if where else key
+        if key not in section:
+            if required:
+                raise EngineLoadError(f"{self.path} lacks '{name}' ({rule[0]}); rebuild the engine")
+            return None
+        value = section[key]
+        if not rule[1](value):
+            raise EngineLoadError(f"{self.path}: {name} should be {rule[0]}, found {_show(value)}; "
+                                  "rebuild the engine")
+        return value
+
+    def check(self, raw: dict[str, Any]) -> None:
+        """Raise :class:`EngineLoadError` at the first field of ``raw`` the runtime could not use."""
+        kind = self.get(raw, "kind", "", _one_of(KINDS), required=False) or "decoder"
+        self.get(raw, "backend", "", _NAME)
+        self.get(raw, "kv_layout", "", _one_of(KV_LAYOUTS), required=False)
+        limits = self.get(raw, "limits", "", _OBJECT)
+        for key in ("max_batch_size", "max_seq_len"):
+            self.get(limits, key, "limits", _POSITIVE_INT)
+        geometry = self.get(raw, "geometry", "", _OBJECT)
+        for key in _GEOMETRY_INTS[kind]:
+            self.get(geometry, key, "geometry", _POSITIVE_INT)
+        files = self.get(raw, "files", "", _OBJECT)
+        for role in files:
+            self.get(files, role, "files", _NAME)
+        roles = _TRT_FILE_ROLES if raw.get("backend") == "tensorrt" else _FILE_ROLES
+        for role in roles[kind]:
+            self.get(files, role, "files", _NAME)
+        io = self.get(raw, "io", "", _OBJECT)
+        for side in ("inputs", "outputs"):
+            for i, spec in enumerate(self.get(io, side, "io", _LIST)):
+                where = f"io.{side}[{i}]"
+                if not isinstance(spec, dict):
+                    raise EngineLoadError(f"{self.path}: {where} should be a JSON object with name, dtype and "
+                                          f"shape, found {_show(spec)}; rebuild the engine")
+                self.get(spec, "name", where, _NAME)
+                self.get(spec, "dtype", where, _NAME)
+                self.get(spec, "shape", where, _SHAPE)
+        tokenizer = self.get(raw, "tokenizer", "", _OBJECT, required=False) or {}
+        self.get(tokenizer, "eos_token_ids", "tokenizer", _TOKEN_IDS, required=False)
+        self.get(tokenizer, "pad_token_id", "tokenizer", _TOKEN_ID, required=False)
+        for key in ("bos_token", "eos_token"):
+            self.get(tokenizer, key, "tokenizer", _TEXT_OR_NULL, required=False)
+        if kind == "encoder":
+            self.get(raw, "pooling", "", _OBJECT, required=False)

@@ -59,7 +59,7 @@ class BenchResult:
 
 
 def _prompt_ids(engine_dir: Path, prompt_len: int) -> list[int]:
-    from trtinfer.runtime.manifest import read_manifest
+    from trtinfer.artifact import read_manifest
     from trtinfer.runtime.tokenizer import EngineTokenizer
 
     tok = EngineTokenizer(engine_dir, read_manifest(engine_dir).tokenizer_info)
@@ -154,7 +154,7 @@ def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repe
                provider: str | None = None) -> BenchResult:
     """Measure an engine in this process; ``provider`` None loads with the engine's defaults (``RuntimeConfig``)."""
     import trtinfer
-    from trtinfer.runtime.manifest import read_manifest
+    from trtinfer.artifact import read_manifest
 
     ids = [_prompt_ids(engine_dir, prompt_len)] * bs
     on_gpu = provider in ("cuda", "tensorrt") or read_manifest(engine_dir).backend == "tensorrt"
@@ -186,7 +186,7 @@ def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repea
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trtinfer.runtime.manifest import read_manifest
+    from trtinfer.artifact import read_manifest
 
     src = Path(read_manifest(engine_dir).source["path"])
     if not (src / "config.json").is_file():

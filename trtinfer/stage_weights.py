@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from trtinfer.artifact import DATA_NAME, ONNX_NAME, STAGE_FILE, StageDir
 from trtinfer.checkpoint import Checkpoint, to_float32
 from trtinfer.errors import ModelSourceError, TrtInferError
-from trtinfer.stages import DATA_NAME, ONNX_NAME, STAGE_FILE, StageDir
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from trtinfer.artifact import ONNX_NAME, read_stage, write_stage
 from trtinfer.builder import BuildConfig, build
 from trtinfer.errors import BuildError, ConfigError
 from trtinfer.quantization import QuantConfig, quantize_stage
 from trtinfer.quantization.accuracy import HELDOUT_NAME, PERPLEXITY_BOUNDS, accuracy_verdict, verdict_error
 from trtinfer.stage_weights import save_graph
-from trtinfer.stages import ONNX_NAME, read_stage, write_stage
 
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 import trtinfer
+from trtinfer.artifact import read_stage
 from trtinfer.builder import BuildConfig, build
 from trtinfer.errors import ConfigError, ModelSourceError
 from trtinfer.export import ExportConfig, export
 from trtinfer.passes import PassConfig
 from trtinfer.passes.optimizer import optimize_stage
-from trtinfer.stages import read_stage
 
 PROMPTS = ["Hello", "The history of the city", "A quick brown fox"]
 

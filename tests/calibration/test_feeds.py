@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trtinfer.artifact import read_stage
 from trtinfer.calibration import (
     CalibrationConfig,
     CalibrationSet,
@@ -22,7 +23,6 @@ from trtinfer.errors import CalibrationError
 from trtinfer.export import ExportConfig, export
 from trtinfer.passes import PassConfig
 from trtinfer.passes.optimizer import optimize_stage
-from trtinfer.stages import read_stage
 
 WINDOW = (5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 31, 2, 77, 19)  # 10 prompt tokens + 4 decode tokens
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from trtinfer.artifact import read_manifest
 from trtinfer.builder.backends import FUSED_OPS
 from trtinfer.cli import main
 from trtinfer.cli.summary import fused_text
-from trtinfer.runtime.manifest import read_manifest
 
 
 def _line(out: str, prefix: str) -> str:

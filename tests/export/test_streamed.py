@@ -28,10 +28,10 @@ import torch
 from onnx import numpy_helper
 from safetensors import safe_open
 
+from trtinfer.artifact import DATA_NAME, ONNX_NAME, StageDir
 from trtinfer.errors import ModelSourceError
 from trtinfer.export import ExportConfig, export
 from trtinfer.stage_weights import CHECKPOINT_KEY, load_graph, materialized_file, save_graph
-from trtinfer.stages import DATA_NAME, ONNX_NAME, StageDir
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512

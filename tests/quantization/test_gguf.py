@@ -23,11 +23,11 @@ from onnx import TensorProto, helper, numpy_helper
 from safetensors.numpy import save_file
 from tiny_models import whole_file
 
+from trtinfer.artifact import StageDir
 from trtinfer.checkpoint import Checkpoint
 from trtinfer.gguf_file import GGUFFile, llama_rows
 from trtinfer.quantization.gguf import BLOCK_TYPES, decode_tensor, gguf_source, import_gguf, stage_origins
 from trtinfer.stage_weights import CheckpointTensor, load_graph
-from trtinfer.stages import StageDir
 
 K = 256  # K-quants need whole 256-value super-blocks
 V = 64
@@ -293,7 +293,7 @@ def _time_decode(sess: ort.InferenceSession, feeds: dict[str, np.ndarray], reps:
 @pytest.mark.slow
 @pytest.mark.parametrize("alias,layers", [("smollm2-135m", 30), ("gemma-3-270m", 18)])
 def test_real_gguf_import(tmp_path: Path, alias: str, layers: int, real_engine, in_user_cache) -> None:
-    from trtinfer.stages import ONNX_NAME, read_stage
+    from trtinfer.artifact import ONNX_NAME, read_stage
 
     real_engine(alias)  # its build leaves the optimized fp32 stage in the user's cache (reused when already there)
     with in_user_cache() as cache:

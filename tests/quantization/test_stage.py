@@ -10,9 +10,9 @@ import numpy as np
 import onnx
 import pytest
 
+from trtinfer.artifact import read_stage
 from trtinfer.errors import ConfigError
 from trtinfer.quantization import QuantConfig, quantize_cached, quantize_stage
-from trtinfer.stages import read_stage
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,8 @@ def test_minilm_matches_sentence_transformers(minilm_engine: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
     from trtinfer import load
+    from trtinfer.artifact import read_manifest
     from trtinfer.export.sources import resolve_model
-    from trtinfer.runtime.manifest import read_manifest
 
     ref = SentenceTransformer(str(resolve_model("all-minilm-l6-v2").path), device="cpu").encode(SENTENCES)
     with load(minilm_engine) as eng:

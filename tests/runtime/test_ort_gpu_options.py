@@ -20,9 +20,9 @@ import pytest
 from concurrency import assert_concurrent_equals_sequential
 
 import trtinfer
+from trtinfer.artifact import Manifest, read_manifest
 from trtinfer.errors import BackendUnavailableError, ConfigError
 from trtinfer.runtime.config import RuntimeConfig
-from trtinfer.runtime.manifest import Manifest, read_manifest
 from trtinfer.runtime.ort_env import PinnedInputs, engine_precision, ort_providers, trt_cache_paths
 from trtinfer.runtime.ort_session import OrtDecoderSession
 

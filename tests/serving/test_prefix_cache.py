@@ -8,8 +8,8 @@ import pytest
 import trtinfer
 from tests.runtime.test_scheduler import GREEDY, alone, run_all, same
 from trtinfer.runtime.config import GenerationConfig
-from trtinfer.runtime.prefix_cache import PrefixIndex
-from trtinfer.runtime.scheduler import MIN_REUSE, Scheduler
+from trtinfer.runtime.prefix_cache import MIN_REUSE, PrefixIndex
+from trtinfer.runtime.scheduler import Scheduler
 
 SAMPLED = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
 

@@ -336,6 +336,9 @@ def test_beam_search(client, ref):
 def test_beam_search_refusals(live, body, param):
     request = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "n": 2, "use_beam_search": True, **body}
     error_of(httpx.post(f"{live.url}/v1/completions", json=request, headers=auth()), 400, param)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2,
+            "use_beam_search": True, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    error_of(httpx.post(f"{live.url}/v1/chat/completions", json=chat, headers=auth()), 400, "tools")
 
 
 def test_sampling_extras_reach_the_generator(client, ref):

@@ -124,6 +124,7 @@ def test_langchain_bind_tools(client):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": "not an object"}]}]}, "messages"),
 ])
 def test_bad_tools_are_400(live, extra, param):
     body = {"model": "tiny", "messages": ASK, "max_tokens": 4, **extra}

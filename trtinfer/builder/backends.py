@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trtinfer.artifact import DATA_NAME, ONNX_NAME, StageDir, kv_dtype
 from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BackendUnavailableError, BuildError, ConfigError
-from trtinfer.runtime.manifest import kv_dtype
-from trtinfer.stages import DATA_NAME, ONNX_DTYPES, ONNX_NAME, StageDir, graph_io
+from trtinfer.stages import ONNX_DTYPES, graph_io
 
 log = logging.getLogger(__name__)
 

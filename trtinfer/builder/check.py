@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from trtinfer.runtime.manifest import Manifest
+from trtinfer.artifact import Manifest
 
 log = logging.getLogger(__name__)
 

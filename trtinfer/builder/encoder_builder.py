@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trtinfer.artifact import DATA_NAME, new_manifest, write_manifest
 from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BuildError
 from trtinfer.export.encoder import ENCODER_TYPES, export_encoder_cached
 from trtinfer.export.sources import ResolvedModel
 from trtinfer.passes.report import FusionReport, PassRecord
-from trtinfer.runtime.manifest import new_manifest, write_manifest
-from trtinfer.stages import DATA_NAME
 
 log = logging.getLogger(__name__)
 

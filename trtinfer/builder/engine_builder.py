@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._cache import atomic_dir, check_output_dir
+from trtinfer.artifact import Manifest, StageDir, is_stage_dir, new_manifest, read_stage, write_manifest
 from trtinfer.builder.backends import BuildBackend, fused_op_counts, get_build_backend, op_histogram
 from trtinfer.builder.check import EngineCheck, check_accuracy, check_engine
 from trtinfer.builder.config import BuildConfig
 from trtinfer.builder.progress import StageProgress
 from trtinfer.errors import BuildError, ConfigError, InputError
 from trtinfer.export.sources import ResolvedModel
-from trtinfer.runtime.manifest import Manifest, new_manifest, write_manifest
-from trtinfer.stages import TOKENIZER_FILES, StageDir, graph_io, is_stage_dir, package_versions, read_stage
+from trtinfer.stages import TOKENIZER_FILES, graph_io, package_versions
 
 log = logging.getLogger(__name__)
 

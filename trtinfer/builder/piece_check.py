@@ -50,8 +50,8 @@ def reduced_depth_check(resolved: Any, config: BuildConfig, geometry: dict[str, 
     """Build ``resolved`` (a :class:`~trtinfer.export.sources.ResolvedModel`) cut to :data:`LAYERS` layers and
     :data:`VOCAB` tokens with ``config`` (``quantized``: the whole model's quantize-stage config, whose method it
     follows) in a temporary folder beside ``near``; returns its checks. A failed check fails this build."""
+    from trtinfer.artifact import read_manifest
     from trtinfer.builder.engine_builder import build
-    from trtinfer.runtime.manifest import read_manifest
 
     num_layers, vocab = int(geometry["num_layers"]), min(VOCAB, int(geometry["vocab_size"]))
     layers = min(LAYERS, num_layers - 1)

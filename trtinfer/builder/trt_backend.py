@@ -35,11 +35,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trtinfer._cache import cache_root
+from trtinfer.artifact import ONNX_NAME, StageDir
 from trtinfer.builder.backends import register_build_backend
 from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BackendUnavailableError, BuildError
 from trtinfer.runtime.trt_plan import ProfilePlan, plan_profiles
-from trtinfer.stages import ONNX_NAME, StageDir, graph_io
+from trtinfer.stages import graph_io
 
 if TYPE_CHECKING:
     import tensorrt as trt

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trtinfer.artifact import StageDir, read_stage
 from trtinfer.calibration.calibrators import (
     Calibrator,
     ChannelRange,
@@ -54,7 +55,6 @@ from trtinfer.calibration.table import (
     scale_hex,
 )
 from trtinfer.errors import CalibrationError, ConfigError
-from trtinfer.stages import StageDir, read_stage
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from trtinfer.artifact import ONNX_NAME, StageDir
 from trtinfer.errors import CalibrationError, ConfigError
-from trtinfer.stages import ONNX_NAME, StageDir
 
 log = logging.getLogger(__name__)
 
@@ -443,8 +443,8 @@ def calibrate(stage_or_model_path: str | Path | StageDir, feeds: Iterable[dict[s
     calibrate ``x / s`` instead of ``x`` for those tensors. ``channel_ranges``: also fold every batch (undivided)
     into this per-channel collector, in the same pass.
     """
+    from trtinfer.artifact import read_stage
     from trtinfer.calibration.data import CalibrationSet, StageFeeds
-    from trtinfer.stages import read_stage
 
     cls = get_calibrator(method)
     calibrator = cls(percentile=percentile) if method == "percentile" else cls()  # type: ignore[call-arg]

@@ -29,9 +29,8 @@ from typing import Any
 import numpy as np
 
 from trtinfer._files import read_text_file
-from trtinfer.artifact import TensorSpec
+from trtinfer.artifact import StageDir, TensorSpec
 from trtinfer.errors import CalibrationError
-from trtinfer.stages import StageDir
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trtinfer.artifact import DATA_NAME, ONNX_NAME, StageDir
 from trtinfer.calibration.calibrators import TensorRange
 from trtinfer.errors import CalibrationError, OutputError
-from trtinfer.stages import DATA_NAME, ONNX_NAME, StageDir
 
 log = logging.getLogger(__name__)
 

@@ -56,13 +56,13 @@ def groups(text: str) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
+    from trtinfer.artifact import read_manifest
     from trtinfer.builder import BuildConfig, build
     from trtinfer.cli.quantize import quant_config
     from trtinfer.cli.summary import fused_text, validation_text
     from trtinfer.export import ExportConfig
     from trtinfer.quantization.accuracy import accuracy_text
     from trtinfer.quantization.config import PRECISIONS as QUANTIZED
-    from trtinfer.runtime.manifest import read_manifest
 
     keep = groups(args.keep_fp32) if args.keep_fp32 is not None else None
     quant = quant_config(args, args.precision, keep or ()) if args.precision in QUANTIZED else None

@@ -18,10 +18,10 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
+    from trtinfer.artifact import read_manifest
     from trtinfer.cli._flags import check_text_flag
     from trtinfer.errors import InputError
     from trtinfer.runtime.encoder import EncoderEngine
-    from trtinfer.runtime.manifest import read_manifest
 
     check_text_flag("--text", args.text)  # before loading: the tokenizer would fail on undecodable bytes
     if read_manifest(args.engine).kind != "encoder":

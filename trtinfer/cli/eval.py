@@ -41,11 +41,11 @@ def read_text_file(path: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
+    from trtinfer.artifact import read_manifest
     from trtinfer.cli._flags import RUNTIME_FLAGS, config_from_flags
     from trtinfer.errors import InputError
     from trtinfer.runtime.config import RuntimeConfig
     from trtinfer.runtime.engine import Engine
-    from trtinfer.runtime.manifest import read_manifest
 
     # every flag is checked before the engine loads
     if args.max_tokens is not None and args.max_tokens < 2:

@@ -28,9 +28,8 @@ def add_parser(sub: Any) -> None:
 
 def _graph_path(path: Path) -> Path:
     """The ONNX graph of a stage directory, an engine directory, or ``path`` itself when it is an .onnx file."""
+    from trtinfer.artifact import MANIFEST_NAME, is_stage_dir, read_manifest, read_stage
     from trtinfer.errors import ModelSourceError
-    from trtinfer.runtime.manifest import MANIFEST_NAME, read_manifest
-    from trtinfer.stages import is_stage_dir, read_stage
 
     if path.is_file() and path.suffix == ".onnx":
         return path
@@ -84,8 +83,8 @@ def _shape(t: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
+    from trtinfer.artifact import read_manifest
     from trtinfer.cli.summary import fused_text
-    from trtinfer.runtime.manifest import read_manifest
 
     if args.target:
         return check_target(args)

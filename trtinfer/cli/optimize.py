@@ -34,13 +34,14 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
+    from trtinfer.artifact import is_stage_dir, read_stage
     from trtinfer.cli.build import groups
     from trtinfer.cli.summary import stage_summary
     from trtinfer.errors import ConfigError
     from trtinfer.passes import PIPELINES, PassConfig, optimize
     from trtinfer.passes.optimizer import optimize_stage
     from trtinfer.passes.registry import all_passes
-    from trtinfer.stages import default_max_seq_len, is_stage_dir, read_stage
+    from trtinfer.stages import default_max_seq_len
 
     if args.list:
         passes = all_passes()

@@ -88,8 +88,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
+    from trtinfer.artifact import read_manifest
     from trtinfer.errors import InputError
-    from trtinfer.runtime.manifest import read_manifest
 
     config = config_from_args(args)
     ray_config = ray_config_from_args(args)

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._cache import key_of
+from trtinfer.artifact import DATA_NAME, ONNX_NAME, StageDir, write_stage
 from trtinfer.errors import ExportError, ModelSourceError, ValidationError
 from trtinfer.export.sources import ResolvedModel
-from trtinfer.stages import DATA_NAME, ONNX_NAME, StageDir, cached_stage, write_stage
+from trtinfer.stages import cached_stage
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._cache import key_of
+from trtinfer.artifact import DATA_NAME, ONNX_NAME, REFERENCE_NAME, StageDir, write_stage
 from trtinfer.checkpoint import Checkpoint
 from trtinfer.errors import ExportError, ModelSourceError, TrtInferError, ValidationError
 from trtinfer.export.architectures import spec_for
@@ -17,16 +18,7 @@ from trtinfer.export.config import ExportConfig
 from trtinfer.export.reference import write_reference
 from trtinfer.export.sources import ResolvedModel, resolve_model
 from trtinfer.export.tokenizer import save_tokenizer
-from trtinfer.stages import (
-    DATA_NAME,
-    ONNX_NAME,
-    REFERENCE_NAME,
-    StageDir,
-    cached_stage,
-    make_stage,
-    package_versions,
-    write_stage,
-)
+from trtinfer.stages import cached_stage, make_stage, package_versions
 
 log = logging.getLogger(__name__)
 

@@ -13,24 +13,14 @@ from typing import Any
 import onnx_ir as ir
 
 from trtinfer._cache import key_of
+from trtinfer.artifact import ONNX_NAME, StageDir, is_stage_dir, read_stage, write_stage
 from trtinfer.errors import ConfigError, InputError
 from trtinfer.passes.config import PassConfig
 from trtinfer.passes.layout import CONCAT, LAYOUT_KEY
 from trtinfer.passes.registry import GEOMETRY_KEY, PassContext, get_pass, get_pipeline
 from trtinfer.passes.report import FusionReport, PassRecord
 from trtinfer.stage_weights import CHECKPOINT_COUNT, CHECKPOINT_KEY, load_graph, save_graph
-from trtinfer.stages import (
-    ONNX_NAME,
-    StageDir,
-    cached_stage,
-    carry_forward,
-    graph_io,
-    is_stage_dir,
-    make_stage,
-    package_versions,
-    read_stage,
-    write_stage,
-)
+from trtinfer.stages import cached_stage, carry_forward, graph_io, make_stage, package_versions
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from trtinfer.stages import StageDir, graph_io
+from trtinfer.artifact import StageDir
+from trtinfer.stages import graph_io
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from trtinfer.quantization.weights import MS_DOMAIN, add_initializer
 from trtinfer.stage_weights import CheckpointTensor
 
 if TYPE_CHECKING:
-    from trtinfer.stages import StageDir
+    from trtinfer.artifact import StageDir
 
 log = logging.getLogger(__name__)
 

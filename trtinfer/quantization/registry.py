@@ -12,9 +12,9 @@ from typing import Any
 
 import onnx_ir as ir
 
+from trtinfer.artifact import StageDir
 from trtinfer.errors import ConfigError
 from trtinfer.quantization.config import QuantConfig
-from trtinfer.stages import StageDir
 
 
 @dataclass

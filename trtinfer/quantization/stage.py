@@ -18,20 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._cache import key_of
+from trtinfer.artifact import ONNX_NAME, StageDir, read_stage, write_stage
 from trtinfer.errors import ConfigError
 from trtinfer.quantization.config import QuantConfig
 from trtinfer.quantization.registry import QuantContext, get_precision
-from trtinfer.stages import (
-    ONNX_NAME,
-    StageDir,
-    cached_stage,
-    carry_forward,
-    graph_io,
-    make_stage,
-    package_versions,
-    read_stage,
-    write_stage,
-)
+from trtinfer.stages import cached_stage, carry_forward, graph_io, make_stage, package_versions
 
 log = logging.getLogger(__name__)
 

@@ -114,18 +114,27 @@ class BeamSearch:
             self.results.extend(self._search(self.prompts[start:start + self.per_group]))
         return self.results
 
-    def _logits(self, seqs: list[list[int]]) -> np.ndarray:
-        """The next-token logits ``[len(seqs), V]`` after each sequence, one one-token request each."""
-        reqs: list[Request] = [self.sched.submit(s, self._one, text=False, keep_logits=True, min_reuse=1)
-                               for s in seqs]
-        if self.drive:
-            while not all(r.done for r in reqs):
-                self.sched.step()
-        rows = []
-        for r in reqs:
-            r.result()  # raises a request's failure
-            assert r.last_logits is not None
-            rows.append(r.last_logits)
+    def _logits(self, seqs: list[list[int]], continuations: bool = True) -> np.ndarray:
+        """The next-token logits ``[len(seqs), V]`` after each sequence, one one-token request each; a beam's
+        ``continuations`` reuse their parent's row whatever its length (the prompts themselves take the usual
+        prefix floor, so prompts that share only a BOS token still prefill together)."""
+        reqs: list[Request] = []
+        try:
+            for seq in seqs:
+                reqs.append(self.sched.submit(seq, self._one, text=False, keep_logits=True,
+                                              **({"min_reuse": 1} if continuations else {})))
+            if self.drive:
+                while not all(r.done for r in reqs):
+                    self.sched.step()
+            rows = []
+            for r in reqs:
+                r.result()  # raises a request's failure
+                assert r.last_logits is not None
+                rows.append(r.last_logits)
+        except BaseException:
+            for r in reqs:  # a failed submission or request: the step's other requests go too
+                r.cancel()
+            raise
         return np.stack(rows)
 
     def _search(self, prompts: list[list[int]]) -> list[GenerationResult]:
@@ -134,7 +143,7 @@ class BeamSearch:
         timings = [Timings(prompt_tokens=len(p), batch_size=len(prompts) * nb) for p in prompts]
         keep_k = max(2, 1 + len(self.eos)) * nb  # candidates kept per prompt (transformers' beams_to_keep)
         t0 = time.perf_counter()
-        first = self._logits(prompts)
+        first = self._logits(prompts, continuations=False)
         logits = first[[i for i in range(len(prompts)) for _ in range(nb)]]  # every beam starts as its prompt
         active = list(range(len(prompts)))  # prompts whose beams run, in order
         step = 0

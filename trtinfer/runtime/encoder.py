@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from trtinfer.artifact import Manifest, read_manifest
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import RuntimeConfig
-from trtinfer.runtime.manifest import Manifest, read_manifest
 from trtinfer.runtime.tokenizer import check_text, read_tokenizer
 
 

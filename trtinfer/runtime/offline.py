@@ -12,19 +12,16 @@ Every row's length is its own: a row finishes with ``"length"`` when its prompt 
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from trtinfer.errors import InputError, TrtInferError
+from trtinfer.errors import InputError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.generator import GenerationResult, LogitsProcessor, StreamEvent, check_hooks, check_prompts
 from trtinfer.runtime.request import Request
 from trtinfer.runtime.scheduler import Scheduler
-
-log = logging.getLogger(__name__)
 
 
 class _Stopper:
@@ -102,9 +99,8 @@ class Generation:
                 for ev in new:
                     yield StreamEvent(i, ev.text, ev.token_id, ev.finish_reason)
             err = req.error
-            if err is not None:  # the scheduler wraps a request's failure: the cause is what the caller did wrong
-                cause = err.__cause__
-                raise cause if isinstance(cause, TrtInferError) else err
+            if err is not None:  # the scheduler wraps a request's failure: the cause is the caller's (their hook's)
+                raise err.__cause__ or err
 
 
 class BeamGeneration:
@@ -127,7 +123,7 @@ class BeamGeneration:
                              "is a row of the batch); lower num_beams or rebuild with a larger --max-batch-size")
         slots = min(limit, self.cfg.num_beams * len(self.prompts))
         longest = max((len(p) for p in self.prompts), default=1)
-        sched = Scheduler(self.engine, max_queue=slots, max_slots=slots, reserve=False,
+        sched = Scheduler(self.engine, max_queue=slots, max_slots=slots, reserve=False, prefill_chunk=slots * longest,
                           kv_capacity=min(max_len, longest + self.cfg.max_new_tokens + 1))
         try:
             self.results = BeamSearch(sched, self.prompts, self.cfg, drive=True, logits_processor=self.logits_processor,

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from trtinfer.artifact import Manifest
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, OutputError
 from trtinfer.runtime.config import RuntimeConfig
-from trtinfer.runtime.manifest import Manifest
 from trtinfer.runtime.memory import lean_weights
 
 log = logging.getLogger(__name__)

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from trtinfer.artifact import Manifest
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import GPU_PROVIDERS, RuntimeConfig
 from trtinfer.runtime.kv_feeds import LOGITS_POSITIONS
 from trtinfer.runtime.kv_layouts import kv_layout
-from trtinfer.runtime.manifest import Manifest
 from trtinfer.runtime.ort_env import PinnedInputs, open_ort_session, ort_providers, staging_memory_info
 from trtinfer.runtime.session import DecoderSession, KVCache, register_backend
 

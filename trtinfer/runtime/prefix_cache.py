@@ -16,6 +16,10 @@ token (its logits choose the first new token), so the reuse is at most ``len(pro
 """
 from __future__ import annotations
 
+#: the shortest prefix worth reusing (vLLM's default block size): a shorter match (a BOS token, a chat template's
+#: first tokens) would evict a row holding more for a few tokens' prefill
+MIN_REUSE = 16
+
 import itertools
 from collections.abc import Sequence
 

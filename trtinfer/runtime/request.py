@@ -13,6 +13,7 @@ import numpy as np
 
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.generator import GenerationResult, LogitsProcessor, TokenLogprob
+from trtinfer.runtime.prefix_cache import MIN_REUSE
 from trtinfer.runtime.proposers import Proposer
 from trtinfer.runtime.structured import Matcher
 from trtinfer.runtime.tokenizer import IncrementalDecoder
@@ -78,7 +79,7 @@ class Request:
         self.logits_processor = logits_processor  # the user's hook, run on this request's logits
         #: with ``keep_logits``, the raw logits ``[V]`` the last token was chosen from (beam search reads them)
         self.keep_logits = keep_logits
-        self.min_reuse = 16  # the shortest cached prefix this request takes (the scheduler sets it)
+        self.min_reuse = MIN_REUSE  # the shortest cached prefix this request takes (the scheduler sets it)
         self.last_logits: np.ndarray | None = None
         self._batch_size = 1
         # --- shared with readers -----------------------------------------------------------------------------------

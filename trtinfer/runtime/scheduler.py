@@ -32,13 +32,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import numpy as np
 
 from trtinfer.errors import InputError, QueueFullError, ServingError
 from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.emission import Emission
 from trtinfer.runtime.generator import (
     GenerationResult,
     LogitsProcessor,
@@ -46,26 +46,18 @@ from trtinfer.runtime.generator import (
     check_hooks,
     check_prompts,
     eos_ids,
-    row_finish,
-    settle,
-    token_logprobs,
-    user_hook,
 )
-from trtinfer.runtime.prefix_cache import common_prefix
-from trtinfer.runtime.proposers import AssistantProposer, NgramProposer, Proposer, check_assistant, trim_draft
+from trtinfer.runtime.prefix_cache import MIN_REUSE, common_prefix
+from trtinfer.runtime.proposers import AssistantProposer, NgramProposer, Proposer, check_assistant
 from trtinfer.runtime.request import Event, Request
-from trtinfer.runtime.sampling import select_next
 from trtinfer.runtime.slots import SlotCache
 from trtinfer.runtime.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
-#: the shortest prefix worth reusing (vLLM's default block size): a shorter match (a BOS token, a chat template's
-#: first tokens) would evict a row holding more for a few tokens' prefill
-MIN_REUSE = 16
 
 
-class Scheduler:
+class Scheduler(Emission):
     """Continuous batching over an engine: :meth:`submit` requests from any thread; a background thread
     (:meth:`start`) or the caller (:meth:`step`) runs them. Use as a context manager (starts and closes).
 
@@ -289,7 +281,11 @@ class Scheduler:
                     return
                 self._waiting.remove(req)
                 free = [s for s, r in enumerate(self._slots) if r is None]
-            slot = self._place(req, free) if self.prefix_caching else free[0]  # lowest: short decode range
+            try:
+                slot = self._place(req, free) if self.prefix_caching else free[0]  # lowest: short decode range
+            except Exception as e:  # noqa: BLE001  (a prefix copy failed): this request ends, not the loop
+                self._error(req, e)
+                continue
             with self._cond:
                 self._slots[slot], req.slot, req.t_admit = req, slot, time.perf_counter()
 
@@ -429,128 +425,6 @@ class Scheduler:
         for req in tails:
             self._prefilled(req, 1)
         self._emit_all([(req, logits[req.slot]) for req in batch if req.slot is not None])
-
-    def _draft(self, req: Request) -> list[int]:
-        """The request's next draft (none without a proposer), within what the request may still generate and its
-        row may hold, cut before its first EOS id or a token ``no_repeat_ngram_size`` bans."""
-        if req.proposer is None:
-            return []
-        seq = req.prompt_ids + req.generated  # its last token is the one fed next
-        room = min(req.cfg.max_new_tokens - len(req.generated), self.max_seq_len - len(seq),
-                   self.cache.capacity - len(seq)) - 1  # the model adds a token of its own after the draft
-        if room <= 0:
-            return []
-        draft = req.proposer.propose(seq, room)[:room]
-        return trim_draft(draft, seq, req.eos, req.cfg.no_repeat_ngram_size)
-
-    def _speculate(self, req: Request, draft: list[int]) -> None:
-        """Feed the request's token and ``draft`` in one pass; keep the draft while the model's own choices (made
-        exactly as a decode step makes them) equal it, then its first differing choice; roll the row back to what
-        was kept. Greedy output is plain greedy's; a seeded request draws one number per kept token, as plain
-        decoding does."""
-        assert req.slot is not None and req.next_token is not None
-        start = self.cache.length(req.slot)
-        try:
-            logits = self.cache.prefill(req.slot, [req.next_token, *draft], every=True)
-        except Exception as e:  # noqa: BLE001
-            self._error(req, e)
-            return
-        req.drafted += len(draft)
-        kept = 0
-        for j in range(len(draft) + 1):
-            try:
-                tok = int(self._choose([req], logits[j][None, :])[0])
-                match = j < len(draft) and tok == draft[j]
-                kept += match
-                req.accepted += match  # before the token is recorded: a request that ends on it counts it
-                self._record(req, tok, logits[j])
-            except Exception as e:  # noqa: BLE001
-                self._error(req, e)
-                return
-            if req.slot is None or not match:  # it ended, or the model chose otherwise (or past the draft)
-                break
-        with self._cond:
-            self._drafted += len(draft)
-            self._accepted += kept
-        if req.slot is not None:  # still running: its row keeps the fed token and the kept draft
-            self.cache.keep(req.slot, start + 1 + kept)
-
-    def _emit(self, req: Request, logits: np.ndarray) -> int:
-        """Choose one request's next token from its logits ``[V]`` and record it (:meth:`_record`); the token."""
-        tok = int(self._choose([req], logits[None, :])[0])
-        self._record(req, tok, logits)
-        return tok
-
-    def _emit_all(self, rows: list[tuple[Request, np.ndarray]]) -> None:
-        """Choose and record the next token of each ``(request, logits [V])``: one batched selection per group of
-        requests with the same settings object, hook and step (the rows of one ``engine.generate``), so a greedy
-        batch is one argmax and the user's ``logits_processor`` sees the batch, as transformers' does."""
-        groups: dict[tuple[Any, ...], list[tuple[Request, np.ndarray]]] = {}
-        for req, lg in rows:
-            key = (id(req.cfg), id(req.logits_processor), len(req.generated), req.eos)
-            groups.setdefault(key, []).append((req, lg))
-        for members in groups.values():
-            reqs = [m[0] for m in members]
-            try:
-                tokens = self._choose(reqs, np.stack([m[1] for m in members]))
-            except Exception as e:  # noqa: BLE001  the group's selection failed (a user's hook): it ends
-                for req in reqs:
-                    self._error(req, e)
-                continue
-            for (req, lg), tok in zip(members, tokens):
-                try:
-                    self._record(req, int(tok), lg)
-                except Exception as e:  # noqa: BLE001
-                    self._error(req, e)
-
-    @staticmethod
-    def _choose(reqs: list[Request], logits: np.ndarray) -> np.ndarray:
-        """The next token of each request (same settings, same step) from its row of ``logits [B, V]``: each grammar's
-        mask first (a draft token outside it can then never be kept), then :func:`select_next` with each request's
-        own generator."""
-        cfg, first = reqs[0].cfg, reqs[0]
-        x = logits if all(r.matcher is None for r in reqs) else np.stack(
-            [row if r.matcher is None else r.matcher.mask(row) for r, row in zip(reqs, logits)])
-        seen = [r._seen for r in reqs]
-        # the user's processor runs after the built-in ones, before the warpers (transformers' order)
-        hook = None if first.logits_processor is None else partial(user_hook, first.logits_processor, seen)
-        rngs = [r._rng for r in reqs if r._rng is not None]
-        return select_next(x, cfg, seen, len(first.generated), first.eos, rngs, hook=hook)
-
-    def _record(self, req: Request, tok: int, logits: np.ndarray) -> None:
-        """The request's next token ``tok`` (chosen from ``logits [V]``): push its event, finish it if it ends here.
-        The stop rules of :func:`~trtinfer.runtime.generator.row_finish`, in their order."""
-        cfg = req.cfg
-        if req.matcher is not None:
-            req.matcher.consume(tok)
-        lp = token_logprobs(logits[None, :], np.array([tok]), cfg.top_logprobs)[0] if cfg.logprobs else None
-        if req.keep_logits:
-            req.last_logits = logits
-        now = time.perf_counter()
-        if req.t_first_token is None:
-            req.t_first_token = now
-        req.token_times.append(now)
-        req.generated.append(tok)
-        req._seen = np.append(req._seen, tok)
-        if req._logprobs is not None and lp is not None:
-            req._logprobs.append(lp)
-        with self._cond:
-            self._generation_tokens += 1
-        dec = req._decoder
-        delta = "" if dec is None else dec.add(tok)
-        # out of time (max_time) first, then a halt the caller set (engine.generate's should_stop)
-        halt = ("length" if req._deadline is not None and now > req._deadline else
-                "cancelled" if req.should_stop is not None and req.should_stop(len(req.generated)) else None)
-        if halt is None and req.matcher is not None and req.matcher.done:
-            halt = "stop"  # the grammar is complete: nothing but EOS could follow
-        end, why = row_finish(tok, dec, req.eos, len(req.generated), len(req.prompt_ids) + len(req.generated),
-                              cfg.max_new_tokens, self.max_seq_len, halt)
-        if end is None:
-            req.next_token = tok
-            req._push(Event(tok, delta, lp, None, None, now))
-            return
-        tail, finish, stop = settle(dec, end, why)
-        self._finish(req, finish, stop, Event(tok, delta + tail, lp, finish, stop, now))
 
     # --- endings ------------------------------------------------------------------------------------------------
     def _release(self, req: Request) -> None:

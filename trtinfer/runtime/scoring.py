@@ -172,9 +172,9 @@ def open_stage_session(stage: Any, config: RuntimeConfig | None = None) -> Decod
     The graph must return logits at chosen positions: an optimize stage (``trtinfer optimize``), or an export made
     with ``--logits all``. The session runs one sequence at a time (it has no row-selection graph for batches).
     """
-    from trtinfer.runtime.manifest import Manifest
+    from trtinfer.artifact import ONNX_NAME, Manifest, StageDir, read_stage
     from trtinfer.runtime.ort_session import OrtDecoderSession
-    from trtinfer.stages import ONNX_NAME, StageDir, default_max_seq_len, read_stage
+    from trtinfer.stages import default_max_seq_len
 
     st = stage if isinstance(stage, StageDir) else read_stage(Path(stage), verify=False)
     opt = st.history.get("optimize", {}).get("config", {})

@@ -23,13 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from trtinfer.artifact import PRESENT_PREFIX
+from trtinfer.artifact import PRESENT_PREFIX, Manifest
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import RuntimeConfig
 
 # LOGITS_POSITIONS: graph input [B,K] int64, the positions whose logits the graph computes
 from trtinfer.runtime.kv_feeds import LOGITS_POSITIONS
-from trtinfer.runtime.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -41,10 +41,12 @@ class SlotCache:
             raise EngineLoadError(f"continuous batching needs a session that keeps KV rows; {type(session).__name__} "
                                   "does not: serve the engine with ONNX Runtime or TensorRT")
         self.layout = layout
-        if not layout.in_place and session.device != "cpu":
-            raise EngineLoadError(f"the {layout.name} KV layout's rows are gathered and written back in host memory: "
-                                  "continuous batching runs it on the CPU provider only; rebuild the engine with the "
-                                  "default passes (shared_buffer) for a GPU")
+        # a layout that returns new KV each pass (concat) keeps its slot rows in host memory, whatever the device:
+        # each pass gathers the rows' past from them and writes the new KV back
+        self.host_rows = not layout.in_place
+        if self.host_rows and str(session.kv_dtype) == "bfloat16" and session.device != "cpu":
+            raise EngineLoadError(f"the {layout.name} KV layout's rows are kept in host memory, where numpy has no "
+                                  "bfloat16: rebuild the engine with the default passes (shared_buffer) or fp16")
         if getattr(session, "scatter_capacity", 0):
             if session.scatter_capacity < capacity:
                 raise InputError(f"the engine's KV buffers hold {session.scatter_capacity} positions; {capacity} "
@@ -54,9 +56,12 @@ class SlotCache:
         self.slots, self.capacity = slots, capacity
         self._row_bytes = session.kv_row_bytes(capacity)
         # zeros: a row never read past its length still holds finite values (0 * x, never NaN)
-        self.values = session.slot_values(slots, capacity)
+        kvh, hd = session.kv_shape if self.host_rows else (0, 0)
+        host = np.uint16 if str(session.kv_dtype) == "bfloat16" else np.dtype(str(session.kv_dtype))  # bf16: its bits
+        self.values = ([np.zeros((slots, kvh, capacity, hd), host) for _ in session.past_names] if self.host_rows
+                       else session.slot_values(slots, capacity))
         self.nbytes = self._row_bytes * slots * len(self.values)
-        if reserve and session.device == "cpu":
+        if reserve and session.device == "cpu" and not self.host_rows:
             # reserve the memory now: GroupQueryAttention touches a row's whole capacity on its first prefill, and
             # faulting in ~190 MB (SmolLM2, 4096 positions) mid-request stalled that step by 0.5-1 s
             for val in self.values:
@@ -75,15 +80,17 @@ class SlotCache:
 
     def _rows(self, val: Any) -> np.ndarray:
         """A numpy view ``[S, kv_heads, capacity, bytes per position]`` of a host buffer's raw bytes."""
+        if isinstance(val, np.ndarray):
+            return val.view(np.uint8).reshape(self.slots, val.shape[1], self.capacity, -1)
         raw = (ctypes.c_char * (self._row_bytes * self.slots)).from_address(self.session.row_pointer(val))
         return np.frombuffer(memoryview(raw), dtype=np.uint8).reshape(self.slots, self.session.kv_shape[0],
                                                                         self.capacity, -1)
 
     def _run_gathered(self, feeds: dict[str, np.ndarray], first_row: int, rows: int,
                       positions: np.ndarray) -> np.ndarray:
-        """A pass of a layout that returns new KV (concat, ONNX Runtime on the CPU): each row's past gathered from the
-        buffers (the first ``max(starts)`` positions, holes masked), the pass's new KV written back at each row's
-        start."""
+        """A pass of a layout that returns new KV (concat, ONNX Runtime): each row's past gathered from the host rows
+        (the first ``max(starts)`` positions, holes masked) onto the device, the pass's new KV written back at each
+        row's start."""
         s = self.session
         width = feeds["input_ids"].shape[1]
         past = feeds["attention_mask"].shape[1] - width
@@ -178,8 +185,9 @@ class SlotCache:
 
     @property
     def can_copy(self) -> bool:
-        """Whether :meth:`copy_prefix` works here: rows are copied in host memory (the CPU provider)."""
-        return self.session.device == "cpu"
+        """Whether :meth:`copy_prefix` works here: rows are copied in host memory (the CPU provider, or rows kept
+        there)."""
+        return self.session.device == "cpu" or self.host_rows
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Slot ``dst`` gets the KV of slot ``src``'s first ``n`` tokens (and holds nothing after them)."""

@@ -120,8 +120,8 @@ class EngineTokenizer:
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
                 bos_token=self.info.get("bos_token") or "", eos_token=self.info.get("eos_token") or "",
             )
-        except jinja2.TemplateError as e:
-            raise InputError(f"chat template failed to render: {e}") from e
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:  # a message of the wrong shape too
+            raise InputError(f"chat template failed to render the messages: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]] | str, tools: list[dict[str, Any]] | None = None,
                     template: str | None = None) -> list[int]:

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trtinfer.artifact import Manifest
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, InputError
 from trtinfer.runtime import cuda
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.kv_feeds import chunk_feeds, decode_feeds, prefill_feeds
 from trtinfer.runtime.kv_layouts import kv_layout
-from trtinfer.runtime.manifest import Manifest
 from trtinfer.runtime.session import LOGITS_POSITIONS, DecoderSession, KVCache, register_backend
 from trtinfer.runtime.trt_plan import DTYPE_BYTES, ProfilePlan, check_compatible, select_profile
 
@@ -118,6 +118,10 @@ class _Staging:
         if self.graph is not None:
             self.graph.close()
         self.graph, self.graph_key = None, None
+
+    def release(self) -> None:
+        """:meth:`close`, under the name the slot cache gives its staging back with (as ONNX Runtime's)."""
+        self.close()
 
     def close(self) -> None:
         """Free every buffer of this generation."""
@@ -226,6 +230,7 @@ class TrtDecoderSession(DecoderSession):
             capture = graphable and st.graph_key == key  # the second step of these shapes: the first warmed up
             self._bind(ctx, feeds, kv, st, b, k, want_logits)
             if capture:
+                st.drop_graph()  # a graph of other shapes captured before: freed, not leaked
                 st.graph = cuda.CudaGraph(self.stream)
                 st.graph.begin()
             self._enqueue(ctx, feeds, st, b, k, want_logits)

@@ -132,6 +132,10 @@ class Handler:
         if tool_plan.response_format is not None:  # a call is required: the output is one, by grammar
             cfgs = [dataclasses.replace(c, response_format=tool_plan.response_format) for c in cfgs]
         if cfgs[0].num_beams > 1:
+            if not scheduler.prefix_caching:  # every beam step would prefill its whole sequence again
+                raise P.BadRequest("use_beam_search keeps each beam's KV through prefix caching, which this server "
+                                   "runs without (--no-prefix-caching); restart it with prefix caching",
+                                   param="use_beam_search")
             return await self._beams(scheduler, prompts, cfgs, chat, request)
         if self.config.speculative_ngram:
             cfgs = [dataclasses.replace(c, prompt_lookup_num_tokens=self.config.speculative_ngram) for c in cfgs]

@@ -162,6 +162,8 @@ def check_unsupported(req: _Sampling, max_n: int) -> None:
             ("stop", bool(req.stop), "beam search ends beams at EOS or the length limit, not at stop strings"),
             ("response_format", structured, "beam search does not combine with structured outputs"),
             ("logprobs", bool(getattr(req, "logprobs", None)), "beam search gives each beam's score, not logprobs"),
+            ("tools", bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none",
+             "beam search does not make tool calls"),
         ]
         for param, bad, why in beams_refuse:
             if bad:

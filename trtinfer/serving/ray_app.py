@@ -179,7 +179,7 @@ def build(engine_dir: str | Path, config: ServeConfig | None = None, ray_config:
     ``engine_dir`` is checked here (a decoder engine's manifest) and handed to replicas as an absolute path: every
     node that runs one must see the engine there.
     """
-    from trtinfer.runtime.manifest import read_manifest
+    from trtinfer.artifact import read_manifest
 
     config, ray_config = config or ServeConfig(), ray_config or RayConfig()
     path = Path(engine_dir).resolve()

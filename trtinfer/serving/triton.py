@@ -32,10 +32,9 @@ from typing import Any
 import numpy as np
 
 from trtinfer._cache import atomic_dir
-from trtinfer.artifact import GraphIO
+from trtinfer.artifact import GraphIO, Manifest, read_manifest
 from trtinfer.errors import BackendUnavailableError, ConfigError, EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig
-from trtinfer.runtime.manifest import Manifest, read_manifest
 
 log = logging.getLogger(__name__)
 
