@@ -23,7 +23,7 @@ import trtinfer
 from trtinfer.artifact import Manifest, read_manifest
 from trtinfer.errors import BackendUnavailableError, ConfigError
 from trtinfer.runtime.config import RuntimeConfig
-from trtinfer.runtime.ort_env import PinnedInputs, engine_precision, ort_providers, trt_cache_paths
+from trtinfer.runtime.ort_env import PinnedInputs, ort_providers, trt_cache_paths
 from trtinfer.runtime.ort_session import OrtDecoderSession
 
 PROMPTS = ["The history of the city", "Hello", "A quick brown fox jumps over the lazy dog while the cat"]
@@ -78,14 +78,14 @@ def test_tensorrt_options_follow_config_and_precision(engine, tmp_path):
 
 def test_engine_precision_from_manifest_or_kv_type(engine):
     raw = read_manifest(engine).raw
-    assert engine_precision(Manifest(raw)) == "fp32"
+    assert Manifest(raw).precision == "fp32"
     stage = {k: v for k, v in raw.items() if k != "precision"}  # a stage opened for scoring: no build record
-    assert engine_precision(Manifest(stage)) == "fp32"
+    assert Manifest(stage).precision == "fp32"
     half = json.loads(json.dumps(stage))
     for t in half["io"]["inputs"]:
         if t["name"].startswith("past_key_values."):
             t["dtype"] = "float16"
-    assert engine_precision(Manifest(half)) == "fp16"
+    assert Manifest(half).precision == "fp16"
 
 
 def test_default_trt_cache_is_keyed_by_engine_content(engine, tmp_path):

@@ -163,11 +163,6 @@ def _dist_versions(names: Sequence[str]) -> dict[str, str]:
     return found
 
 
-def engine_precision(manifest: Manifest) -> str:
-    """The engine's precision (``fp32``, ``fp16``, ``bf16``, ``int4``, ...): the manifest's, or its KV type's."""
-    return manifest.precision
-
-
 def trt_cache_paths(engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> tuple[Path, Path]:
     """The folders of ONNX Runtime's TensorRT engine cache and timing cache for this engine: ``(engines, timing)``.
 
@@ -220,7 +215,7 @@ def ort_providers(config: RuntimeConfig, manifest: Manifest, engine_dir: Path) -
         "trt_engine_cache_enable": True,
         "trt_engine_cache_path": str(engines),
         "trt_timing_cache_enable": config.trt_timing_cache,
-        "trt_fp16_enable": engine_precision(manifest) == "fp16",
+        "trt_fp16_enable": manifest.precision == "fp16",
     }
     if config.trt_timing_cache:
         trt["trt_timing_cache_path"] = str(timing)
@@ -301,7 +296,7 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
     if config.provider == "tensorrt":
         _make_dirs(trt_cache_paths(engine_dir, manifest, config))
     providers = ort_providers(config, manifest, engine_dir)
-    if config.provider != "cpu" and engine_precision(manifest) == "fp32":
+    if config.provider != "cpu" and manifest.precision == "fp32":
         # ONNX Runtime's CUDA provider runs fp32 MatMuls in TF32 (10-bit mantissa) on Ampere and newer unless told
         # not to: an fp32 engine would then miss its fp32 engine check (SmolLM2-135M on an H100: 0.045 on logits of 29)
         providers = [(p[0], {**p[1], "use_tf32": 0}) if isinstance(p, tuple) and p[0] == ORT_PROVIDERS["cuda"] else p

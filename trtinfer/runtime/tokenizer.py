@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -112,11 +113,15 @@ class EngineTokenizer:
 
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        if tools and not template_takes_tools(template):
+        try:
+            compiled, takes_tools = _compiled(template)
+        except jinja2.TemplateError as e:
+            raise InputError(f"chat template failed to render: {e}") from e
+        if tools and not takes_tools:
             raise InputError("this model's chat template does not render tools; give a template that does (trtinfer "
                              f"serve --chat-template, built in: {', '.join(sorted(BUILTIN_TEMPLATES))})")
         try:
-            return template_env().from_string(template).render(
+            return compiled.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
                 bos_token=self.info.get("bos_token") or "", eos_token=self.info.get("eos_token") or "",
             )
@@ -156,11 +161,14 @@ def load_chat_template(name_or_path: str) -> str:
     return text
 
 
-def template_takes_tools(template: str) -> bool:
-    """Whether a chat template reads the ``tools`` variable (renders function definitions)."""
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str) -> tuple[Any, bool]:
+    """A template's text compiled once (not per chat request) in :func:`template_env`, and whether it reads
+    ``tools``."""
     from jinja2 import meta
 
-    return "tools" in meta.find_undeclared_variables(template_env().parse(template))
+    env = template_env()
+    return env.from_string(template), "tools" in meta.find_undeclared_variables(env.parse(template))
 
 
 def template_env() -> Any:

@@ -84,6 +84,17 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+async def _first_or_gone(work: asyncio.Future[Any], request: Request) -> bool:
+    """Wait until ``work`` is done or the client disconnects, whichever comes first; True when the client left
+    first (``work`` still running: the caller stops it)."""
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    return not work.done()
+
+
 class _EventStream(StreamingResponse):
     """Server-sent events that cancel their requests however the response ends (done, error, client gone)."""
 
@@ -159,14 +170,10 @@ class Handler:
             body = self._events(submitted, rid, chat, prompt_tokens, usage, text_of, tool_plan.parse)
             return _EventStream(body, lambda: self._cancel(submitted))
         collect = asyncio.ensure_future(self._collect(submitted))
-        gone = asyncio.ensure_future(_disconnected(request.receive))
-        left = False
         try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            left = await _first_or_gone(collect, request)
         finally:
-            gone.cancel()
             if not collect.done():  # the client left: its requests free their slots
-                left = True
                 collect.cancel()  # (cancel() only asks: the task is not done yet, and has no result to read)
             self._cancel(submitted)
         if left or collect.cancelled():
@@ -198,11 +205,9 @@ class Handler:
             return out
 
         work = asyncio.ensure_future(run_in_threadpool(search))
-        gone = asyncio.ensure_future(_disconnected(request.receive))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await _first_or_gone(work, request)
         finally:
-            gone.cancel()
             if not work.done():
                 gone_flag.set()  # the search ends at its next step; its requests finish on their own
         if gone_flag.is_set():
