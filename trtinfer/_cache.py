@@ -538,12 +538,15 @@ def _entry_problem(folder: Path, mode: str) -> str | None:
     return problem
 
 
-def cached_dir(kind: str, key: str, make: Callable[[Path], object], *, verify: str = "stamp") -> Path:
+def cached_dir(kind: str, key: str, make: Callable[[Path], object], *, verify: str = "stamp",
+               stale: Callable[[Path], str | None] | None = None) -> Path:
     """Return ``cache_root()/kind/key``, calling ``make(tmp_dir)`` to fill it if absent, incomplete or damaged.
 
     A hit is checked against the entry's record first: every file must exist with its size, and a file whose
-    stat stamp changed is hashed (``verify="full"``: every file is). A damaged entry is logged as one warning,
-    removed and made again. Leftovers of killed builds in the ``kind`` folder are removed on the way.
+    stat stamp changed is hashed (``verify="full"``: every file is); then ``stale(entry)``, which says why a whole
+    entry can no longer be used (what it refers to outside the cache changed), or None. A damaged or stale entry is
+    logged as one warning, removed and made again. Leftovers of killed builds in the ``kind`` folder are removed on
+    the way.
     """
     if verify not in VERIFY_MODES:
         raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -558,10 +561,14 @@ def cached_dir(kind: str, key: str, make: Callable[[Path], object], *, verify: s
     sweep_stale(kind_dir)
     if final.is_dir():
         problem = _entry_problem(final, verify)
+        if problem is None and stale is not None and (why := stale(final)) is not None:
+            problem = f"stale: {why}"
         if problem is None:
             return final
         if problem.startswith("incomplete"):
             log.warning("cache entry %s/%s is incomplete (no %s); rebuilding it", kind, key, ENTRY_NAME)
+        elif problem.startswith("stale: "):
+            log.warning("cache entry %s/%s is stale (%s); rebuilding it", kind, key, problem[len("stale: "):])
         else:
             log.warning("cache entry %s/%s is damaged (%s); rebuilding it", kind, key, problem)
         _discard(final)

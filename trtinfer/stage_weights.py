@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,23 @@ def _open_checkpoint(record: dict[str, Any], where: Path | str) -> Checkpoint:
     return ckpt
 
 
+def reference_problem(onnx_path: Path) -> str | None:
+    """Why the graph at ``onnx_path`` can no longer read its checkpoint weights (the checkpoint moved or changed
+    since the graph was written), or None (it reads none, or they are as they were)."""
+    import onnx
+
+    if not onnx_path.is_file():
+        return None
+    props = {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
+    if CHECKPOINT_KEY not in props:
+        return None
+    try:
+        _open_checkpoint(json.loads(props[CHECKPOINT_KEY]), onnx_path)
+    except ModelSourceError as e:
+        return str(e).split("; export the model again")[0]
+    return None
+
+
 def bind(model: ir.Model, where: Path | str = "the graph") -> int:
     """Turn the checkpoint inputs of ``model`` into initializers read lazily from the checkpoint; returns how many."""
     text = model.metadata_props.pop(CHECKPOINT_KEY, None)
@@ -224,27 +241,31 @@ def graph_weight_bytes(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def materialized_file(path: Path) -> Iterator[Path]:
-    """``path`` itself when it reads nothing from a checkpoint, else a whole copy in a temporary folder beside it
-    (removed on exit)."""
+def materialized_file(path: Path, rewrite: Callable[[ir.Model], bool] | None = None) -> Iterator[Path]:
+    """``path`` itself when it reads nothing from a checkpoint (and ``rewrite``, given the graph, changes nothing),
+    else a whole copy, rewritten, in a temporary folder beside it (removed on exit)."""
     import onnx
 
-    if not checkpoint_inputs(onnx.load(str(path), load_external_data=False)):
+    refs = bool(checkpoint_inputs(onnx.load(str(path), load_external_data=False)))
+    model = load_graph(path) if refs or rewrite is not None else None
+    changed = bool(rewrite(model)) if model is not None and rewrite is not None else False
+    if model is None or not (refs or changed):
         yield path
         return
     tmp = Path(tempfile.mkdtemp(prefix=".materialized-", dir=path.parent.parent))
     try:
-        save_graph(load_graph(path), tmp / path.name, keep_references=False)
+        save_graph(model, tmp / path.name, keep_references=False)
+        del model
         yield tmp / path.name
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def materialized(stage: StageDir) -> Iterator[StageDir]:
-    """``stage`` itself when its graph reads nothing from a checkpoint, else the same stage in a temporary folder
-    with a whole copy of the graph and links to its other files (removed on exit)."""
-    with materialized_file(stage.onnx_path) as path:
+def materialized(stage: StageDir, rewrite: Callable[[ir.Model], bool] | None = None) -> Iterator[StageDir]:
+    """``stage`` itself when its graph reads nothing from a checkpoint (and ``rewrite`` changes nothing), else the
+    same stage in a temporary folder with a whole copy of the graph and links to its other files (removed on exit)."""
+    with materialized_file(stage.onnx_path, rewrite) as path:
         if path == stage.onnx_path:
             yield stage
             return

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._cache import atomic_dir, cached_dir
-from trtinfer.artifact import REFERENCE_NAME, StageDir, read_stage
+from trtinfer.artifact import ONNX_NAME, REFERENCE_NAME, StageDir, read_stage
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
@@ -82,8 +82,11 @@ def cached_stage(kind: str, key: str, make: Callable[[Path], StageDir],
                  stats: dict[str, Any] | None = None) -> StageDir:
     """The stage of cache ``kind``/``key``, written by ``make(tmp)`` unless a checked entry is there already;
     ``stats["cached"]`` tells whether the entry was reused."""
+    from trtinfer.stage_weights import reference_problem
+
     made = []
-    path = cached_dir(kind, key, lambda tmp: made.append(make(tmp)))
+    path = cached_dir(kind, key, lambda tmp: made.append(make(tmp)),
+                      stale=lambda entry: reference_problem(entry / ONNX_NAME))
     if stats is not None:
         stats["cached"] = not made
     return read_stage(path, verify=False)  # cached_dir has just checked the files

@@ -146,6 +146,27 @@ def test_checkpoint_changed_after_the_export_is_refused(tiny_model_dir, tmp_path
         build(exp.path, tmp_path / "eng", progress=False)
 
 
+def test_cached_stage_of_a_rewritten_checkpoint_is_made_again(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """A model folder written again with the same weights (a fresh copy, a re-download): the cached export and
+    optimize stages refer to the old files' stamps; a later build of the folder treats them as stale and makes them
+    again (it once failed with "changed after the export")."""
+    import shutil
+
+    monkeypatch.setenv("TRTINFER_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), src)
+    good = greedy(build(src, tmp_path / "a", progress=False))
+    shard = src / "model.safetensors"
+    shard.write_bytes(shard.read_bytes())  # same bytes, new mtime
+    with caplog.at_level("WARNING"):
+        engine = build(src, tmp_path / "b", progress=False)
+    stale = [r.getMessage() for r in caplog.records if "is stale" in r.getMessage()]
+    assert stale and "model.safetensors changed after the export" in stale[0]
+    m = json.loads((engine / "manifest.json").read_text())
+    assert not m["stages"]["export"]["cached"] and not m["stages"]["optimize"]["cached"]
+    assert greedy(engine) == good
+
+
 def _cached_weights(cache: Path) -> Path:
     """The quantized weights in the cache (the export and optimize entries hold none: they read the checkpoint)."""
     [data] = list((cache / "quantized").glob("*/model.onnx.data"))

@@ -84,13 +84,16 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     Not cached: the engine is written once, where the user asked for it (a cached copy beside it would double the
     disk a 14B build takes); what is expensive to make again, the export and the quantized weights, is cached.
     """
+    from trtinfer.passes.embedding import share_tied_embedding
     from trtinfer.stage_weights import materialized
 
     if stage.reference_path is None:
         why = stage.history.get("export", {}).get("reference_skipped", "exported with --logits all")
         log.warning("%s has no engine-check reference (%s): the engine is not compared with the fp32 graph",
                     stage.path, why)
-    with materialized(stage) as whole:  # an fp32 stage's weights may still be in the checkpoint: a whole copy
+    vocab = int(stage.geometry["vocab_size"])
+    # an fp32 stage's weights may still be in the checkpoint: a whole copy, its tied embedding stored once
+    with materialized(stage, lambda model: share_tied_embedding(model, vocab)) as whole:
         files = backend.build(whole, dest, config)
     if stage.reference_path is None:
         return files, None, None

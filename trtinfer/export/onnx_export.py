@@ -84,20 +84,20 @@ def load_hf_model(path: Path, config: Any = None) -> Any:
     own reader (the same bytes the graph was given): the reference the export is validated against, made only
     where it fits in memory. ``config``: the model's (default) or a :func:`reduced_depth` one, whose parameters
     take their leading rows and layers from the same checkpoint tensors."""
-    import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
+    from accelerate.utils import set_module_tensor_to_device
 
-    from trtinfer.export.streamed import WRAPPER_PREFIX, SourceReader
+    from trtinfer.export.streamed import WRAPPER_PREFIX, SourceReader, empty_model
 
     config = config if config is not None else load_hf_config(path)
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-        model.tie_weights()
+        model = empty_model(config)  # no random initialization: each parameter is allocated once, then filled
         reader = SourceReader(model, Checkpoint(path), row_prefix=True)
-        with torch.no_grad():
-            for name, p in model.named_parameters():  # tied parameters once
-                p.copy_(torch.from_numpy(np.array(reader.value(WRAPPER_PREFIX + name))))  # a copy: the map is read-only
+        for name, p in list(model.named_parameters()):  # tied parameters once
+            value = torch.empty(tuple(p.shape), dtype=torch.float32)
+            reader.fill(WRAPPER_PREFIX + name, value.numpy())  # straight into the parameter, block by block
+            set_module_tensor_to_device(model, name, "cpu", value=value)
+        model.tie_weights()
     except TrtInferError:
         raise
     except Exception as e:
@@ -217,6 +217,9 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     except Exception as e:
         raise ExportError(f"tracing {spec.name} to ONNX failed: {type(e).__name__}: {e}") from e
     del model
+    from trtinfer.runtime.memory import return_freed_memory
+
+    return_freed_memory()  # what the trace freed, before the validation loads anything
     export_s = time.perf_counter() - t0
     log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
     import onnx
@@ -234,6 +237,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         skipped["reference"] = f"the fp32 graph does not fit: {run_figures}"
         log.warning("no engine-check reference is computed (%s): engines built from it are not checked", run_figures)
     tokenizer = save_tokenizer(resolved.path, folder)
+    return_freed_memory()  # transformers' tokenizer loading (262k entries for Gemma-3) leaves ~200 MB freed
     from trtinfer.export.gguf_convert import gguf_origins
 
     origins = gguf_origins(resolved.path)  # a converted GGUF: which GGUF tensor each weight came from
@@ -241,9 +245,14 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         if entry["tensor"] in origins:
             entry["gguf"] = origins[entry["tensor"]]
     if runnable and (config.validate and fits or config.logits == "last"):
-        with materialized_file(folder / ONNX_NAME) as whole:  # ONNX Runtime reads weights from files only
+        from trtinfer.passes.embedding import share_tied_embedding
+
+        # ONNX Runtime reads weights from files only: a whole copy, its tied embedding stored once as in an engine
+        vocab = int(geometry["vocab_size"])
+        with materialized_file(folder / ONNX_NAME, lambda m: share_tied_embedding(m, vocab)) as whole:
             if config.validate and fits:
                 validation = _validate(whole, resolved, hf_config, geometry, config)
+                return_freed_memory()  # the eager model's activations
             if config.logits == "last":  # the engine check compares last-position logits
                 write_reference(whole, folder / REFERENCE_NAME, geometry["vocab_size"])
     info: dict[str, Any] = {

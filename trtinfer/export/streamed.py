@@ -274,6 +274,20 @@ class SourceReader:
         want = int(self.params[source.removeprefix(WRAPPER_PREFIX)].shape[0])
         return want if self.ckpt.tensors[tensor].shape[0] != want else None
 
+    def fill(self, source: str, out: np.ndarray, block_bytes: int = 64 << 20) -> None:
+        """Write one weight's float32 value into ``out`` (a parameter's memory) a block of rows at a time, each block
+        through its own map: no whole-tensor copy, and at most one block of the shard is mapped at once."""
+        tensor = self.tensor(source)
+        dtype = self.ckpt.tensors[tensor].dtype
+        rows = out.shape[0] if out.ndim else 1
+        flat = out.reshape(rows, -1)
+        step = max(1, block_bytes // max(1, 4 * flat.shape[1]))
+        for a in range(0, rows, step):
+            words = self.ckpt.raw(tensor)
+            b = min(rows, a + step)  # a cut vocabulary takes the leading rows only
+            flat[a:b] = to_float32(words.reshape(words.shape[0] if words.ndim else 1, -1)[a:b], dtype)
+            del words
+
     def value(self, source: str) -> np.ndarray:
         """The whole float32 value of one weight (one tensor in memory)."""
         tensor, rows = self.tensor(source), self.rows(source)

@@ -6,7 +6,7 @@ import importlib
 from trtinfer.passes.registry import PIPELINES
 
 PASS_MODULES = ("cleanup", "attention", "layout", "kv_scatter", "norms", "activations", "trt_support", "trt_attention",
-                "precision")
+                "precision", "embedding")
 for _m in PASS_MODULES:
     importlib.import_module(f"trtinfer.passes.{_m}")
 

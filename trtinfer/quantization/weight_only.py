@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from trtinfer.passes.embedding import embedding_gather, tied_embedding
 from trtinfer.quantization.packing import pack_shared_inputs
 from trtinfer.quantization.registry import QuantContext, register_precision
 from trtinfer.quantization.weights import (
@@ -22,12 +23,10 @@ from trtinfer.quantization.weights import (
     Blocks,
     LazyBlocks,
     WeightSite,
-    embedding_gather,
     release,
     replace_gather,
     replace_matmul,
     select_sites,
-    tied_embedding,
     weight_sites,
 )
 
@@ -55,7 +54,7 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
     chosen, kept = select_sites(sites, ctx.config)  # layout_for halves a block that does not divide K
     head = next((s for s in sites if s.lm_head), None)
     gather = embedding_gather(graph, vocab)
-    tied = tied_embedding(graph, gather, head)
+    tied = tied_embedding(gather, head.weight if head is not None else None)
     method = ctx.config.method if bits == 4 else "rtn"
     hessians: dict[str, np.ndarray] = {}
     if method == "gptq":

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from trtinfer.passes.embedding import const_2d, lm_head_node
 from trtinfer.quantization.blocks import BlockWeight, check_layout, quantize_rtn, quantize_rtn_columns
 from trtinfer.quantization.config import LM_HEAD, QuantConfig
 
@@ -148,32 +149,11 @@ def release(tensor: ir.TensorProtocol | None) -> None:
             log.debug("%s stays mapped: a view of it is alive", tensor.name)
 
 
-def _const_2d(v: ir.Value | None) -> bool:
-    return (v is not None and v.const_value is not None and v.producer() is None and v.shape is not None
-            and len(v.shape) == 2 and v.const_value.dtype == ir.DataType.FLOAT)
-
-
-def lm_head_node(graph: ir.Graph, vocab_size: int) -> ir.Node | None:
-    """The MatMul whose output columns are the vocabulary and whose result reaches the ``logits`` output."""
-    logits = next((v for v in graph.outputs if v.name == "logits"), None)
-    seen: set[int] = set()
-    stack = [logits.producer()] if logits is not None and logits.producer() is not None else []
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node.op_type == "MatMul" and _const_2d(node.inputs[1]) and node.inputs[1].shape[1] == vocab_size:  # type: ignore[union-attr,index]
-            return node
-        stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
-    return None
-
-
 def weight_sites(graph: ir.Graph, vocab_size: int) -> list[WeightSite]:
     """Every MatMul of ``graph`` with a constant fp32 2-D weight, in graph order."""
     head = lm_head_node(graph, vocab_size)
     return [WeightSite(n, n.inputs[1], n is head)  # type: ignore[arg-type]
-            for n in graph if n.op_type == "MatMul" and n.domain == "" and _const_2d(n.inputs[1])]
+            for n in graph if n.op_type == "MatMul" and n.domain == "" and const_2d(n.inputs[1])]
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:
@@ -222,16 +202,6 @@ def replace_matmul(graph: ir.Graph, site: WeightSite, q: Blocks, accuracy_level:
     return new, packed
 
 
-def embedding_gather(graph: ir.Graph, vocab_size: int) -> ir.Node | None:
-    """The Gather reading a constant ``[V, K]`` table with ``input_ids``-derived indices (the token embedding)."""
-    for node in graph:
-        if node.op_type == "Gather" and node.domain == "" and _const_2d(node.inputs[0]):
-            table = node.inputs[0]
-            if table.shape[0] == vocab_size:  # type: ignore[union-attr,index]
-                return node
-    return None
-
-
 def replace_gather(graph: ir.Graph, node: ir.Node, q: Blocks, packed: ir.Value | None = None) -> int:
     """Swap the embedding Gather for GatherBlockQuantized on ``q`` (``q`` quantizes ``E^T``, i.e. ``W [K, V]``).
 
@@ -259,23 +229,6 @@ def replace_gather(graph: ir.Graph, node: ir.Node, q: Blocks, packed: ir.Value |
     out.replace_all_uses_with(reshape.outputs[0], replace_graph_outputs=True)
     graph.remove(node, safe=True)
     return stored
-
-
-def tied_embedding(graph: ir.Graph, gather: ir.Node | None, head: WeightSite | None) -> bool:
-    """True when the embedding table equals the LM head's weight transposed (tied embeddings): by name when both
-    are read from the checkpoint, else by value."""
-    if gather is None or head is None:
-        return False
-    table = gather.inputs[0]
-    assert table is not None and table.const_value is not None
-    from trtinfer.stage_weights import CheckpointTensor
-
-    t, h = table.const_value, head.weight.const_value
-    if isinstance(t, CheckpointTensor) and isinstance(h, CheckpointTensor):
-        return t.tensor == h.tensor and h.transpose and not t.transpose
-    e = np.asarray(table.const_value.numpy())
-    w = head.array()
-    return bool(e.shape == (w.shape[1], w.shape[0]) and np.array_equal(e, w.T))
 
 
 def select_sites(sites: Sequence[WeightSite], config: QuantConfig, block: int | None = None,
