@@ -32,7 +32,7 @@ usage: python -m benchmarks.real_size (--checkpoint DIR | --preset NAME [--layer
 
 Each engine is deleted once measured and the run folder (engines, logs, the default cache) at the end, unless
 ``--keep``; ``--cache DIR`` is never deleted. Prints one table, writes PREFIX.json (raw figures, CPU flags,
-versions, command lines) and PREFIX.png; PREFIX defaults to benchmarks/results/real_size_<cpu tag>_<date>.
+versions, command lines) and PREFIX.png; PREFIX defaults to benchmarks/results/real_size_<checkpoint>_<machine kind>_<date>.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 from benchmarks import roofline
-from benchmarks.machine import ROOT, cpu_kind, machine_info
+from benchmarks.machine import ROOT, cpu_kind, machine_info, result_path
 from trtinfer.errors import TrtInferError
 
 log = logging.getLogger("real_size")
@@ -457,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "probe": probe, "probe_after": {k: v["gb_s"] for k, v in probe_after["kernels"].items()},
               "ceiling_gb_s": ceiling, "rows": rows}
     print(format_table(report))
-    out = args.out or HERE / "results" / f"real_size_{report['cpu_tag']}_{date}"
+    out = args.out or result_path(f"real_size_{ckpt.name}", suffix="", machine=machine)  # one name per model
     out.parent.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out.with_name(out.name + ".json"), out.with_name(out.name + ".png")
     json_path.write_text(json.dumps(report, indent=2))
