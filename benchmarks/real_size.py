@@ -62,7 +62,10 @@ TIME_START = re.compile(r"^(\tCommand being timed:|Command exited with non-zero 
 
 
 def tree_bytes(root: Path) -> int:
-    """Bytes allocated to the files under ``root`` as ``du`` counts them (blocks, hard links once); 0 if absent."""
+    """Bytes allocated to the files under ``root`` (or to the file ``root``) as ``du`` counts them (blocks, hard
+    links once); 0 if absent."""
+    if root.is_file():
+        return root.stat().st_blocks * 512
     seen, total = set(), 0
     for dirpath, dirs, files in os.walk(root):
         for name in dirs + files:
@@ -412,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         log.info("probing memory bandwidth (%g MiB arrays)", args.buffer_mib)
         probe = roofline.probe_bandwidth(args.buffer_mib)
-        ceiling = {k: v["gb_s"] for k, v in probe["kernels"].items()}
+        ceiling = roofline.ceilings(probe)
         for precision in args.precisions:
             engine = run_dir / "engines" / precision
             engine.parent.mkdir(parents=True, exist_ok=True)
@@ -437,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         if not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
-    ceiling = {k: max(v, probe_after["kernels"][k]["gb_s"]) for k, v in ceiling.items()}
+    ceiling = roofline.ceilings(probe, probe_after)
     for run in (u for r in rows for u in r.get("runs", []) if "achieved_gb_s" in u):
         run["fraction_of_read"] = run["achieved_gb_s"] / ceiling["read"]  # against the final best-of ceiling
         run["fraction_of_copy"] = run["achieved_gb_s"] / ceiling["copy"]

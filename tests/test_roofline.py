@@ -79,11 +79,16 @@ def test_kv_bytes_cap_sliding_layers_at_their_window(tiny_engine):
 def test_probe_on_a_small_buffer():
     p = roofline.probe_bandwidth(buffer_mib=4, threads=1, repeats=2)
     assert p["threads"] == 1 and p["buffer_bytes"] == 4 * 2**20
-    assert {k: v["bytes"] for k, v in p["kernels"].items()} == {"read": 4 * 2**20, "copy": 8 * 2**20,
-                                                                "add": 12 * 2**20}
+    assert {k: v["bytes"] for k, v in p["kernels"].items()} == {"read": 4 * 2**20, "gemv": 4 * 2**20,
+                                                                "copy": 8 * 2**20, "add": 12 * 2**20}
     for v in p["kernels"].values():
         assert math.isfinite(v["gb_s"]) and v["gb_s"] > 0
         assert v["gb_s"] == pytest.approx(v["bytes"] / v["best_s"] / 1e9)
+    # the read ceiling is the best read-only kernel, over every probe given
+    q = {"kernels": {k: {**v, "gb_s": v["gb_s"] * 2} for k, v in p["kernels"].items()}}
+    best = roofline.ceilings(p, q)
+    assert best["read"] == max(q["kernels"]["read"]["gb_s"], q["kernels"]["gemv"]["gb_s"])
+    assert best["copy"] == q["kernels"]["copy"]["gb_s"]
 
 
 def test_main_on_a_tiny_engine(tiny_engine, tmp_path):

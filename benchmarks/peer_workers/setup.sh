@@ -1,6 +1,6 @@
 #!/bin/bash
 # The peers' venvs for benchmarks/vs_peers.py, under ${1:-$HOME/.cache/trtinfer/peer-venvs}:
-#   oga      onnxruntime-genai 0.18 on this environment's onnxruntime (system site packages; its builder uses our
+#   oga      onnxruntime-genai 0.18 on this environment's onnxruntime (a .pth to its packages; its builder uses our
 #            torch/transformers/onnx)
 #   optimum  optimum-onnx 0.1.0 (its own transformers < 4.58) on torch 2.13.0, the CPU wheel
 #   lcpp     llama-cpp-python 0.3.36 (compiles llama.cpp for this CPU: ~10 min on 2 cores)
@@ -10,7 +10,10 @@
 set -euo pipefail
 D=${1:-$HOME/.cache/trtinfer/peer-venvs}
 mkdir -p "$D"
-[ -x "$D/oga/bin/python" ] || { python -m venv --system-site-packages "$D/oga" && "$D/oga/bin/pip" install -q --no-deps onnxruntime-genai==0.18.0; }
+# oga sees this environment's packages through a .pth file (--system-site-packages would show the base Python's, not
+# this venv's: its builder then failed with "Could not find the onnxruntime package")
+purelib() { "$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
+[ -x "$D/oga/bin/python" ] || { python -m venv "$D/oga" && purelib python > "$(purelib "$D/oga/bin/python")/trtinfer-env.pth" && "$D/oga/bin/pip" install -q --no-deps onnxruntime-genai==0.18.0; }
 [ -x "$D/optimum/bin/optimum-cli" ] || { python -m venv "$D/optimum" && "$D/optimum/bin/pip" install -q torch==2.13.0 && "$D/optimum/bin/pip" install -q "optimum-onnx[onnxruntime]==0.1.0"; }
 # -mno-amx-*: on a Sapphire Rapids VM that lists amx_tile/amx_int8 in /proc/cpuinfo, ggml's AMX kernels (compiled in by
 # -march=native) died with SIGILL on their first tile instruction (tilezero); llama.cpp then runs its AVX-512 VNNI kernels

@@ -50,6 +50,11 @@ def test_untied_embedding_keeps_both(tiny_engine):
     assert _gathers(tiny_engine("llama")) == [0]
 
 
+def test_disabling_the_pass_keeps_both_tables(tiny_engine):
+    tables = _tables(tiny_engine("gemma3", disable_passes=("tied_embedding",)))
+    assert sorted(dims for _, dims, _ in tables) == [[HIDDEN, VOCAB], [VOCAB, HIDDEN]]
+
+
 def test_fp16_engine_stores_the_tied_table_once(tiny_engine):
     tables = _tables(tiny_engine("gemma3", precision="fp16"))
     assert [(dims, dtype) for _, dims, dtype in tables] == [([HIDDEN, VOCAB], onnx.TensorProto.FLOAT16)]

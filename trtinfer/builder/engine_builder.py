@@ -92,8 +92,9 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
         log.warning("%s has no engine-check reference (%s): the engine is not compared with the fp32 graph",
                     stage.path, why)
     vocab = int(stage.geometry["vocab_size"])
+    tie = None if "tied_embedding" in config.disable_passes else (lambda model: share_tied_embedding(model, vocab))
     # an fp32 stage's weights may still be in the checkpoint: a whole copy, its tied embedding stored once
-    with materialized(stage, lambda model: share_tied_embedding(model, vocab)) as whole:
+    with materialized(stage, tie) as whole:
         files = backend.build(whole, dest, config)
     if stage.reference_path is None:
         return files, None, None
