@@ -107,7 +107,7 @@ def share_tied_embedding(model: ir.Model, vocab_size: int) -> bool:
     graph.remove(gather, safe=True)
     if table is not None and table.is_initializer() and not table.uses():
         graph.initializers.pop(table.name)  # type: ignore[arg-type]
-    log.info("tied embedding stored once: the token embedding reads the LM head's weight")
+    log.debug("tied embedding stored once: the token embedding reads the LM head's weight")
     return True
 
 
