@@ -99,9 +99,11 @@ def share_tied_embedding(model: ir.Model, vocab_size: int) -> bool:
     move = ir.node("Transpose", [pick.outputs[0]], attributes={"perm": [*range(1, rank + 1), 0]},
                    name=f"{name}_from_lm_head_transpose")
     graph.insert_before(gather, [pick, move])
-    pick.outputs[0].name, pick.outputs[0].type = f"{out.name}_transposed", ir.TensorType(weight.dtype)
+    assert weight.const_value is not None  # const_2d checked it
+    dtype = ir.TensorType(weight.const_value.dtype)
+    pick.outputs[0].name, pick.outputs[0].type = f"{out.name}_transposed", dtype
     move.outputs[0].name, move.outputs[0].shape = out.name, out.shape
-    move.outputs[0].type = out.type or ir.TensorType(weight.dtype)
+    move.outputs[0].type = out.type or dtype
     table = gather.inputs[0]
     out.replace_all_uses_with(move.outputs[0], replace_graph_outputs=True)
     graph.remove(gather, safe=True)
