@@ -130,18 +130,24 @@ def checkpoint_inputs(proto_or_props: Any) -> set[str]:
     return set(json.loads(props[CHECKPOINT_KEY])["weights"]) if CHECKPOINT_KEY in props else set()
 
 
-def _open_checkpoint(record: dict[str, Any], where: Path | str) -> Checkpoint:
+def _checkpoint_state(record: dict[str, Any], where: Path | str) -> tuple[Checkpoint | None, str | None]:
+    """The checkpoint a graph's ``trtinfer.checkpoint`` record names, or None and why it can no longer be read."""
     folder = Path(record["folder"])
     try:
         ckpt = Checkpoint(folder)
         stamps = shard_stamps(ckpt)
     except (ModelSourceError, OSError) as e:
-        raise ModelSourceError(f"{where} reads its weights from {folder}, which cannot be read now ({e}); export the "
-                               "model again") from e
+        return None, f"{where} reads its weights from {folder}, which cannot be read now ({e})"
     changed = sorted(k for k in set(stamps) | set(record["shards"]) if stamps.get(k) != record["shards"].get(k))
     if changed:
-        raise ModelSourceError(f"{where} reads its weights from {folder}, whose {', '.join(changed[:3])} changed "
-                               "after the export; export the model again")
+        return None, f"{where} reads its weights from {folder}, whose {', '.join(changed[:3])} changed after the export"
+    return ckpt, None
+
+
+def _open_checkpoint(record: dict[str, Any], where: Path | str) -> Checkpoint:
+    ckpt, problem = _checkpoint_state(record, where)
+    if ckpt is None:
+        raise ModelSourceError(f"{problem}; export the model again")
     return ckpt
 
 
@@ -153,13 +159,7 @@ def reference_problem(onnx_path: Path) -> str | None:
     if not onnx_path.is_file():
         return None
     props = {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
-    if CHECKPOINT_KEY not in props:
-        return None
-    try:
-        _open_checkpoint(json.loads(props[CHECKPOINT_KEY]), onnx_path)
-    except ModelSourceError as e:
-        return str(e).split("; export the model again")[0]
-    return None
+    return _checkpoint_state(json.loads(props[CHECKPOINT_KEY]), onnx_path)[1] if CHECKPOINT_KEY in props else None
 
 
 def bind(model: ir.Model, where: Path | str = "the graph") -> int:
@@ -246,10 +246,13 @@ def materialized_file(path: Path, rewrite: Callable[[ir.Model], bool] | None = N
     else a whole copy, rewritten, in a temporary folder beside it (removed on exit)."""
     import onnx
 
-    refs = bool(checkpoint_inputs(onnx.load(str(path), load_external_data=False)))
-    model = load_graph(path) if refs or rewrite is not None else None
-    changed = bool(rewrite(model)) if model is not None and rewrite is not None else False
-    if model is None or not (refs or changed):
+    if rewrite is None and not checkpoint_inputs(onnx.load(str(path), load_external_data=False)):
+        yield path
+        return
+    model = load_graph(path)
+    refs = any(isinstance(v.const_value, CheckpointTensor) for v in model.graph.initializers.values())
+    changed = rewrite is not None and rewrite(model)  # always run: it changes the copy written below too
+    if not (refs or changed):
         yield path
         return
     tmp = Path(tempfile.mkdtemp(prefix=".materialized-", dir=path.parent.parent))

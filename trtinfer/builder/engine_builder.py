@@ -84,17 +84,20 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     Not cached: the engine is written once, where the user asked for it (a cached copy beside it would double the
     disk a 14B build takes); what is expensive to make again, the export and the quantized weights, is cached.
     """
-    from trtinfer.passes.embedding import share_tied_embedding
+    from trtinfer.passes import PassConfig
+    from trtinfer.passes.embedding import TIED_EMBEDDING
+    from trtinfer.passes.registry import PassContext, get_pass
     from trtinfer.stage_weights import materialized
 
     if stage.reference_path is None:
         why = stage.history.get("export", {}).get("reference_skipped", "exported with --logits all")
         log.warning("%s has no engine-check reference (%s): the engine is not compared with the fp32 graph",
                     stage.path, why)
-    vocab = int(stage.geometry["vocab_size"])
-    tie = None if "tied_embedding" in config.disable_passes else (lambda model: share_tied_embedding(model, vocab))
+    tie = get_pass(TIED_EMBEDDING)
+    ctx = PassContext(PassConfig(target=backend.pass_target(config)), dict(stage.geometry))
+    rewrite = None if tie.name in config.disable_passes else (lambda model: tie.fn(model, ctx) > 0)
     # an fp32 stage's weights may still be in the checkpoint: a whole copy, its tied embedding stored once
-    with materialized(stage, tie) as whole:
+    with materialized(stage, rewrite) as whole:
         files = backend.build(whole, dest, config)
     if stage.reference_path is None:
         return files, None, None

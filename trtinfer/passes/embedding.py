@@ -23,6 +23,7 @@ from trtinfer.passes.registry import PassContext, register_pass
 
 log = logging.getLogger(__name__)
 
+TIED_EMBEDDING = "tied_embedding"  # the pass's name (``--disable-pass tied_embedding``)
 WEIGHT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 
@@ -113,7 +114,7 @@ def share_tied_embedding(model: ir.Model, vocab_size: int) -> bool:
     return True
 
 
-@register_pass("tied_embedding", kind="layout")
+@register_pass(TIED_EMBEDDING, kind="layout")
 def tied_embedding_pass(model: ir.Model, ctx: PassContext) -> int:
     """A tied token embedding reads the LM head's weight (stored once); the builder runs it on the engine graph."""
     vocab = ctx.geometry.get("vocab_size")
