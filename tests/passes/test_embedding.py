@@ -1,5 +1,7 @@
-"""A tied embedding is stored once in the engine: the token embedding reads the LM head's weight (Gather on axis 1 +
-Transpose); engines of tied tiny models keep their eager tokens; untied models and quantized engines are untouched."""
+"""A tied embedding is stored once in the engine: on the CPU (fp32) the head reads the embedding's table
+(FusedMatMul transB) under a name of its own over the same bytes, elsewhere the embedding reads the head's weight
+(Gather on axis 1 + Transpose); engines of tied tiny models keep their eager tokens; untied models and quantized
+engines are untouched."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,26 +19,45 @@ from trtinfer.passes.embedding import share_tied_embedding
 HIDDEN = 64  # tiny_models' hidden size
 
 
-def _tables(engine) -> list[tuple[str, list[int], int]]:
-    """(name, dims, element type) of every initializer holding a [V, H] or [H, V] matrix."""
+def _tables(engine) -> list[tuple[str, list[int], int, tuple[str, str] | None]]:
+    """(name, dims, element type, (file, offset) where stored outside the graph) of every initializer holding a
+    [V, H] or [H, V] matrix."""
     m = onnx.load(str(engine / "model.onnx"), load_external_data=False)
-    return [(t.name, list(t.dims), t.data_type) for t in m.graph.initializer
-            if sorted(t.dims) == sorted([VOCAB, HIDDEN])]
+    out = []
+    for t in m.graph.initializer:
+        if sorted(t.dims) == sorted([VOCAB, HIDDEN]):
+            where = {e.key: e.value for e in t.external_data}
+            out.append((t.name, list(t.dims), t.data_type,
+                        (where["location"], where.get("offset", "0")) if where else None))
+    return out
 
 
-def _gathers(engine) -> list[int]:
+def _stored(tables) -> list[tuple[list[int], int]]:
+    """The distinct stored matrices among ``tables``: (dims, element type) once per stored region."""
+    seen: dict[object, tuple[list[int], int]] = {}
+    for name, dims, dtype, where in tables:
+        seen.setdefault(where or name, (dims, dtype))
+    return sorted(seen.values())
+
+
+def _readers(engine) -> dict[str, tuple[str, int]]:
+    """op type -> (op type, axis or transB) of the nodes reading a [V, H] / [H, V] table."""
     m = onnx.load(str(engine / "model.onnx"), load_external_data=False)
-    return [next((a.i for a in n.attribute if a.name == "axis"), 0) for n in m.graph.node if n.op_type == "Gather"
-            and any(i in {t.name for t in m.graph.initializer if sorted(t.dims) == sorted([VOCAB, HIDDEN])}
-                    for i in n.input)]
+    names = {name for name, *_ in _tables(engine)}
+    got = {}
+    for n in m.graph.node:
+        if any(i in names for i in n.input):
+            attrs = {a.name: a.i for a in n.attribute}
+            got[n.op_type] = attrs.get("axis", attrs.get("transB", 0))
+    return got
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "gpt2"])
 def test_tied_embedding_stored_once_and_tokens_unchanged(arch, tiny_model_dir, tiny_engine):
     engine = tiny_engine(arch)
-    tables = _tables(engine)
-    assert [dims for _, dims, _ in tables] == [[HIDDEN, VOCAB]]  # the head's E^T only
-    assert _gathers(engine) == [1]  # the embedding reads it along axis 1
+    assert _stored(_tables(engine)) == [([VOCAB, HIDDEN], onnx.TensorProto.FLOAT)]  # the embedding's table, once
+    assert len(_tables(engine)) == 2  # under two names: the gather's and the head's
+    assert _readers(engine) == {"Gather": 0, "FusedMatMul": 1}  # row gather; the head reads it transposed
     src = tiny_model_dir(arch)
     ids = AutoTokenizer.from_pretrained(src)("The history of the city").input_ids
     with trtinfer.load(engine) as eng:
@@ -45,19 +66,20 @@ def test_tied_embedding_stored_once_and_tokens_unchanged(arch, tiny_model_dir, t
 
 
 def test_untied_embedding_keeps_both(tiny_engine):
-    tables = _tables(tiny_engine("llama"))
-    assert sorted(dims for _, dims, _ in tables) == [[HIDDEN, VOCAB], [VOCAB, HIDDEN]]
-    assert _gathers(tiny_engine("llama")) == [0]
+    assert _stored(_tables(tiny_engine("llama"))) == [([HIDDEN, VOCAB], 1), ([VOCAB, HIDDEN], 1)]
+    assert _readers(tiny_engine("llama")) == {"Gather": 0, "MatMul": 0}
 
 
 def test_disabling_the_pass_keeps_both_tables(tiny_engine):
     tables = _tables(tiny_engine("gemma3", disable_passes=("tied_embedding",)))
-    assert sorted(dims for _, dims, _ in tables) == [[HIDDEN, VOCAB], [VOCAB, HIDDEN]]
+    assert _stored(tables) == [([HIDDEN, VOCAB], 1), ([VOCAB, HIDDEN], 1)]
 
 
 def test_fp16_engine_stores_the_tied_table_once(tiny_engine):
-    tables = _tables(tiny_engine("gemma3", precision="fp16"))
-    assert [(dims, dtype) for _, dims, dtype in tables] == [([HIDDEN, VOCAB], onnx.TensorProto.FLOAT16)]
+    """fp16 (no FusedMatMul kernel on the CPU): the embedding reads the head's weight along axis 1."""
+    engine = tiny_engine("gemma3", precision="fp16")
+    assert _stored(_tables(engine)) == [([HIDDEN, VOCAB], onnx.TensorProto.FLOAT16)]
+    assert _readers(engine)["Gather"] == 1
 
 
 def test_int4_engine_shares_its_packed_head(tiny_engine):
@@ -96,16 +118,16 @@ def _run(model: ir.Model, ids: np.ndarray) -> list[np.ndarray]:
         None, {"input_ids": ids})
 
 
-def test_rewrite_computes_the_same_and_drops_the_table():
+@pytest.mark.parametrize("head_reads_table", [False, True])
+def test_rewrite_computes_the_same_and_drops_a_table(head_reads_table):
     model, e, _ = _head_graph(tied=True)
     ids = np.array([[0, 3, 10], [7, 7, 1]], dtype=np.int64)
     before = _run(model, ids)
-    assert share_tied_embedding(model, vocab_size=11)
-    assert set(model.graph.initializers) == {"W"}
+    assert share_tied_embedding(model, vocab_size=11, head_reads_table=head_reads_table)
+    assert set(model.graph.initializers) == ({"E"} if head_reads_table else {"W"})
     after = _run(model, ids)
-    np.testing.assert_array_equal(after[1], e[ids])  # the embedding, read from W along axis 1
-    for a, b in zip(before, after):
-        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(after[1], e[ids])  # the embedding
+    np.testing.assert_allclose(after[0], before[0], rtol=1e-6, atol=1e-6)
 
 
 def test_rewrite_leaves_an_untied_pair():

@@ -117,6 +117,10 @@ def build_onnxruntime(stage: StageDir, out: Path, config: BuildConfig) -> dict[s
         ort.InferenceSession(str(stage.onnx_path), so, providers=providers)
     except Exception as e:
         raise BuildError(f"ONNX Runtime could not optimize {stage.onnx_path}: {e}") from e
+    if config.target == "cpu":  # a tied table read by a gather and a prepacked head: one mapping each
+        from trtinfer.builder.weight_views import one_name_per_reader
+
+        one_name_per_reader(out / ONNX_NAME)
     n_kv = 2 * stage.geometry["num_layers"]
     write_kv_select(out / "kv_select.onnx", n_kv, kv_dtype(graph_io(out / ONNX_NAME)))
     return {"decoder": ONNX_NAME, "decoder_data": DATA_NAME, "kv_select": "kv_select.onnx"}

@@ -87,6 +87,7 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     from trtinfer.passes import PassConfig
     from trtinfer.passes.embedding import TIED_EMBEDDING
     from trtinfer.passes.registry import PassContext, get_pass
+    from trtinfer.runtime.memory import return_freed_memory
     from trtinfer.stage_weights import materialized
 
     if stage.reference_path is None:
@@ -102,6 +103,7 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     if stage.reference_path is None:
         return files, None, None
     manifest = _manifest(config, stage, files, dest, max_seq)
+    return_freed_memory()  # what the export, the passes and the compilation freed, before the engine is mapped
     check = check_engine(dest, manifest, stage.reference_path, config.precision, provider=config.target,
                          graph=stage if stage.stage == "quantize" else None)
     if not check.passed:

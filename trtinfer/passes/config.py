@@ -8,6 +8,7 @@ from trtinfer.errors import ConfigError
 
 TARGETS = ("onnxruntime-cpu", "onnxruntime-cuda", "tensorrt")
 ORT_TARGETS = ("onnxruntime-cpu", "onnxruntime-cuda")  # the targets that may use com.microsoft ops
+CPU_TARGET = ORT_TARGETS[0]  # ONNX Runtime on the CPU (MLAS prepacks fp32 GEMM weights)
 PRECISIONS = ("fp32", "fp16", "bf16")
 KEEP_FP32_GROUPS = ("norms", "softmax", "residual", "logits", "lm_head")
 DEFAULT_KEEP_FP32 = ("norms", "softmax", "residual", "logits")
