@@ -19,7 +19,7 @@ from trtinfer.passes.config import PassConfig
 from trtinfer.passes.layout import CONCAT, LAYOUT_KEY
 from trtinfer.passes.registry import GEOMETRY_KEY, PassContext, get_pass, get_pipeline
 from trtinfer.passes.report import FusionReport, PassRecord
-from trtinfer.stage_weights import CHECKPOINT_COUNT, CHECKPOINT_KEY, load_graph, save_graph
+from trtinfer.stage_weights import CHECKPOINT_COUNT, CHECKPOINT_KEY, load_graph, release_weights, save_graph
 from trtinfer.stages import cached_stage, carry_forward, graph_io, make_stage, package_versions
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ def optimize(in_path: str | Path, out_path: str | Path, config: PassConfig | Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         save_graph(model, tmp / dst.name)  # the weights the passes left as they were stay in the checkpoint
+        release_weights(model)
         for f in tmp.iterdir():
             f.replace(dst.parent / f.name)
     finally:
