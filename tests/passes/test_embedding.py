@@ -89,6 +89,11 @@ def test_int4_engine_shares_its_packed_head(tiny_engine):
     m = onnx.load(str(engine / "model.onnx"), load_external_data=False)
     ops = {n.op_type for n in m.graph.node}
     assert "GatherBlockQuantized" in ops and "MatMulNBits" in ops
+    # the gather and the head read the same 4-bit blocks under two names (ONNX Runtime drops the packed head's map)
+    where = {t.name: tuple((e.key, e.value) for e in t.external_data) for t in m.graph.initializer}
+    codes = next(n.input[0] for n in m.graph.node if n.op_type == "GatherBlockQuantized")
+    head = [n.input[1] for n in m.graph.node if n.op_type == "MatMulNBits" and where.get(n.input[1]) == where[codes]]
+    assert where[codes] and len(head) == 1 and head[0] != codes
 
 
 def _head_graph(tied: bool) -> tuple[ir.Model, np.ndarray, np.ndarray]:

@@ -94,7 +94,7 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
         why = stage.history.get("export", {}).get("reference_skipped", "exported with --logits all")
         log.warning("%s has no engine-check reference (%s): the engine is not compared with the fp32 graph",
                     stage.path, why)
-    return_freed_memory()  # the stages' graphs (cycles holding converted weights) before the compilation's copy
+    return_freed_memory()  # what the stages freed (graphs are reference cycles), before the compilation's copy
     tie = get_pass(TIED_EMBEDDING)
     ctx = PassContext(PassConfig(target=backend.pass_target(config)), dict(stage.geometry))
     rewrite = None if tie.name in config.disable_passes else (lambda model: tie.fn(model, ctx) > 0)

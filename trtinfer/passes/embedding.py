@@ -157,7 +157,8 @@ def _embedding_reads_head(graph: ir.Graph, head: ir.Node, gather: ir.Node) -> bo
 
 @register_pass(TIED_EMBEDDING, kind="layout")
 def tied_embedding_pass(model: ir.Model, ctx: PassContext) -> int:
-    """A tied token embedding reads the LM head's weight (stored once); the builder runs it on the engine graph."""
+    """A tied embedding stored once (on ONNX Runtime's CPU the head reads the table, elsewhere the embedding reads
+    the head's weight); the builder runs it on the engine graph."""
     vocab = ctx.geometry.get("vocab_size")
     cpu = ctx.config.target == CPU_TARGET
     return int(vocab is not None and share_tied_embedding(model, int(vocab), head_reads_table=cpu))

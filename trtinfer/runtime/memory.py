@@ -57,8 +57,8 @@ def peak_rss_mib() -> float:
 def return_freed_memory() -> None:
     """Free unreachable cycles, then hand the heap's freed pages back to the system (glibc ``malloc_trim``; a no-op
     elsewhere). A trace leaves hundreds of MB freed but held by the allocator; the fp32 eager model loaded after it
-    would stack on top. An onnx_ir graph is a web of cycles (values know their nodes and uses): the weights a stage
-    converted stay alive until the cycle collector runs (Llama-3.2-1B fp16: 3.4 GiB into the compilation)."""
+    would stack on top. The cycle collector runs first: an onnx_ir graph is a web of reference cycles (values know
+    their nodes and uses), freed only by it."""
     import ctypes
     import ctypes.util
     import gc
