@@ -142,6 +142,12 @@ def _anon_huge_mib() -> float | None:
     return None if kib is None else kib / 1024
 
 
+def stored_at(t: Any) -> Any:
+    """Where an initializer's bytes are: (file, offset) for external data, else its name."""
+    where = {kv.key: kv.value for kv in t.external_data}
+    return (where["location"], int(where.get("offset", 0))) if "location" in where else t.name
+
+
 def _nbytes(t: Any) -> int:
     """Stored size of an initializer: its external-data length, raw bytes, or element count x element size."""
     from onnx import helper
@@ -166,13 +172,19 @@ def decode_bytes(engine_dir: str | Path, batch_size: int = 1, kv_len: float = 0.
     manifest = read_manifest(engine_dir)
     model = onnx.load(str(engine_dir / manifest.files["decoder"]), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
-    uses: dict[str, list[tuple[Any, int]]] = {}
+    # readers of the same stored bytes count once: the builder gives each reader of a shared (tied) table its own
+    # initializer name over one region of the data file (trtinfer/builder/weight_views.py)
+    uses: dict[Any, list[tuple[Any, int]]] = {}
+    first: dict[Any, str] = {}
     for node in model.graph.node:
         for i, name in enumerate(node.input):
             if name in inits:
-                uses.setdefault(name, []).append((node, i))
+                key = stored_at(inits[name])
+                first.setdefault(key, name)
+                uses.setdefault(key, []).append((node, i))
     whole, gathered, tables = 0, 0, []
-    for name, used in uses.items():
+    for key, used in uses.items():
+        name = first[key]
         size = _nbytes(inits[name])
         if all(i in GATHER_INPUTS.get(node.op_type, ()) for node, i in used):
             axis = max({_gather_axis(node) for node, _ in used})

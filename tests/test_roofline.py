@@ -29,14 +29,20 @@ roofline = _load_script()
 
 
 def _independent_weight_bytes(engine: Path, batch: int) -> tuple[int, int]:
-    """(whole, gathered): every initializer's loaded array size, tables named ``embed_tokens`` cut to ``batch``
-    rows. Tied int4 engines share the LM head's packed table with the gather under the head's name: read whole."""
+    """(whole, gathered): every stored tensor's loaded array size, tables named ``embed_tokens`` cut to ``batch``
+    rows. Tied int4 engines share the LM head's packed table with the gather (two names over the same bytes, the
+    head's first name among them): read whole, counted once."""
+    refs = onnx.load(str(engine / "model.onnx"), load_external_data=False)
+    place = {t.name: tuple((e.key, e.value) for e in t.external_data if e.key != "length") or t.name
+             for t in refs.graph.initializer}
     model = onnx.load(str(engine / "model.onnx"), load_external_data=True)
     used = {i for n in model.graph.node for i in n.input}
     whole = gathered = 0
+    seen = set()
     for t in model.graph.initializer:
-        if t.name not in used:
+        if t.name not in used or place[t.name] in seen:
             continue
+        seen.add(place[t.name])
         arr = numpy_helper.to_array(t)
         if "embed_tokens" in t.name and arr.ndim >= 2:
             gathered += arr.nbytes // arr.shape[0] * batch
