@@ -5,10 +5,9 @@ ONNX Runtime maps each external initializer into memory on its own. When a CPU k
 same initializer: then the whole mapped copy stays resident beside the packed one. A tied embedding read by a row
 gather and by the head's prepacked GEMM is that case (Gemma-3-270M fp32: +671 MB resident; SmolLM2 int4, whose
 ``GatherBlockQuantized`` reads the head's 4-bit blocks: 144 -> 130 MiB after load once split). Giving each extra
-reader its own initializer entry that points at the
-same ``location``/``offset``/``length`` keeps the file as it is and lets each mapping live as long as its reader
-needs it: the packed head's goes, the gather's holds only the rows it touched. Runs on the saved engine graph (the
-protobuf only; weights are not read).
+reader its own initializer entry that points at the same ``location``/``offset``/``length`` keeps the file as it is
+and lets each mapping live as long as its reader needs it: the packed head's goes, the gather's holds only the rows
+it touched. Runs on the saved engine graph (the protobuf only; weights are not read).
 """
 from __future__ import annotations
 
