@@ -163,6 +163,53 @@ def test_cuda_fp32_engines_run_without_tf32(precision, tiny_engine):
     assert opts["use_tf32"] == ("0" if precision == "fp32" else "1")
 
 
+def _served_on_one_scheduler(eng) -> None:
+    """Ragged requests joining mid-decode, a reused prefix (copied from a running row), prompt lookup and three
+    seeded choices of one prompt, all on one scheduler: each answers as ``generate`` of its prompt alone."""
+    from trtinfer.runtime.config import GenerationConfig
+    from trtinfer.runtime.scheduler import Scheduler
+
+    greedy = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    look = GenerationConfig(max_new_tokens=12, ignore_eos=True, prompt_lookup_num_tokens=3)
+    seeded = [GenerationConfig(max_new_tokens=8, do_sample=True, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    rng = np.random.default_rng(0)
+    ps = [rng.integers(3, 300, size=n).tolist() for n in (3, 17, 1, 30, 9)]
+    shared = ps[3] + [7, 8]
+    sched = Scheduler(eng, prefill_chunk=8, max_slots=4)
+    jobs = [(ps[0], greedy), (ps[3], greedy)]
+    reqs = [sched.submit(p, c) for p, c in jobs]
+    for _ in range(5):
+        sched.step()
+    later = [(ps[1], greedy), (ps[2], greedy), (shared, greedy), (ps[4] * 3, look)] + [(ps[1], c) for c in seeded]
+    reqs += [sched.submit(p, c) for p, c in later]
+    jobs += later
+    for _ in range(10_000):
+        if not sched.step():
+            break
+    hits = sched.stats()["prefix_cache_hits"]
+    sched.close()
+    assert hits >= 30, hits
+    for req, (p, c) in zip(reqs, jobs):
+        got, want = req.result(), eng.generate(input_ids=[p], config=c)[0]
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), (p, c)
+
+
+@pytest.mark.parametrize(("arch", "precision", "layout"), [("llama", "fp32", "concat"), ("gemma3", "fp32", "concat"),
+                                                       ("llama", "fp16", "shared_buffer")])
+def test_cuda_engine_is_served_by_the_scheduler(arch, precision, layout, tiny_engine):
+    """The one loop on CUDA, prefix caching on: fp32 engines keep attention unfused (concat: rows gathered from host
+    slots each pass), fp16 ones run GroupQueryAttention over slot rows bound by device address. fp32 greedy rows
+    also equal the CPU engine's."""
+    with _cuda(tiny_engine, arch, precision) as eng:
+        assert eng.session.kv_layout == layout and eng.session.device == "cuda"
+        _served_on_one_scheduler(eng)
+        gpu = eng.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
+    if precision == "fp32":
+        with _cpu(tiny_engine, arch) as cpu_eng:
+            cpu = cpu_eng.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
+        assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]
+
+
 def _tensorrt(engine_dir, cache_dir):
     """A session on ONNX Runtime's TensorRT provider, or a skip saying what this machine lacks."""
     import onnxruntime as ort

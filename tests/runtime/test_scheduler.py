@@ -83,11 +83,13 @@ def test_slot_cache_chunked_prefill_and_batched_decode_equal_one_shot(engine):
     cache.close()
 
 
-def test_concat_layout_is_served(tiny_engine):
-    """A concat engine (attention left unfused): its rows' past is gathered from the slot buffers each pass (holes
-    masked) and the new KV written back; ragged requests joining mid-decode, a reused prefix and a prompt-lookup
-    request all answer as generate alone."""
-    with trtinfer.load(tiny_engine("llama", disable_passes=("attention",))) as eng:
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_concat_layout_is_served(arch, tiny_engine):
+    """A concat engine (attention left unfused): its rows' past is gathered from the slot buffers each pass
+    (right-aligned, the columns before masked) and the new KV written back; ragged requests joining mid-decode, a
+    reused prefix and a prompt-lookup request all answer as generate alone (gemma3: rows of different lengths in one
+    pass, each crossing the sliding window of 5)."""
+    with trtinfer.load(tiny_engine(arch, disable_passes=("attention",))) as eng:
         assert eng.session.kv_layout == "concat"
         ps = prompts()
         shared = ps[3] + [7, 8]  # 30 tokens of ps[3] in a row by then: a reused prefix

@@ -166,6 +166,20 @@ def copy_on_device(dst: int, src: int, nbytes: int, stream: Stream) -> None:
         "cudaMemcpyAsync(device to device)")
 
 
+def copy_2d_on_device(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                      stream: Stream | None = None) -> None:
+    """Copy ``height`` runs of ``width`` bytes, ``src_pitch`` / ``dst_pitch`` bytes apart, device to device
+    (cudaMemcpy2DAsync). On ``stream``: queued there. Without one (a caller whose work runs on a stream it does not
+    own, as ONNX Runtime's): on the default stream, then the device is synchronized, so the copy is complete before
+    any later work on any stream."""
+    rt = cudart()
+    kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+    _ok(rt.cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, kind, 0 if stream is None else stream.raw),
+        "cudaMemcpy2DAsync(device to device)")
+    if stream is None:
+        _ok(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
 class CudaGraph:
     """Work captured from a stream once and replayed with one launch (cudaStreamBeginCapture / cudaStreamEndCapture /
     cudaGraphInstantiate / cudaGraphLaunch). The captured kernels read and write the same addresses on every replay:

@@ -116,14 +116,15 @@ class ConcatLayout(KVLayout):
         return self.runner.run_bound(feeds, past, None, want, staging)
 
     def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
-        """Rows kept in buffers, run through the concat graph: the past is the first ``max(starts)`` positions of
-        every row (gathered by the caller), so a shorter row's columns past its own start are masked out (a hole
-        in the 2-D mask, which the graph takes like padding), then the pass's tokens (right padding masked)."""
+        """Rows kept in buffers, run through the concat graph: the past is ``max(starts)`` columns, each row's
+        ``starts[b]`` positions right-aligned in them (gathered by the caller) and the columns before masked out,
+        as left padding is; then the pass's tokens (right padding masked). A row's past ends where its new tokens
+        begin, so a sliding window counted in columns (Gemma-3's local layers) sees the row's last tokens."""
         rows, width = ids.shape
         past = int(starts.max())
         mask = np.zeros((rows, past + width), dtype=np.int64)
         for r in range(rows):
-            mask[r, :starts[r]] = 1
+            mask[r, past - starts[r]:past] = 1
             mask[r, past:past + lengths[r]] = 1
         return {"input_ids": ids, "attention_mask": mask,
                 "position_ids": starts[:, None] + np.arange(width, dtype=np.int64)}

@@ -292,7 +292,7 @@ class Scheduler(Emission):
     def _await_prefix(self, req: Request) -> bool:
         """Whether ``req`` waits for a running request still prefilling the same prefix (the ``n`` choices of one
         prompt, clients sharing a system prompt): once that prefix is in a row it is copied, not computed twice."""
-        if not (self.prefix_caching and self.cache.can_copy):
+        if not self.prefix_caching:
             return False
         for other in self._slots:
             if other is None or other.num_computed >= len(other.prompt_ids):
@@ -304,7 +304,7 @@ class Scheduler(Emission):
 
     def _place(self, req: Request, free: list[int]) -> int:
         """The free row a request takes, holding the longest reusable prefix of its prompt (its ``num_computed``)."""
-        busy = [s for s, r in enumerate(self._slots) if r is not None] if self.cache.can_copy else []
+        busy = [s for s, r in enumerate(self._slots) if r is not None]
         # the last prompt token is always prefilled: its logits choose the first new token
         row, n = self.cache.index.longest(req.prompt_ids[:-1], free + busy)
         if n < req.min_reuse:

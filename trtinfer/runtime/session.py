@@ -146,6 +146,11 @@ class DecoderSession(ABC):
         """The device (or host) address of a :meth:`slot_values` buffer."""
         return int(value.data_ptr())
 
+    def copy_rows(self, values: list[Any], src: int, dst: int, n: int, capacity: int) -> None:
+        """Row ``dst``'s first ``n`` positions become row ``src``'s, in every :meth:`slot_values` buffer, on the
+        backend's device (a prefix cache hit on a row still in use)."""
+        raise EngineLoadError(f"the {type(self).__name__} backend cannot copy KV rows")
+
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
                  positions: np.ndarray, staging: Any) -> np.ndarray:
         """One pass over rows ``first_row .. first_row + rows - 1`` of ``values`` (read and written in place);

@@ -78,26 +78,28 @@ class SlotCache:
         """Row ``slot``'s token count."""
         return len(self.index.tokens[slot])
 
-    def _rows(self, val: Any) -> np.ndarray:
-        """A numpy view ``[S, kv_heads, capacity, bytes per position]`` of a host buffer's raw bytes."""
-        if isinstance(val, np.ndarray):
-            return val.view(np.uint8).reshape(self.slots, val.shape[1], self.capacity, -1)
-        raw = (ctypes.c_char * (self._row_bytes * self.slots)).from_address(self.session.row_pointer(val))
-        return np.frombuffer(memoryview(raw), dtype=np.uint8).reshape(self.slots, self.session.kv_shape[0],
-                                                                        self.capacity, -1)
+    def _rows(self, val: np.ndarray) -> np.ndarray:
+        """A numpy view ``[S, kv_heads, capacity, bytes per position]`` of a host row buffer's raw bytes."""
+        return val.view(np.uint8).reshape(self.slots, val.shape[1], self.capacity, -1)
 
     def _run_gathered(self, feeds: dict[str, np.ndarray], first_row: int, rows: int,
                       positions: np.ndarray) -> np.ndarray:
         """A pass of a layout that returns new KV (concat, ONNX Runtime): each row's past gathered from the host rows
-        (the first ``max(starts)`` positions, holes masked) onto the device, the pass's new KV written back at each
-        row's start."""
+        onto the device, right-aligned in ``max(starts)`` columns (the columns before it masked, as left padding),
+        the pass's new KV written back at each row's start."""
         s = self.session
         width = feeds["input_ids"].shape[1]
         past = feeds["attention_mask"].shape[1] - width
         starts = feeds["position_ids"][:, 0]
         kv = np.dtype(s.kv_dtype if s.kv_dtype != "bfloat16" else np.uint16)
         views = [self._rows(v)[first_row:first_row + rows] for v in self.values]
-        kv_in = [s.kv_value_from(np.ascontiguousarray(v[:, :, :past]).view(kv)) for v in views]
+        kv_in = []
+        for v in views:
+            host = np.zeros((rows, v.shape[1], past, v.shape[3]), dtype=np.uint8)
+            for r in range(rows):
+                st = int(starts[r])
+                host[r, :, past - st:] = v[r, :, :st]
+            kv_in.append(s.kv_value_from(host.view(kv)))
         logits, present = s.run_bound(feeds, kv_in, None, positions, self._staging)
         real = feeds["attention_mask"][:, past:].sum(axis=1)
         for view, val in zip(views, present):
@@ -183,22 +185,18 @@ class SlotCache:
         (a last-position-only graph reads the padded call's last column, so its rows prefill one by one)."""
         return bool(self.session.logits_every_position)
 
-    @property
-    def can_copy(self) -> bool:
-        """Whether :meth:`copy_prefix` works here: rows are copied in host memory (the CPU provider, or rows kept
-        there)."""
-        return self.session.device == "cpu" or self.host_rows
-
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Slot ``dst`` gets the KV of slot ``src``'s first ``n`` tokens (and holds nothing after them)."""
-        if not self.can_copy:
-            raise InputError("KV rows are copied in host memory: prefix copies need the CPU provider")
+        """Slot ``dst`` gets the KV of slot ``src``'s first ``n`` tokens (and holds nothing after them): in host
+        memory where the rows are kept there, else by the session on its device."""
         held = self.length(src)
         if src == dst or not 0 < n <= held:
             raise InputError(f"cannot copy {n} tokens of slot {src} (holding {held}) to slot {dst}")
-        for val in self.values:  # the bytes, copied as they are
-            rows = self._rows(val)
-            rows[dst, :, :n] = rows[src, :, :n]
+        if self.host_rows:
+            for val in self.values:  # the bytes, copied as they are
+                rows = self._rows(val)
+                rows[dst, :, :n] = rows[src, :, :n]
+        else:
+            self.session.copy_rows(self.values, src, dst, n, self.capacity)
         self.index.cut(dst, 0)
         self.index.extend(dst, self.index.tokens[src][:n])
 

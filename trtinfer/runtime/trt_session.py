@@ -351,6 +351,18 @@ class TrtDecoderSession(DecoderSession):
     def row_pointer(value: Any) -> int:
         return int(value.ptr)
 
+    def copy_rows(self, values: list[Any], src: int, dst: int, n: int, capacity: int) -> None:
+        """One 2-D device copy per buffer (``kv_heads`` runs of ``n`` positions) on the session's stream."""
+        kvh, cap, _ = self._kv_shape
+        row = self._kv_bytes_per_row
+        pitch = row // kvh
+        with self._lock:
+            cuda.set_device(self.config.device_id)
+            for val in values:
+                cuda.copy_2d_on_device(int(val.ptr) + dst * row, pitch, int(val.ptr) + src * row, pitch,
+                                       n * (pitch // cap), kvh, self.stream)
+            self.stream.synchronize()
+
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
                  positions: np.ndarray, staging: Any) -> np.ndarray:
         """Rows ``first_row..`` of the slot buffers bound by address (a row's ``[KV, capacity, D]`` block is
