@@ -7,14 +7,15 @@
                                              prefix, else least recently used rest: batch-1 chunks
 
 Every :meth:`Scheduler.step` retires cancelled requests, admits waiting ones into free slots, prefills up to
-``prefill_chunk`` prompt tokens (so a long prompt never stalls the running decodes for more than one chunk), then
-runs ONE batched decode step for every request that is decoding. A slot is a row of the session's slot KV cache
+``prefill_chunk`` prompt tokens, and while others are decoding no more than take about one decode call
+(:class:`~trtinfer.runtime.step_budget.StepBudget`: a long prompt never doubles the running requests' inter-token
+gap), then runs ONE batched decode step for every request that is decoding. A slot is a row of the session's slot KV cache
 (:class:`~trtinfer.runtime.slots.SlotCache`): a request is admitted only when its prompt + ``max_new_tokens`` fits
 the engine's max sequence length, so it never runs out of room and nothing running is ever evicted.
 
 Automatic prefix caching (``prefix_caching``, on by default): a finished request's row keeps its KV, and a new
 request starts from the longest prefix any row holds (:class:`~trtinfer.runtime.prefix_cache.PrefixIndex`): a free
-row holding it is taken as it is, a running row's prefix is copied into a free row (CPU); only the rest is
+row holding it is taken as it is, a running row's prefix is copied into a free row (on the session's device); only the rest is
 prefilled. With no match of at least :data:`MIN_REUSE` tokens the least recently used free row is evicted. A
 request sharing a prefix with one still prefilling it waits until it is in that row (``n`` choices of one prompt
 share one prefill).
@@ -51,6 +52,7 @@ from trtinfer.runtime.prefix_cache import MIN_REUSE, common_prefix
 from trtinfer.runtime.proposers import AssistantProposer, NgramProposer, Proposer, check_assistant
 from trtinfer.runtime.request import Event, Request
 from trtinfer.runtime.slots import SlotCache
+from trtinfer.runtime.step_budget import StepBudget
 from trtinfer.runtime.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class Scheduler(Emission):
         self.max_seq_len = engine_len if max_model_len is None else max_model_len  # a slot's positions
         self.vocab = int(engine.manifest.geometry["vocab_size"])
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
+        self.budget = StepBudget(prefill_chunk)  # prefill tokens a step may take while others decode
         # a slot's KV positions: max_model_len, or fewer where no request can need more (engine.generate sizes them
         # for its prompts); ``reserve`` touches the buffers' memory now rather than mid-request
         self.cache = SlotCache(engine.session, slots, kv_capacity or self.max_seq_len, reserve=reserve)
@@ -325,30 +328,37 @@ class Scheduler(Emission):
         return slot
 
     def _prefill(self) -> None:
-        """Up to ``prefill_chunk`` prompt tokens: new prompts in neighbouring empty rows that fit the budget whole go
+        """Up to the step's budget of prompt tokens: new prompts in neighbouring empty rows that fit the budget whole go
         as ONE batched call per run of rows; the rest, oldest request first, in batch-1 chunks into their slots."""
-        budget = self.prefill_chunk
-        for run in self._fresh_runs(budget):
+        plan = self.budget.plan(decoding=any(r.next_token is not None for r in self._slots if r is not None))
+        for run in self._fresh_runs(plan.room(self.prefill_chunk)):
             rows = [r.prompt_ids for r in run]
+            width = len(run) * max(map(len, rows))  # what the padded call computes
+            if plan.room(width) < width:
+                break
+            t0 = time.perf_counter()
             try:
                 outs = self.cache.prefill_rows(run[0].slot or 0, rows)
             except Exception as e:  # noqa: BLE001  the call failed: each of its requests ends with the error
                 for req in run:
                     self._error(req, e)
                 continue
-            budget -= len(run) * max(map(len, rows))
+            self.budget.prefill_took(width, time.perf_counter() - t0)
+            plan.spend(width)
             self._emit_all([(req, lg) for req, lg in zip(run, outs) if self._prefilled(req, len(req.prompt_ids))])
         for req in self._running():
-            if budget == 0:
-                break
             todo = len(req.prompt_ids) - req.num_computed
             if todo == 0 or self._tail(req):
                 continue
-            n = min(todo, budget)
+            n = plan.room(todo)
+            if n == 0:
+                break
             assert req.slot is not None
             try:
+                t0 = time.perf_counter()
                 logits = self.cache.prefill(req.slot, req.prompt_ids[req.num_computed:req.num_computed + n])
-                budget -= n
+                self.budget.prefill_took(n, time.perf_counter() - t0)
+                plan.spend(n)
                 if self._prefilled(req, n):
                     self._emit(req, logits)
             except Exception as e:  # noqa: BLE001  one request's failure ends that request only
@@ -417,7 +427,9 @@ class Scheduler(Emission):
             return
         feed = {r.slot: r.prompt_ids[-1] if r.next_token is None else r.next_token for r in batch}
         try:
+            t0 = time.perf_counter()
             logits = self.cache.decode({s: t for s, t in feed.items() if s is not None})
+            self.budget.decode_took(time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001  the whole batch failed: each of its requests ends with the error
             for req in batch:
                 self._error(req, e)
