@@ -33,17 +33,19 @@ def test_the_fit_recovers_a_calls_fixed_and_per_token_cost():
 def test_cpu_costs_allow_one_call_a_step_while_decoding():
     """SmolLM2 fp32 on 2 cores, roughly: a call's fixed cost is most of a decode step."""
     plan = measured(0.035, 0.0007, 0.045).plan(decoding=True)
-    first = plan.room(40)
-    assert first == int((0.045 - 0.035) / 0.0007) == 14 or first == MIN_TOKENS
-    assert first == MIN_TOKENS  # fewer fit in time than the least a step moves a prompt
-    plan.spend(first)
+    assert plan.room(40) == 40  # a whole short remainder
+    assert plan.room(400) in (49, 50)  # 14 fit in time, but a call spends at least its fixed cost on tokens
+    plan.spend(50)
     assert plan.room(5) == 0  # a second call would double the step again
+    cheap_calls = measured(0.001, 0.0007, 0.045).plan(decoding=True)
+    assert cheap_calls.room(400) in (62, 63)  # (45 - 1 ms) / 0.7 ms: the time bound
+    assert MIN_TOKENS == 16 and measured(0.0, 0.01, 0.045).plan(decoding=True).room(400) == MIN_TOKENS
 
 
 def test_gpu_like_costs_give_long_chunks_and_nobody_decoding_gives_the_cap():
     b = measured(0.005, 0.00001, 0.006)  # a call's launch cost ~ a decode step, tokens nearly free
     plan = b.plan(decoding=True)
-    assert plan.room(1000) in (99, 100)  # (6 - 5 ms) / 10 us, as the float fit rounds
+    assert plan.room(1000) == 256  # a call's fixed cost is worth 500 tokens: chunks as long as the cap
     assert b.plan(decoding=False).room(1000) == 256
     cheap = measured(0.001, 0.0001, 0.04).plan(decoding=True)
     assert cheap.room(300) == 256  # the cap bounds time-rich steps too
@@ -69,8 +71,8 @@ def test_while_a_request_decodes_each_step_makes_one_bounded_prefill_call(tiny_e
     with trtinfer.load(tiny_engine("llama")) as eng:
         sched = Scheduler(eng, max_slots=4, prefix_caching=False)
         sched.budget = PinnedCosts(sched.prefill_chunk)
-        for n in (5, 12, 40, 7):  # 35 ms a call + 0.7 ms a token, 45 ms a decode step
-            StepBudget.prefill_took(sched.budget, n, 0.035 + 0.0007 * n)
+        for n in (5, 12, 40, 7):  # 10 ms a call + 0.7 ms a token, 45 ms a decode step
+            StepBudget.prefill_took(sched.budget, n, 0.010 + 0.0007 * n)
         StepBudget.decode_took(sched.budget, 0.045)
         calls: list[list[int]] = []
         one, rows = sched.cache.prefill, sched.cache.prefill_rows
@@ -93,8 +95,8 @@ def test_while_a_request_decodes_each_step_makes_one_bounded_prefill_call(tiny_e
             before = len(a.generated)
             sched.step()
             assert len(a.generated) == before + 1  # the decoding request moves every step
-        # one call a step, oldest prompt first, MIN_TOKENS at a time (35 + 16 x 0.7 ms > 45 ms: no second call)
-        assert calls[1:] == [[16], [16], [8], [16], [9], [16], [16], [], [], [], [], []]  # 33rd: joins a decode
+        # one call a step, oldest prompt first, 50 tokens at most ((45 - 10) / 0.7 ms; then no time for a second)
+        assert calls[1:] == [[40], [25], [33], [], [], [], [], [], [], [], [], []]
         run_all(sched)
         sched.close()
         for req, p in zip([a, *reqs], [first, *later]):

@@ -11,8 +11,10 @@ calls). The fixed part matters: on a CPU a prefill call reads every weight once,
 batch-1 chunk of 10 tokens costs most of a decode step (SmolLM2-135M fp32 on 2 cores: ~35 ms fixed, ~0.7 ms a
 token, decode at batch 8 ~45 ms). Chunks into rows that already hold a prefix cannot share a call (ONNX Runtime's CPU
 GroupQueryAttention takes several new tokens with past context at batch 1 only), so the budget counts calls, not
-only tokens: the first call of a step always runs (at least :data:`MIN_TOKENS` tokens, so a prompt always moves),
-later ones only if they fit the time left. Until costs are known the bound is ``cap`` tokens.
+only tokens: the first call of a step always runs, later ones only if they fit the time left. The first call takes
+at least :data:`MIN_TOKENS` tokens, and at least as many as cost its fixed part (``fixed / per_token``: a prompt's
+prefill never spends more time on calls' fixed costs than on its tokens; SmolLM2 fp32 on 2 cores: 50 tokens, a step
+then ~2.4x a decode call). Until costs are known the bound is ``cap`` tokens.
 """
 from __future__ import annotations
 
@@ -70,8 +72,8 @@ class StepPlan:
         if self.cost is not None:
             fixed, per_token = self.cost
             in_time = int((self.seconds_left - fixed) / per_token)
-            if self.calls == 0:
-                in_time = max(in_time, MIN_TOKENS)
+            if self.calls == 0:  # the step's first call runs, and spends at least as long on tokens as its fixed cost
+                in_time = max(in_time, MIN_TOKENS, int(fixed / per_token))
             elif in_time < min(want, MIN_TOKENS):  # a sliver is not worth a call's fixed cost
                 in_time = 0
             fit = min(fit, in_time)
