@@ -371,3 +371,41 @@ def test_smollm2_concurrent_ragged_requests_equal_generate_alone(real_engine):
                 t.join()
         for got, w in zip(results, want):
             same(got, w)
+
+
+def test_while_requests_decode_a_step_makes_one_prefill_call(llama):
+    """Prompts arriving while others decode: one prefill call a step (oldest first, up to the chunk); the decoding
+    requests move every step. Outputs equal generate alone."""
+    rng = np.random.default_rng(3)
+    firsts = [rng.integers(3, 300, size=5).tolist() for _ in range(2)]
+    later = [rng.integers(3, 300, size=n).tolist() for n in (40, 9, 25, 100)]
+    cfg = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    sched = Scheduler(llama, max_slots=6, prefill_chunk=96, prefix_caching=False)
+    calls: list[list[int]] = [[]]
+    one, rows = sched.cache.prefill, sched.cache.prefill_rows
+
+    def spy_one(slot, tokens):
+        calls[-1].append(len(tokens))
+        return one(slot, tokens)
+
+    def spy_rows(first_row, prompts):
+        calls[-1].append(len(prompts) * max(map(len, prompts)))
+        return rows(first_row, prompts)
+
+    sched.cache.prefill, sched.cache.prefill_rows = spy_one, spy_rows
+    decoding = [sched.submit(p, cfg) for p in firsts]
+    sched.step()
+    assert calls == [[10]]  # nobody decoding: the two new prompts in one batched call
+    reqs = [sched.submit(p, cfg) for p in later]
+    for _ in range(5):
+        calls.append([])
+        before = [len(r.generated) for r in decoding]
+        sched.step()
+        assert [len(r.generated) for r in decoding] == [b + 1 for b in before]
+    # step 1: the 40- and 9-token prompts in one batched call (80 of the chunk of 96), nothing more; then one
+    # prompt a step, up to the chunk
+    assert calls[1:] == [[80], [25], [96], [4], []]
+    run_all(sched)
+    sched.close()
+    for req, p in zip([*decoding, *reqs], [*firsts, *later]):
+        same(req.result(), alone(llama, p, cfg))

@@ -43,8 +43,7 @@ def add_parser(sub: Any) -> None:
                    help="requests waiting for a batch slot before new ones get 429 (default 64)")
     p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 1 MiB)")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt tokens a step may prefill (default 256); while requests decode, a step's prefill "
-                        "is also held to about one decode call's time")
+                   help="prompt tokens a step may prefill (default 256; in one call while requests decode)")
     p.add_argument("--max-n", type=int, default=None, help="the most choices (n) per request (default 16)")
     p.add_argument("--max-slots", type=int, default=None,
                    help="requests decoded at once (default: the engine's max batch size, at most 8)")

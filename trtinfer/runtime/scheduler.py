@@ -7,9 +7,8 @@
                                              prefix, else least recently used rest: batch-1 chunks
 
 Every :meth:`Scheduler.step` retires cancelled requests, admits waiting ones into free slots, prefills up to
-``prefill_chunk`` prompt tokens, and while others are decoding no more than take about one decode call
-(:class:`~trtinfer.runtime.step_budget.StepBudget`: a long prompt never doubles the running requests' inter-token
-gap), then runs ONE batched decode step for every request that is decoding. A slot is a row of the session's slot KV cache
+``prefill_chunk`` prompt tokens (so a long prompt never stalls the running decodes for more than one chunk), in ONE
+call while others are decoding, then runs ONE batched decode step for every request that is decoding. A slot is a row of the session's slot KV cache
 (:class:`~trtinfer.runtime.slots.SlotCache`): a request is admitted only when its prompt + ``max_new_tokens`` fits
 the engine's max sequence length, so it never runs out of room and nothing running is ever evicted.
 
@@ -52,7 +51,6 @@ from trtinfer.runtime.prefix_cache import MIN_REUSE, common_prefix
 from trtinfer.runtime.proposers import AssistantProposer, NgramProposer, Proposer, check_assistant
 from trtinfer.runtime.request import Event, Request
 from trtinfer.runtime.slots import SlotCache
-from trtinfer.runtime.step_budget import StepBudget
 from trtinfer.runtime.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -93,7 +91,6 @@ class Scheduler(Emission):
         self.max_seq_len = engine_len if max_model_len is None else max_model_len  # a slot's positions
         self.vocab = int(engine.manifest.geometry["vocab_size"])
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
-        self.budget = StepBudget(prefill_chunk)  # prefill tokens a step may take while others decode
         # a slot's KV positions: max_model_len, or fewer where no request can need more (engine.generate sizes them
         # for its prompts); ``reserve`` touches the buffers' memory now rather than mid-request
         self.cache = SlotCache(engine.session, slots, kv_capacity or self.max_seq_len, reserve=reserve)
@@ -328,37 +325,38 @@ class Scheduler(Emission):
         return slot
 
     def _prefill(self) -> None:
-        """Up to the step's budget of prompt tokens: new prompts in neighbouring empty rows that fit the budget whole go
-        as ONE batched call per run of rows; the rest, oldest request first, in batch-1 chunks into their slots."""
-        plan = self.budget.plan(decoding=any(r.next_token is not None for r in self._slots if r is not None))
-        for run in self._fresh_runs(plan.room(self.prefill_chunk)):
-            rows = [r.prompt_ids for r in run]
-            width = len(run) * max(map(len, rows))  # what the padded call computes
-            if plan.room(width) < width:
+        """Up to ``prefill_chunk`` prompt tokens: new prompts in neighbouring empty rows that fit the budget whole go
+        as ONE batched call per run of rows; the rest, oldest request first, in batch-1 chunks into their slots.
+        While requests are decoding, a step makes ONE prefill call: on a CPU a call reads every weight once, as the
+        decode call does, so a chunk of a few tokens costs most of a decode step (SmolLM2-135M fp32 on 2 cores: ~35 ms
+        a call + ~0.7 ms a token, decode at batch 8 ~45 ms), and steps with 4-7 short chunks made 220-390 ms gaps."""
+        running = self._running()
+        one_call = any(r.next_token is not None for r in running)  # others decoding: they wait for this step
+        budget, calls = self.prefill_chunk, 0
+        for run in self._fresh_runs(budget):
+            if one_call and calls:
                 break
-            t0 = time.perf_counter()
+            rows = [r.prompt_ids for r in run]
+            calls += 1
             try:
                 outs = self.cache.prefill_rows(run[0].slot or 0, rows)
             except Exception as e:  # noqa: BLE001  the call failed: each of its requests ends with the error
                 for req in run:
                     self._error(req, e)
                 continue
-            self.budget.prefill_took(width, time.perf_counter() - t0)
-            plan.spend(width)
+            budget -= len(run) * max(map(len, rows))
             self._emit_all([(req, lg) for req, lg in zip(run, outs) if self._prefilled(req, len(req.prompt_ids))])
-        for req in self._running():
-            todo = len(req.prompt_ids) - req.num_computed
-            if todo == 0 or self._tail(req):
-                continue
-            n = plan.room(todo)
-            if n == 0:
+        for req in running:
+            if budget == 0 or (one_call and calls):
                 break
-            assert req.slot is not None
+            todo = len(req.prompt_ids) - req.num_computed
+            if req.slot is None or todo == 0 or self._tail(req):
+                continue
+            n = min(todo, budget)
+            calls += 1
             try:
-                t0 = time.perf_counter()
                 logits = self.cache.prefill(req.slot, req.prompt_ids[req.num_computed:req.num_computed + n])
-                self.budget.prefill_took(n, time.perf_counter() - t0)
-                plan.spend(n)
+                budget -= n
                 if self._prefilled(req, n):
                     self._emit(req, logits)
             except Exception as e:  # noqa: BLE001  one request's failure ends that request only
@@ -427,9 +425,7 @@ class Scheduler(Emission):
             return
         feed = {r.slot: r.prompt_ids[-1] if r.next_token is None else r.next_token for r in batch}
         try:
-            t0 = time.perf_counter()
             logits = self.cache.decode({s: t for s, t in feed.items() if s is not None})
-            self.budget.decode_took(time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001  the whole batch failed: each of its requests ends with the error
             for req in batch:
                 self._error(req, e)
