@@ -194,7 +194,8 @@ def test_new_prompts_in_neighbouring_rows_prefill_as_one_call(engine, chunk):
 
 def test_same_prompt_submitted_together_shares_one_prefill(engine):
     """n choices of one prompt (the server submits n requests): the first prefills, the others wait for its row and
-    copy it, prefilling only the last prompt token; seeded outputs equal generate alone."""
+    copy it, prefilling only the last two prompt tokens (a chunk, as a whole prompt ends); seeded outputs equal
+    generate alone."""
     prompt = _texts(9, system=30, suffixes=(6,))[0]
     cfgs = [GenerationConfig(max_new_tokens=8, do_sample=True, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     with Scheduler(engine, max_slots=3) as sched:
@@ -203,7 +204,7 @@ def test_same_prompt_submitted_together_shares_one_prefill(engine):
         stats = sched.stats()
     for r, c in zip(got, cfgs):
         same(r, alone(engine, prompt, c))
-    assert stats["prefix_cache_hits"] == 2 * (len(prompt) - 1)
+    assert stats["prefix_cache_hits"] == 2 * (len(prompt) - 2)  # all but the last two tokens (see Scheduler.submit)
 
 
 def test_server_n_choices_share_one_prefill(tiny_engine):
@@ -226,7 +227,7 @@ def test_server_n_choices_share_one_prefill(tiny_engine):
     finally:
         server.stop()
     assert len(out.choices) == 3 and out.usage.completion_tokens == 15
-    assert metric(text, "trtinfer:prefix_cache_hits_total") == 2 * (len(prompt) - 1)
+    assert metric(text, "trtinfer:prefix_cache_hits_total") == 2 * (len(prompt) - 2)
 
 
 # --- prompt lookup (vLLM's ngram speculation) on the scheduler ------------------------------------------------------

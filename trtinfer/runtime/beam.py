@@ -122,7 +122,7 @@ class BeamSearch:
         try:
             for seq in seqs:
                 reqs.append(self.sched.submit(seq, self._one, text=False, keep_logits=True,
-                                              **({"min_reuse": 1} if continuations else {})))
+                                              **({"min_reuse": 1, "decode_tail": True} if continuations else {})))
             if self.drive:
                 while not all(r.done for r in reqs):
                     self.sched.step()

@@ -80,6 +80,7 @@ class Request:
         #: with ``keep_logits``, the raw logits ``[V]`` the last token was chosen from (beam search reads them)
         self.keep_logits = keep_logits
         self.min_reuse = MIN_REUSE  # the shortest cached prefix this request takes (the scheduler sets it)
+        self.decode_tail = False  # its prompt's last token may be fed alone in a decode call (the scheduler sets it)
         self.last_logits: np.ndarray | None = None
         self._batch_size = 1
         # --- shared with readers -----------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ class Scheduler(Emission):
     def submit(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None = None, *, clip: bool = False,
                seed: np.random.SeedSequence | None = None, logits_processor: LogitsProcessor | None = None,
                assistant: Any = None, text: bool = True, keep_logits: bool = False,
-               min_reuse: int = MIN_REUSE) -> Request:
+               min_reuse: int = MIN_REUSE, decode_tail: bool = False) -> Request:
         """Queue a prompt (token ids) with its settings (default: the engine's generation defaults).
 
         Raises InputError for a prompt that does not fit (prompt + ``max_new_tokens`` over the model length, unless
@@ -179,7 +179,11 @@ class Scheduler(Emission):
         decoding); ``text=False``: no incremental text (events carry ``""``; the result's text is decoded once, at
         the end), which stop strings override; ``keep_logits``: keep the logits of the last choice
         (:attr:`Request.last_logits`); ``min_reuse``: the shortest cached prefix worth taking (beam search's
-        continuations reuse any).
+        continuations reuse any); ``decode_tail``: the prompt's last token may follow a reused prefix alone, fed in
+        the step's decode call (beam search's continuations: one call a step). Otherwise a prompt's last token is
+        always prefilled with at least one token before it, as a whole prompt's is: a graph's one-token pass may
+        round differently from a chunk (SmolLM2-135M int4: 0.30 on the logits, which changed greedy answers;
+        chunks of 2+ tokens after a prefix equal the one-shot prefill exactly).
         """
         cfg = self.engine.generation_defaults if cfg is None else cfg
         if not isinstance(cfg, GenerationConfig):
@@ -223,7 +227,7 @@ class Scheduler(Emission):
                 proposer = NgramProposer(cfg)
             req = Request(next(self._ids), ids, cfg, eos, decoder, matcher, seed=seed, proposer=proposer,
                           logits_processor=logits_processor, keep_logits=keep_logits)
-            req.min_reuse = min_reuse
+            req.min_reuse, req.decode_tail = min_reuse, decode_tail
             self._waiting.append(req)
             self._cond.notify_all()
         return req
@@ -297,7 +301,7 @@ class Scheduler(Emission):
         for other in self._slots:
             if other is None or other.num_computed >= len(other.prompt_ids):
                 continue
-            common = common_prefix(req.prompt_ids[:-1], other.prompt_ids)
+            common = common_prefix(req.prompt_ids[:-self._after_prefix(req)], other.prompt_ids)
             if common >= req.min_reuse and common > other.num_computed:
                 return True
         return False
@@ -305,8 +309,8 @@ class Scheduler(Emission):
     def _place(self, req: Request, free: list[int]) -> int:
         """The free row a request takes, holding the longest reusable prefix of its prompt (its ``num_computed``)."""
         busy = [s for s, r in enumerate(self._slots) if r is not None]
-        # the last prompt token is always prefilled: its logits choose the first new token
-        row, n = self.cache.index.longest(req.prompt_ids[:-1], free + busy)
+        # the prompt's end is always prefilled (its logits choose the first new token): 2 tokens, 1 for a tail
+        row, n = self.cache.index.longest(req.prompt_ids[:-self._after_prefix(req)], free + busy)
         if n < req.min_reuse:
             row, n = None, 0
         if row is not None and row in free:
@@ -353,6 +357,8 @@ class Scheduler(Emission):
             if req.slot is None or todo == 0 or self._tail(req):
                 continue
             n = min(todo, budget)
+            if todo - n == 1 and n > 1 and not req.decode_tail:  # the last chunk keeps two tokens (see submit)
+                n -= 1
             calls += 1
             try:
                 logits = self.cache.prefill(req.slot, req.prompt_ids[req.num_computed:req.num_computed + n])
@@ -398,10 +404,15 @@ class Scheduler(Emission):
         return True
 
     @staticmethod
+    def _after_prefix(req: Request) -> int:
+        """Prompt tokens a reused prefix leaves to compute, at least: 1 for a ``decode_tail`` request, else 2."""
+        return 1 if req.decode_tail else 2
+
+    @staticmethod
     def _tail(req: Request) -> bool:
         """Whether only the last prompt token of ``req`` is left after a reused prefix: it joins the decode step
         (a beam's continuation, a repeated prompt), as one more row of that call."""
-        return req.num_computed > 0 and req.num_computed == len(req.prompt_ids) - 1
+        return req.decode_tail and req.num_computed > 0 and req.num_computed == len(req.prompt_ids) - 1
 
     def _decode(self) -> None:
         """One batched step over every request with a token to feed (its last token, or a prompt's last after a
