@@ -8,14 +8,16 @@
 
 Every :meth:`Scheduler.step` retires cancelled requests, admits waiting ones into free slots, prefills up to
 ``prefill_chunk`` prompt tokens (so a long prompt never stalls the running decodes for more than one chunk), in ONE
-call while others are decoding, then runs ONE batched decode step for every request that is decoding. A slot is a row of the session's slot KV cache
-(:class:`~trtinfer.runtime.slots.SlotCache`): a request is admitted only when its prompt + ``max_new_tokens`` fits
-the engine's max sequence length, so it never runs out of room and nothing running is ever evicted.
+call while others are decoding, then runs ONE batched decode step for every request that is decoding. A slot is a
+row of the session's slot KV cache (:class:`~trtinfer.runtime.slots.SlotCache`): a request is admitted only when its
+prompt + ``max_new_tokens`` fits the engine's max sequence length, so it never runs out of room and nothing running
+is ever evicted.
 
 Automatic prefix caching (``prefix_caching``, on by default): a finished request's row keeps its KV, and a new
 request starts from the longest prefix any row holds (:class:`~trtinfer.runtime.prefix_cache.PrefixIndex`): a free
-row holding it is taken as it is, a running row's prefix is copied into a free row (on the session's device); only the rest is
-prefilled. With no match of at least :data:`MIN_REUSE` tokens the least recently used free row is evicted. A
+row holding it is taken as it is, a running row's prefix is copied into a free row (on the session's device);
+only the rest is prefilled, at least the prompt's last two tokens (see :meth:`Scheduler.submit`'s ``decode_tail``).
+With no match of at least :data:`MIN_REUSE` tokens the least recently used free row is evicted. A
 request sharing a prefix with one still prefilling it waits until it is in that row (``n`` choices of one prompt
 share one prefill).
 
@@ -410,8 +412,8 @@ class Scheduler(Emission):
 
     @staticmethod
     def _tail(req: Request) -> bool:
-        """Whether only the last prompt token of ``req`` is left after a reused prefix: it joins the decode step
-        (a beam's continuation, a repeated prompt), as one more row of that call."""
+        """Whether only the last prompt token of a ``decode_tail`` request (a beam's continuation) is left after a
+        reused prefix: it joins the decode step, as one more row of that call."""
         return req.decode_tail and req.num_computed > 0 and req.num_computed == len(req.prompt_ids) - 1
 
     def _decode(self) -> None:
