@@ -6,7 +6,6 @@ libraries, pinned staging) is :mod:`trtinfer.runtime.ort_env`'s. This class only
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 import weakref
 from collections.abc import Sequence
@@ -162,22 +161,19 @@ class OrtDecoderSession(DecoderSession):
         return kvh * capacity * hd * (4 if self.kv_dtype == "float32" else 2)
 
     def copy_rows(self, values: list[Any], src: int, dst: int, n: int, capacity: int) -> None:
-        """Host memory: numpy copies of each head's first ``n`` positions; CUDA: one 2-D device-to-device copy per
-        buffer (``kv_heads`` runs of ``n`` positions), complete before the next pass runs."""
-        kvh, hd = self.kv_shape
+        """CUDA: one 2-D device-to-device copy per buffer (``kv_heads`` runs of ``n`` positions), complete before the
+        next pass runs (rows in host memory are copied by the slot cache itself)."""
+        if self.device == "cpu":
+            return super().copy_rows(values, src, dst, n, capacity)  # refused: no device copy to make
+        from trtinfer.runtime import cuda  # cuda-python: the GPU extra's, never imported on the CPU path
+
         row = self.kv_row_bytes(capacity)
-        pitch, width = row // kvh, n * hd * (row // (kvh * capacity * hd))
+        pitch = row // self.kv_shape[0]
+        cuda.set_device(self.config.device_id)
         for val in values:
             base = val.data_ptr()
-            if self.device == "cpu":
-                whole = (ctypes.c_char * (row * max(src, dst) + row)).from_address(base)
-                rows = np.frombuffer(memoryview(whole), dtype=np.uint8).reshape(-1, kvh, pitch)
-                rows[dst, :, :width] = rows[src, :, :width]
-            else:
-                from trtinfer.runtime import cuda  # cuda-python: the GPU extra's, never imported on the CPU path
-
-                cuda.set_device(self.config.device_id)
-                cuda.copy_2d_on_device(base + dst * row, pitch, base + src * row, pitch, width, kvh)
+            cuda.copy_2d_on_device(base + dst * row, pitch, base + src * row, pitch, n * (pitch // capacity),
+                                   self.kv_shape[0])
 
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
                  positions: np.ndarray, staging: Any) -> np.ndarray:

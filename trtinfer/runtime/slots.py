@@ -78,9 +78,13 @@ class SlotCache:
         """Row ``slot``'s token count."""
         return len(self.index.tokens[slot])
 
-    def _rows(self, val: np.ndarray) -> np.ndarray:
-        """A numpy view ``[S, kv_heads, capacity, bytes per position]`` of a host row buffer's raw bytes."""
-        return val.view(np.uint8).reshape(self.slots, val.shape[1], self.capacity, -1)
+    def _rows(self, val: Any) -> np.ndarray:
+        """A numpy view ``[S, kv_heads, capacity, bytes per position]`` of a host buffer's raw bytes."""
+        if isinstance(val, np.ndarray):
+            return val.view(np.uint8).reshape(self.slots, val.shape[1], self.capacity, -1)
+        raw = (ctypes.c_char * (self._row_bytes * self.slots)).from_address(self.session.row_pointer(val))
+        return np.frombuffer(memoryview(raw), dtype=np.uint8).reshape(self.slots, self.session.kv_shape[0],
+                                                                        self.capacity, -1)
 
     def _run_gathered(self, feeds: dict[str, np.ndarray], first_row: int, rows: int,
                       positions: np.ndarray) -> np.ndarray:
@@ -187,11 +191,12 @@ class SlotCache:
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Slot ``dst`` gets the KV of slot ``src``'s first ``n`` tokens (and holds nothing after them): in host
-        memory where the rows are kept there, else by the session on its device."""
+        memory where the rows are there (the CPU provider, or rows kept on the host), else by the session on its
+        device."""
         held = self.length(src)
         if src == dst or not 0 < n <= held:
             raise InputError(f"cannot copy {n} tokens of slot {src} (holding {held}) to slot {dst}")
-        if self.host_rows:
+        if self.host_rows or self.session.device == "cpu":
             for val in self.values:  # the bytes, copied as they are
                 rows = self._rows(val)
                 rows[dst, :, :n] = rows[src, :, :n]

@@ -17,7 +17,8 @@ class ServeConfig:
     directory's name). ``max_queue``: requests waiting for a batch slot before new ones get 429 (every request waits
 there a moment before a slot takes it, so at least 1).
     ``max_body_bytes``: larger request bodies get 413. ``prefill_chunk``: prompt tokens a step may prefill (long
-    prompts go in chunks between decode steps; in one call while others decode). ``max_n``: the most choices (``n``) one request may ask for.
+    prompts go in chunks between decode steps; in one call while others decode). ``max_n``: the most choices
+    (``n``) one request may ask for.
     ``provider`` and ``intra_op_threads`` go to the engine's :class:`~trtinfer.runtime.config.RuntimeConfig`.
     ``max_slots``: requests decoded at once (default: the engine's max batch size, at most 8); ``max_model_len``:
     positions per request, prompt + output (default: the engine's max sequence length, at most 2048). Both size the
