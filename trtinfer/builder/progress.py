@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from trtinfer.runtime.memory import peak_rss_mib
+from trtinfer.runtime.memory import children_peak_rss_mib, peak_rss_mib
 
 
 class StageProgress:
@@ -15,7 +15,8 @@ class StageProgress:
     ``rec["cached"] = True`` inside the block marks the stage as reused; :attr:`records` keeps, per stage, its
     seconds, whether it came from the cache and, on Linux, the process's peak resident memory so far when it ends
     (``peak_rss_mib``: the first stage that raises it is the one that needed it; the peak is never reset, so
-    ``/usr/bin/time`` and other watchers still see the true one), as the manifest stores them.
+    ``/usr/bin/time`` and other watchers still see the true one), and the largest peak of its finished child
+    processes so far (``children_peak_rss_mib``, where any ran), as the manifest stores them.
     """
 
     def __init__(self, names: Sequence[str], enabled: bool = True) -> None:
@@ -40,6 +41,8 @@ class StageProgress:
         finally:
             rec["seconds"] = round(time.perf_counter() - t0, 2)
             rec["peak_rss_mib"] = round(peak_rss_mib(), 1)
+            if children := children_peak_rss_mib():  # the export's child interpreters (trtinfer.export.isolated)
+                rec["children_peak_rss_mib"] = round(children, 1)
             self.records[name] = rec
             self._bar.update()
 

@@ -13,6 +13,7 @@ from trtinfer._cache import key_of
 from trtinfer.artifact import DATA_NAME, ONNX_NAME, REFERENCE_NAME, StageDir, write_stage
 from trtinfer.checkpoint import Checkpoint
 from trtinfer.errors import ExportError, ModelSourceError, TrtInferError, ValidationError
+from trtinfer.export import isolated
 from trtinfer.export.architectures import spec_for
 from trtinfer.export.config import ExportConfig
 from trtinfer.export.reference import write_reference
@@ -105,6 +106,19 @@ def load_hf_model(path: Path, config: Any = None) -> Any:
     return model.eval()
 
 
+#: the eager reference's vocabulary: its first tokens' embedding and LM head rows (validate.py's docstring)
+VALIDATION_VOCAB = 32768
+
+
+def validation_vocab(hf_config: Any) -> int:
+    """How many leading tokens the eager reference keeps: :data:`VALIDATION_VOCAB`, or the whole vocabulary where
+    it is smaller or a special token id lies beyond the cut (an embedding's padding row must exist)."""
+    vocab = int(hf_config.vocab_size)
+    special = [getattr(hf_config, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")]
+    ids = [i for s in special for i in (s if isinstance(s, list) else [s]) if isinstance(i, int)]
+    return vocab if vocab <= VALIDATION_VOCAB or any(i >= VALIDATION_VOCAB for i in ids) else VALIDATION_VOCAB
+
+
 def eager_fits(fp32_bytes: int) -> tuple[bool, str]:
     """Whether an fp32 eager copy of the model fits in the share of available memory a graph may take
     (:func:`~trtinfer.runtime.memory.fits_in_memory`), and the figures."""
@@ -178,15 +192,14 @@ def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping:
     return {src.graph_name: {"tensor": reader.tensor(src.source), "ops": src.op_types} for src in sources}
 
 
-def _validate(graph: Path, resolved: ResolvedModel, hf_config: Any, geometry: dict[str, Any],
+def _validate(graph: Path, resolved: ResolvedModel, vocab: int, geometry: dict[str, Any],
               config: ExportConfig) -> dict[str, Any]:
     """Compare ``graph`` with the eager model of ``resolved`` (loaded once ONNX Runtime is done); raises on failure."""
-    from trtinfer.export.quiet import quiet_third_party
-    from trtinfer.export.validate import validate_decoder
+    from trtinfer.export.validate import eager_steps, validate_decoder
 
-    with quiet_third_party():  # the eager model warns about its own past_key_values argument
-        report = validate_decoder(graph, lambda: load_hf_model(resolved.path, hf_config), geometry, config.atol,
-                                  config.logits == "last")
+    eager_cut = (config.layers, vocab if vocab < geometry["vocab_size"] else config.vocab)
+    report = validate_decoder(graph, lambda *inputs: isolated.run(eager_steps, resolved.path, eager_cut, *inputs),
+                              geometry, config.atol, config.logits == "last", vocab)
     if not report.passed:
         raise ValidationError(
             f"exported graph disagrees with eager: logits diff {report.prefill_logits_max_abs_diff:.2e}/"
@@ -194,13 +207,17 @@ def _validate(graph: Path, resolved: ResolvedModel, hf_config: Any, geometry: di
             f"{report.present_max_abs_diff:.2e}, top-1 agree {report.top1_agree}; raise --atol only if "
             "these are fp32 reordering noise"
         )
-    log.info("validated against PyTorch eager: logits max|diff| %.2e (tolerance %.2e), top-1 agrees",
-             max(report.prefill_logits_max_abs_diff, report.decode_logits_max_abs_diff), report.tolerance)
+    cut = f" on the first {vocab} of {report.vocab_size} tokens" if vocab < report.vocab_size else ""
+    log.info("validated against PyTorch eager: logits max|diff| %.2e (tolerance %.2e)%s, top-1 agrees",
+             max(report.prefill_logits_max_abs_diff, report.decode_logits_max_abs_diff), report.tolerance, cut)
     return report.to_dict()
 
 
-def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> StageDir:
-    """Trace, validate and write the export stage into the existing empty ``folder``."""
+def _traced(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> dict[str, Any]:
+    """The torch and transformers half of an export (a child's work: :mod:`trtinfer.export.isolated`): trace the
+    graph into ``folder`` (weights left in the checkpoint), save the tokenizer; returns what the rest needs to know
+    of the model (its weight records, fp32 bytes, geometry, architecture, model type, the eager reference's
+    vocabulary), the trace's seconds and the tokenizer record."""
     from trtinfer.export.streamed import empty_model
 
     hf_config = reduced_depth(load_hf_config(resolved.path), config.layers, config.vocab)
@@ -217,11 +234,18 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     except Exception as e:
         raise ExportError(f"tracing {spec.name} to ONNX failed: {type(e).__name__}: {e}") from e
     del model
-    from trtinfer.runtime.memory import return_freed_memory
-
-    return_freed_memory()  # what the trace freed, before the validation loads anything
     export_s = time.perf_counter() - t0
     log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
+    return {"weights": weights, "fp32_bytes": fp32_bytes, "seconds": export_s, "geometry": geometry,
+            "architecture": spec.name, "model_type": hf_config.model_type,
+            "validation_vocab": validation_vocab(hf_config), "tokenizer": save_tokenizer(resolved.path, folder)}
+
+
+def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> StageDir:
+    """Trace (in a child: :mod:`trtinfer.export.isolated`), validate and write the export stage into the existing
+    empty ``folder``."""
+    traced = isolated.run(_traced, resolved, folder, config)  # transformers and torch stay out of this process
+    weights, fp32_bytes, export_s, geometry = (traced[k] for k in ("weights", "fp32_bytes", "seconds", "geometry"))
     import onnx
 
     from trtinfer.runtime.memory import whole_copy_fits
@@ -236,8 +260,6 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     if config.logits == "last" and not runnable:
         skipped["reference"] = f"the fp32 graph does not fit: {run_figures}"
         log.warning("no engine-check reference is computed (%s): engines built from it are not checked", run_figures)
-    tokenizer = save_tokenizer(resolved.path, folder)
-    return_freed_memory()  # transformers' tokenizer loading (262k entries for Gemma-3) leaves ~200 MB freed
     from trtinfer.export.gguf_convert import gguf_origins
 
     origins = gguf_origins(resolved.path)  # a converted GGUF: which GGUF tensor each weight came from
@@ -251,21 +273,20 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         vocab = int(geometry["vocab_size"])
         with materialized_file(folder / ONNX_NAME, lambda m: share_tied_embedding(m, vocab)) as whole:
             if config.validate and fits:
-                validation = _validate(whole, resolved, hf_config, geometry, config)
-                return_freed_memory()  # the eager model's activations
+                validation = _validate(whole, resolved, traced["validation_vocab"], geometry, config)
             if config.logits == "last":  # the engine check compares last-position logits
                 write_reference(whole, folder / REFERENCE_NAME, geometry["vocab_size"])
     info: dict[str, Any] = {
         "stage": "export",
         "kind": "decoder",
-        "architecture": spec.name,
-        "model_type": hf_config.model_type,
+        "architecture": traced["architecture"],
+        "model_type": traced["model_type"],
         "source": {"path": str(resolved.path), "model": resolved.source, "sha256": resolved.sha256,
                    "kind": resolved.kind},
         "geometry": geometry,
         "io": io_spec(geometry, config.logits),
         "kv_layout": "concat",
-        "tokenizer": tokenizer,
+        "tokenizer": traced["tokenizer"],
         "weights": weights,
         CHECKPOINT_COUNT: len(checkpoint_inputs(onnx.load(str(folder / ONNX_NAME), load_external_data=False))),
         "history": {"export": {"config": config.to_dict(), "seconds": round(export_s, 2), "validation": validation,

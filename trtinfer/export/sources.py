@@ -172,10 +172,11 @@ def resolve_model(model: str | os.PathLike[str]) -> ResolvedModel:
     digest = _hash_memo(gguf, sha256_file)
     from importlib.metadata import version  # not `import transformers`: a cache hit should not pay its import
 
+    from trtinfer.export import isolated
     from trtinfer.export.chat_templates import CHAT_TEMPLATES
     from trtinfer.export.gguf_convert import convert_gguf
 
     # the folder holds transformers' conversion and possibly a built-in chat template: both are part of the key
     key = f"{digest[:32]}-f{MODELS_FORMAT}-tf{version('transformers')}-ct{key_of(CHAT_TEMPLATES)[:8]}"
-    folder = cached_dir("models", key, lambda out: convert_gguf(gguf, out))
+    folder = cached_dir("models", key, lambda out: isolated.run(convert_gguf, gguf, out))  # torch-free here
     return ResolvedModel(folder, text, digest, kind)

@@ -3,6 +3,11 @@
 The reference is the unwrapped transformers model with its own masks and cache, so the check covers our
 mask construction as well as the trace. Present KV is compared on real (unpadded) positions only, and on the
 positions transformers keeps: its sliding layers drop the oldest ones.
+
+The eager model may be cut to the first ``vocab`` tokens of its vocabulary (embedding rows and LM head rows, read
+from the same checkpoint tensors): the prompts then use only those tokens and the first ``vocab`` logits are compared.
+Every layer runs whole; what is left out are LM head rows, each one more row of the same MatMul. At a 262k
+vocabulary (Gemma-3-270M) the fp32 table is 671 of the model's 1,022 MiB.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ class ValidationReport:
     tolerance: float
     top1_agree: bool
     passed: bool
+    vocab_compared: int
+    vocab_size: int
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
@@ -43,9 +50,10 @@ def _reference_step(model: Any, ids: Any, mask: Any, pos: Any, cache: Any) -> tu
 
 
 def _onnx_steps(onnx_path: Path, geometry: dict[str, Any], ids: np.ndarray, mask: np.ndarray,
-                pos: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-    """Prefill then one decode step (on the prefill's own greedy token) in ONNX Runtime; the session is closed
-    before eager runs, so the two never hold the weights at once. Returns both steps' outputs and the token fed."""
+                pos: np.ndarray, vocab: int) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """Prefill then one decode step (on the prefill's own greedy token among the first ``vocab``) in ONNX Runtime;
+    the session is closed before eager runs, so the two never hold the weights at once. Returns both steps' outputs
+    and the token fed."""
     import onnxruntime as ort
 
     from trtinfer.runtime.memory import stage_session_options
@@ -58,7 +66,7 @@ def _onnx_steps(onnx_path: Path, geometry: dict[str, Any], ids: np.ndarray, mask
         feed[f"past_key_values.{i}.key"] = np.zeros((2, kv, 0, hd), np.float32)
         feed[f"past_key_values.{i}.value"] = np.zeros((2, kv, 0, hd), np.float32)
     outs = sess.run(None, feed)
-    nxt = outs[0][:, -1].argmax(-1)[:, None].astype(np.int64)
+    nxt = outs[0][:, -1, :vocab].argmax(-1)[:, None].astype(np.int64)
     feed2: dict[str, np.ndarray] = {"input_ids": nxt, "attention_mask": np.concatenate([mask, np.ones((2, 1), np.int64)], 1),
                                     "position_ids": pos[:, -1:] + 1}
     for i in range(n_layers):
@@ -69,43 +77,63 @@ def _onnx_steps(onnx_path: Path, geometry: dict[str, Any], ids: np.ndarray, mask
     return outs, outs2, nxt
 
 
-def validate_decoder(onnx_path: Path, load_model: Callable[[], Any], geometry: dict[str, Any], atol: float,
-                     last_only: bool) -> ValidationReport:
-    """Run prefill (batch 2, one row left-padded) and one decode step in ORT, then in eager (``load_model()``,
-    loaded only once ONNX Runtime has let go of the graph: peak memory is one copy of the weights); compare."""
+def eager_steps(path: Path, cut: tuple[int | None, int | None], ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
+                nxt: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """Eager's side of the comparison (run in a child by the export, :mod:`trtinfer.export.isolated`): the model in
+    ``path`` cut to ``cut`` = (layers, vocabulary) (``None``: whole), prefill ``ids``, then one step on ``nxt``.
+    Returns the prefill's last logits, the step's logits and each layer's (keys, values) as transformers keeps them."""
     import torch
     from transformers.cache_utils import DynamicCache
 
+    from trtinfer.export.onnx_export import load_hf_config, load_hf_model, reduced_depth
+    from trtinfer.export.quiet import quiet_third_party
+
+    t = torch.from_numpy
+    with quiet_third_party():  # the eager model warns about its own past_key_values argument
+        model = load_hf_model(path, reduced_depth(load_hf_config(path), *cut))
+        cache = DynamicCache(config=model.config)
+        ref_logits, cache = _reference_step(model, t(ids), t(mask), t(pos), cache)
+        mask2 = np.concatenate([mask, np.ones((ids.shape[0], 1), np.int64)], axis=1)
+        ref2, cache = _reference_step(model, t(nxt), t(mask2), t(pos[:, -1:] + 1), cache)
+    del model
+    return ref_logits, ref2, [(layer.keys.float().numpy(), layer.values.float().numpy()) for layer in cache.layers]
+
+
+Eager = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+                 tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]]
+
+
+def validate_decoder(onnx_path: Path, eager: Eager, geometry: dict[str, Any], atol: float,
+                     last_only: bool, vocab: int | None = None) -> ValidationReport:
+    """Run prefill (batch 2, one row left-padded) and one decode step in ORT, then ``eager(ids, mask, pos, token)``
+    (:func:`eager_steps`, once ONNX Runtime has let go of the graph: peak memory is one copy of the weights);
+    compare. ``vocab``: the eager model has only the first ``vocab`` tokens (see the module docstring)."""
+    vocab = min(vocab or geometry["vocab_size"], geometry["vocab_size"])
     rng = np.random.default_rng(0)
     seq, pad = 9, 3
-    ids = rng.integers(0, geometry["vocab_size"], size=(2, seq), dtype=np.int64)
+    ids = rng.integers(0, vocab, size=(2, seq), dtype=np.int64)
     mask = np.ones((2, seq), dtype=np.int64)
     mask[0, :pad] = 0
     pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    outs, outs2, nxt = _onnx_steps(onnx_path, geometry, ids, mask, pos)
-    ort_logits = outs[0][:, -1:] if not last_only else outs[0]
+    outs, outs2, nxt = _onnx_steps(onnx_path, geometry, ids, mask, pos, vocab)
+    ort_logits = (outs[0][:, -1:] if not last_only else outs[0])[..., :vocab]
 
-    model = load_model()
-    cache = DynamicCache(config=model.config)
-    t = torch.from_numpy
-    ref_logits, cache = _reference_step(model, t(ids), t(mask), t(pos), cache)
+    ref_logits, ref2, presents = eager(ids, mask, pos, nxt)
     prefill_diff = float(np.abs(ort_logits - ref_logits).max())
     top1 = bool((ort_logits.argmax(-1) == ref_logits.argmax(-1)).all())
     scale = float(max(1.0, np.abs(ref_logits).max()))
 
     mask2 = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
-    ref2, cache = _reference_step(model, t(nxt), t(mask2), t(pos[:, -1:] + 1), cache)
-    del model
-    decode_diff = float(np.abs(outs2[0][:, -1:] - ref2).max())
-    top1 = top1 and bool((outs2[0][:, -1:].argmax(-1) == ref2.argmax(-1)).all())
+    ours2 = outs2[0][:, -1:, :vocab]
+    decode_diff = float(np.abs(ours2 - ref2).max())
+    top1 = top1 and bool((ours2.argmax(-1) == ref2.argmax(-1)).all())
     scale = max(scale, float(np.abs(ref2).max()))
 
     present_diff, present_scale = 0.0, 1.0
     real = mask2.astype(bool)
-    for i, layer in enumerate(cache.layers):
-        for j, ref_t in enumerate((layer.keys, layer.values)):
+    for i, layer in enumerate(presents):
+        for j, ref in enumerate(layer):
             ours = outs2[1 + 2 * i + j]
-            ref = ref_t.float().numpy()
             keep = ref.shape[2]  # sliding layers keep only the newest positions
             ours, row_mask = ours[:, :, -keep:], real[:, -keep:]
             diff = np.abs(ours - ref) * row_mask[:, None, :, None]
@@ -114,6 +142,7 @@ def validate_decoder(onnx_path: Path, load_model: Callable[[], Any], geometry: d
 
     tol = atol * scale
     passed = top1 and max(prefill_diff, decode_diff) <= tol and present_diff <= atol * present_scale
-    report = ValidationReport(prefill_diff, decode_diff, present_diff, scale, tol, top1, passed)
+    report = ValidationReport(prefill_diff, decode_diff, present_diff, scale, tol, top1, passed, int(vocab),
+                              int(geometry["vocab_size"]))
     log.debug("validation vs eager: %s", report.to_dict())
     return report

@@ -54,6 +54,16 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def children_peak_rss_mib() -> float:
+    """The largest peak resident memory of this process's finished children so far, MiB (``ru_maxrss`` of
+    ``RUSAGE_CHILDREN``: the export's child interpreters); 0 where none ran or off POSIX."""
+    try:
+        import resource
+    except ImportError:
+        return 0.0
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+
+
 def return_freed_memory() -> None:
     """Free unreachable cycles, then hand the heap's freed pages back to the system (glibc ``malloc_trim``; a no-op
     elsewhere). A trace leaves hundreds of MB freed but held by the allocator; the fp32 eager model loaded after it
