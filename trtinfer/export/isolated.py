@@ -1,8 +1,9 @@
-"""Run a torch step of the export (GGUF conversion, trace + eager validation) in a child interpreter.
+"""Run the export's torch steps (GGUF conversion, trace + tokenizer, the eager reference's steps) in child
+interpreters; ONNX Runtime's runs stay in the build's process.
 
 torch and transformers take ~250 MiB of a process's memory once imported, and nothing frees it: a build that traced
-its model in its own process carries them through compilation and the engine check, which map the engine's weights
-on top (Gemma-3-270M fp32: 1.58 GiB peak, 403 MiB of it anonymous at the check). In a child they leave with it.
+its model in its own process carried them through compilation and the engine check, which map the engine's weights
+on top (Gemma-3-270M fp32: 1.58 GiB peak, ~400 MiB of it anonymous at the check). In a child they leave with it.
 
 :func:`run` calls ``fn(*args)`` in a new ``python`` (:data:`CHILD_MAIN`) when torch is not loaded in this process
 yet (where it already is, a child would only add its start-up: the call runs here). ``fn`` and ``args`` travel
@@ -34,7 +35,8 @@ CHILD_MAIN = "import sys; from trtinfer.export.isolated import child_main; sys.e
 
 def wanted() -> bool:
     """Whether :func:`run` would use a child: torch not loaded here, and not turned off by the environment."""
-    return "torch" not in sys.modules and os.environ.get(IN_PROCESS_ENV, "") in ("", "0")
+    return (os.name == "posix" and "torch" not in sys.modules  # pass_fds: POSIX only
+            and os.environ.get(IN_PROCESS_ENV, "") in ("", "0"))
 
 
 def _levels() -> dict[str, int]:
@@ -66,8 +68,9 @@ def run(fn: Callable[..., T], *args: Any, child: bool | None = None) -> T:
         return fn(*args)
     read_fd, write_fd = os.pipe()
     try:
+        # the child's stdout goes to this process's stderr: a verb printing its result on stdout gets only its own
         child = subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(write_fd)], stdin=subprocess.PIPE,
-                                 pass_fds=(write_fd,))
+                                 stdout=2, pass_fds=(write_fd,))
     finally:
         os.close(write_fd)
     outcome: tuple[str, Any] | None = None
