@@ -91,7 +91,8 @@ def ensure_checkpoint(work: Path, preset: str, layers: int | None, vocab: int | 
 
 
 def parse_time_v(stderr: str) -> dict[str, Any]:
-    """``/usr/bin/time -v``'s peak RSS and wall time, and the program's own last stderr line before its report."""
+    """``/usr/bin/time -v``'s peak RSS and wall time, and the program's own last stderr line before its report (the
+    signal, where one ended it)."""
     lines = stderr.splitlines()
     start = next((i for i, line in enumerate(lines) if TIME_START.match(line)), len(lines))
     own = [line.strip() for line in lines[:start] if line.strip()]
@@ -99,8 +100,11 @@ def parse_time_v(stderr: str) -> dict[str, Any]:
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", stderr)
     seconds = sum(float(p) * 60**i for i, p in enumerate(reversed(wall.group(1).split(":")))) if wall else None
     signal = next((line for line in lines[start:] if line.startswith("Command terminated by signal")), None)
+    # a killed program's last line is whatever it was printing (a progress bar): the kill is the error
+    killed = f"{signal} (SIGKILL: the system's OOM killer, if its peak is near the machine's memory)" \
+        if signal and signal.endswith(" 9") else signal
     return {"peak_rss_bytes": int(rss.group(1)) * 1024 if rss else None, "wall_s": seconds,
-            "last_line": own[-1] if own else signal, "signal": signal, "tail": own[-20:]}
+            "last_line": killed or (own[-1] if own else None), "signal": signal, "tail": own[-20:]}
 
 
 def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cache: Path) -> dict[str, Any]:
@@ -132,7 +136,8 @@ def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cach
                export_validation=export.get("validation"), engine_check=m.get("engine_check"),
                accuracy_check=m.get("accuracy_check"), source=m.get("source"),
                validation_skipped=export.get("validation_skipped"), reference_skipped=export.get("reference_skipped"),
-               quantization_report=quantization.get("report"), stage_accuracy=quantization.get("accuracy"))
+               quantization_report=quantization.get("report"), stage_accuracy=quantization.get("accuracy"),
+               reduced_depth_check=m.get("reduced_depth_check"))
     return row
 
 
@@ -289,6 +294,8 @@ def check_text(row: dict[str, Any]) -> str:
         parts.append("engine check skipped")
     if a:
         parts.append(f"ppl x{a['ratio']:.3f} {'ok' if a.get('passed') else 'FAIL'}")
+    if r := row.get("reduced_depth_check"):  # the whole model did not fit: its first layers, built (a failure fails it)
+        parts.append(f"reduced {r.get('layers')}-layer model ok")
     return "; ".join(parts)
 
 

@@ -39,8 +39,11 @@ def test_time_v_figures_and_the_programs_last_line():
     failed = real_size.parse_time_v("trtinfer build: error: out of disk\nCommand exited with non-zero status 1\n"
                                     + TIME_REPORT.format(wall="0:33.28", rc=1))
     assert failed["last_line"] == "trtinfer build: error: out of disk" and failed["wall_s"] == pytest.approx(33.28)
-    killed = real_size.parse_time_v("Command terminated by signal 9\n" + TIME_REPORT.format(wall="0:01.00", rc=0))
-    assert killed["last_line"] == killed["signal"] == "Command terminated by signal 9"
+    # killed while it drew a progress bar: the kill is the error, not the bar
+    killed = real_size.parse_time_v("Loading weights: 100%| 399/399\nCommand terminated by signal 9\n"
+                                    + TIME_REPORT.format(wall="0:01.00", rc=0))
+    assert killed["signal"] == "Command terminated by signal 9"
+    assert killed["last_line"].startswith("Command terminated by signal 9 (SIGKILL") and "Loading" not in killed["last_line"]
 
 
 def test_a_failed_build_is_a_row(tmp_path):
