@@ -129,3 +129,27 @@ def test_validation_skipped_where_eager_does_not_fit(tiny_model_dir, tmp_path, m
         "not validated against eager (eager does not fit")
     # each stage records the process's peak memory so far
     assert all(rec["peak_rss_mib"] > 50 for rec in m["stages"].values()), m["stages"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_eager_reference_may_keep_the_first_tokens_only(arch, tiny_model_dir, tmp_path, monkeypatch):
+    """Past VALIDATION_VOCAB tokens the eager model keeps the first ones (embedding and head rows); prompts use them
+    and their logits are compared, and the record says how many (here in-process: torch is loaded by the suite)."""
+    from trtinfer.export import onnx_export
+
+    vocab = json.loads((tiny_model_dir(arch) / "config.json").read_text())["vocab_size"]
+    monkeypatch.setattr(onnx_export, "VALIDATION_VOCAB", 64)
+    v = export(tiny_model_dir(arch), tmp_path / "cut").validation
+    assert v["passed"] and v["top1_agree"] and v["present_max_abs_diff"] < 1e-4
+    assert (v["vocab_compared"], v["vocab_size"]) == (64, vocab) and vocab > 64
+
+
+def test_the_eager_reference_keeps_every_token_a_special_id_needs():
+    from types import SimpleNamespace
+
+    from trtinfer.export.onnx_export import VALIDATION_VOCAB, validation_vocab
+
+    big = VALIDATION_VOCAB * 4
+    assert validation_vocab(SimpleNamespace(vocab_size=big, pad_token_id=0, eos_token_id=[1, 106])) == VALIDATION_VOCAB
+    assert validation_vocab(SimpleNamespace(vocab_size=big, pad_token_id=big - 1)) == big  # a padding row past the cut
+    assert validation_vocab(SimpleNamespace(vocab_size=VALIDATION_VOCAB - 5)) == VALIDATION_VOCAB - 5

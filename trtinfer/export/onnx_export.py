@@ -236,9 +236,15 @@ def _traced(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> dict
     del model
     export_s = time.perf_counter() - t0
     log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
+    tokenizer = save_tokenizer(resolved.path, folder)
+    from trtinfer.runtime.memory import return_freed_memory
+
+    # where this runs in the build's own process (torch already loaded there): the trace and transformers' tokenizer
+    # loading (262k entries for Gemma-3) leave hundreds of MB freed but held by the allocator
+    return_freed_memory()
     return {"weights": weights, "fp32_bytes": fp32_bytes, "seconds": export_s, "geometry": geometry,
             "architecture": spec.name, "model_type": hf_config.model_type,
-            "validation_vocab": validation_vocab(hf_config), "tokenizer": save_tokenizer(resolved.path, folder)}
+            "validation_vocab": validation_vocab(hf_config), "tokenizer": tokenizer}
 
 
 def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> StageDir:

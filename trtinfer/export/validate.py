@@ -96,7 +96,11 @@ def eager_steps(path: Path, cut: tuple[int | None, int | None], ids: np.ndarray,
         mask2 = np.concatenate([mask, np.ones((ids.shape[0], 1), np.int64)], axis=1)
         ref2, cache = _reference_step(model, t(nxt), t(mask2), t(pos[:, -1:] + 1), cache)
     del model
-    return ref_logits, ref2, [(layer.keys.float().numpy(), layer.values.float().numpy()) for layer in cache.layers]
+    presents = [(layer.keys.float().numpy(), layer.values.float().numpy()) for layer in cache.layers]
+    from trtinfer.runtime.memory import return_freed_memory
+
+    return_freed_memory()  # in-process (torch already loaded): the model and its activations
+    return ref_logits, ref2, presents
 
 
 Eager = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
