@@ -69,16 +69,16 @@ def run(fn: Callable[..., T], *args: Any, child: bool | None = None) -> T:
     read_fd, write_fd = os.pipe()
     try:
         # the child's stdout goes to this process's stderr: a verb printing its result on stdout gets only its own
-        child = subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(write_fd)], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(write_fd)], stdin=subprocess.PIPE,
                                  stdout=2, pass_fds=(write_fd,))
     finally:
         os.close(write_fd)
     outcome: tuple[str, Any] | None = None
     try:
-        assert child.stdin is not None
+        assert proc.stdin is not None
         try:
-            with child.stdin:
-                child.stdin.write(pickle.dumps((fn, args, _levels())))
+            with proc.stdin:
+                proc.stdin.write(pickle.dumps((fn, args, _levels())))
         except BrokenPipeError:  # the child died before reading its task: said below
             pass
         with os.fdopen(read_fd, "rb") as inp:
@@ -87,10 +87,10 @@ def run(fn: Callable[..., T], *args: Any, child: bool | None = None) -> T:
                     logging.getLogger(obj.name).handle(obj)
                 else:
                     outcome = (kind, obj)
-        code = child.wait()
+        code = proc.wait()
     except BaseException:  # interrupted here: the child goes too
-        child.kill()
-        child.wait()
+        proc.kill()
+        proc.wait()
         raise
     if outcome is None:
         raise ExportError(f"the export's child process ended (exit code {code}) before it answered; "
