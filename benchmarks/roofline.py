@@ -93,6 +93,16 @@ def _kernel_graph(kernel: str, rows: int, cols: int) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
 
 
+def timed_runs(sess: Any, io: Any, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ONNX Runtime session ``sess`` over its bound ``io``."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sess.run_with_iobinding(io)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def probe_bandwidth(buffer_mib: float = 1024, threads: int | None = None, repeats: int = 5) -> dict[str, Any]:
     """GB/s of each of :data:`PROBE_KERNELS` through ONNX Runtime with ``threads`` intra-op threads (None: the
     engine's default), arrays of ``buffer_mib`` MiB each; best of ``repeats`` timed calls after one warm-up."""
@@ -117,11 +127,7 @@ def probe_bandwidth(buffer_mib: float = 1024, threads: int | None = None, repeat
         y = {"read": np.zeros(rows, np.float32), "gemv": np.zeros((1, cols), np.float32)}.get(kernel, out)
         io.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_numpy(y))
         sess.run_with_iobinding(io)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            sess.run_with_iobinding(io)
-            times.append(time.perf_counter() - t0)
+        times = timed_runs(sess, io, repeats)
         expect = {"read": 1.0, "gemv": float(rows), "copy": 1.0, "add": 3.0}[kernel]
         if not np.all(y.reshape(-1)[:4] == expect):  # the result landed in our buffer: no hidden copy elsewhere
             raise RuntimeError(f"probe kernel {kernel} wrote {y[:4]}, expected {expect}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.machine import git_commit, machine_info, result_path
+from benchmarks.roofline import probe_bandwidth, timed_runs
 
 GROUPS = ("q_proj", "o_proj", "gate_proj", "down_proj", "lm_head")  # packed QKV / gate-up keep the first name
 
@@ -82,11 +82,7 @@ def profile(engine: Path, batch: int, past: int, steps: int) -> dict[str, Any]:
     b, _keep = bind(s)
     for _ in range(3):
         s.run_with_iobinding(b)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        s.run_with_iobinding(b)
-        times.append(time.perf_counter() - t0)
+    times = timed_runs(s, b, steps)
     del s, b, _keep
     s = session(True)
     b, _keep = bind(s)
@@ -122,8 +118,6 @@ def main() -> None:
     ap.add_argument("--past", type=int, default=512)
     ap.add_argument("--steps", type=int, default=15)
     args = ap.parse_args()
-    from benchmarks.roofline import probe_bandwidth
-
     probe = probe_bandwidth()
     print("probe GB/s: " + ", ".join(f"{k} {v['gb_s']:.1f}" for k, v in probe["kernels"].items()))
     rows = []

@@ -10,9 +10,10 @@ def validation_text(v: dict[str, Any] | None, skipped: str | None = None) -> str
         return f"not validated against eager ({skipped})" if skipped else "not validated against eager"
     if "decode_logits_max_abs_diff" in v:
         diff = max(v["prefill_logits_max_abs_diff"], v["decode_logits_max_abs_diff"])
-        cut = v.get("vocab_compared", 0) < v.get("vocab_size", 0)
-        part = f" on the first {v['vocab_compared']} of {v['vocab_size']} tokens" if cut else ""
-        return f"validated vs eager: logits max|diff| {diff:.2e} (tol {v['tolerance']:.2e}){part}, top-1 agrees"
+        from trtinfer.export.validate import vocab_scope
+
+        return (f"validated vs eager: logits max|diff| {diff:.2e} (tol {v['tolerance']:.2e}){vocab_scope(v)}, "
+                "top-1 agrees")
     return f"validated vs eager: max|diff| {v['max_abs_diff']:.2e} (tol {v['tolerance']:.2e})"
 
 

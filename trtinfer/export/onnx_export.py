@@ -195,9 +195,9 @@ def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping:
 def _validate(graph: Path, resolved: ResolvedModel, vocab: int, geometry: dict[str, Any],
               config: ExportConfig) -> dict[str, Any]:
     """Compare ``graph`` with the eager model of ``resolved`` (loaded once ONNX Runtime is done); raises on failure."""
-    from trtinfer.export.validate import eager_steps, validate_decoder
+    from trtinfer.export.validate import eager_steps, validate_decoder, vocab_scope
 
-    eager_cut = (config.layers, vocab if vocab < geometry["vocab_size"] else config.vocab)
+    eager_cut = (config.layers, vocab)  # vocab <= the export's own (cut) vocabulary
     report = validate_decoder(graph, lambda *inputs: isolated.run(eager_steps, resolved.path, eager_cut, *inputs),
                               geometry, config.atol, config.logits == "last", vocab)
     if not report.passed:
@@ -207,10 +207,11 @@ def _validate(graph: Path, resolved: ResolvedModel, vocab: int, geometry: dict[s
             f"{report.present_max_abs_diff:.2e}, top-1 agree {report.top1_agree}; raise --atol only if "
             "these are fp32 reordering noise"
         )
-    cut = f" on the first {vocab} of {report.vocab_size} tokens" if vocab < report.vocab_size else ""
+    record = report.to_dict()
     log.info("validated against PyTorch eager: logits max|diff| %.2e (tolerance %.2e)%s, top-1 agrees",
-             max(report.prefill_logits_max_abs_diff, report.decode_logits_max_abs_diff), report.tolerance, cut)
-    return report.to_dict()
+             max(report.prefill_logits_max_abs_diff, report.decode_logits_max_abs_diff), report.tolerance,
+             vocab_scope(record))
+    return record
 
 
 def _traced(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> dict[str, Any]:

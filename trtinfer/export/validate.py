@@ -41,6 +41,13 @@ class ValidationReport:
         return asdict(self)
 
 
+def vocab_scope(report: dict[str, Any]) -> str:
+    """`` on the first 32768 of 262144 tokens`` where a validation record's eager reference kept a cut vocabulary,
+    else ``""`` (also for records written before the cut existed)."""
+    cut = report.get("vocab_compared", 0) < report.get("vocab_size", 0)
+    return f" on the first {report['vocab_compared']} of {report['vocab_size']} tokens" if cut else ""
+
+
 def _reference_step(model: Any, ids: Any, mask: Any, pos: Any, cache: Any) -> tuple[np.ndarray, Any]:
     import torch
 
