@@ -26,7 +26,7 @@ from benchmarks.roofline import probe_bandwidth, timed_runs
 GROUPS = ("q_proj", "o_proj", "gate_proj", "down_proj", "lm_head")  # packed QKV / gate-up keep the first name
 
 
-def _group(node: str) -> str:
+def group_of(node: str) -> str:
     return next((g for g in GROUPS if g in node), "other")
 
 
@@ -99,7 +99,7 @@ def profile(engine: Path, batch: int, past: int, steps: int) -> dict[str, Any]:
     sizes = node_bytes(engine / "model.onnx")
     groups: dict[str, dict[str, float]] = {}
     for node, nbytes in sizes.items():
-        g = groups.setdefault(_group(node), {"ms": 0.0, "bytes": 0})
+        g = groups.setdefault(group_of(node), {"ms": 0.0, "bytes": 0})
         g["ms"] += by_node.get(node, 0) / runs / 1e3
         g["bytes"] += nbytes
     for g in groups.values():

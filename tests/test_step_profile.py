@@ -16,7 +16,7 @@ def test_projection_bytes_and_times(tiny_engine):
     expected: dict[str, int] = {}
     for n in model.graph.node:
         if n.op_type == "MatMulNBits":
-            group = step_profile._group(n.name)
+            group = step_profile.group_of(n.name)
             expected[group] = expected.get(group, 0) + sum(inits.get(i, 0) for i in n.input)
     got = {g: v["bytes"] for g, v in report["projections"].items()}
     assert got == expected
