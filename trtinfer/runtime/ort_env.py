@@ -22,6 +22,7 @@ from trtinfer.artifact import Manifest
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, OutputError
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.memory import lean_weights
+from trtinfer.runtime.page_out import data_files, paging_out
 
 log = logging.getLogger(__name__)
 
@@ -288,9 +289,11 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.intra_op_num_threads = config.intra_op_threads or default_intra_op_threads()
     so.log_severity_level = 3
-    if config.provider == "cpu" and config.prepack_weights is not True:
-        lean_weights(so, model, always=config.prepack_weights is False)  # no second copy of a model that big
-    else:
+    packs = config.provider == "cpu"
+    if packs and config.prepack_weights is not True:
+        # no second copy of a model that big
+        packs = not lean_weights(so, model, always=config.prepack_weights is False)
+    elif not packs:
         preload_cuda_libraries(ort)
         check_provider_available(ort, config.provider)
     if config.provider == "tensorrt":
@@ -302,7 +305,9 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
         providers = [(p[0], {**p[1], "use_tf32": 0}) if isinstance(p, tuple) and p[0] == ORT_PROVIDERS["cuda"] else p
                      for p in providers]
     try:
-        sess = ort.InferenceSession(str(model), so, providers=providers)
+        # MLAS packs the weights it reads: the mapped originals need not stay resident beside the packed copy
+        with paging_out(data_files(model) if packs else ()):
+            sess = ort.InferenceSession(str(model), so, providers=providers)
     except Exception as e:
         raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
     if config.provider == "cpu":
