@@ -48,9 +48,22 @@ def test_hessian_accumulator_sums_rows() -> None:
     acc.add(x[1:])
     x2 = x.reshape(-1, 8).astype(np.float64)
     assert acc.rows == 15
-    np.testing.assert_allclose(acc.hessian(), 2 * x2.T @ x2 / 15, rtol=1e-12)
     with pytest.raises(ValueError, match="8 features"):
         acc.add(np.zeros((2, 7), np.float32))
+    np.testing.assert_allclose(acc.hessian(), 2 * x2.T @ x2 / 15, rtol=1e-5)  # float32, as the GPTQ reference
+    with pytest.raises(ValueError, match="already called"):  # the accumulator became the Hessian
+        acc.add(x[:1])
+
+
+def test_hessian_accumulator_buffers_rows() -> None:
+    """Single rows (decode steps) are gathered and added FLUSH_ROWS at a time; the sum is the same."""
+    x = np.random.default_rng(3).normal(size=(2 * HessianAccumulator.FLUSH_ROWS + 7, 16)).astype(np.float32)
+    acc = HessianAccumulator(16)
+    for row in x:
+        acc.add(row[None])
+    assert acc.rows == len(x)  # two flushes so far, 7 rows waiting: hessian() adds them
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(acc.hessian(), 2 * x64.T @ x64 / len(x), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="no activations"):
         HessianAccumulator(4).hessian()
 

@@ -45,4 +45,5 @@ def matmul_hessians(ctx: QuantContext, sites: Sequence[WeightSite]) -> dict[str,
                             "source": str(cal.source) if cal.source else "builtin", "tensors": len(acc)}
     ctx.notes["calibration"] = info
     log.debug("GPTQ statistics: %s", info)
-    return {s.name: acc[s.node.inputs[0].name].hessian() for s in wanted}  # type: ignore[union-attr,index]
+    hessians = {name: a.hessian() for name, a in acc.items()}  # one matrix per input, shared by its MatMuls (q/k/v)
+    return {s.name: hessians[s.node.inputs[0].name] for s in wanted}  # type: ignore[union-attr,index]
