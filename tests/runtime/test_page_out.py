@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from trtinfer.runtime.page_out import data_files, mapped_ranges, page_out, paging_out
+from trtinfer.runtime.page_out import cpu_session, data_files, mapped_ranges, page_out, paging_out, prepacks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
 
@@ -49,15 +49,19 @@ def int4_graph(folder: Path, k: int = 2048, n: int = 2048, block: int = 32) -> P
     return path
 
 
-def session(path: Path) -> ort.InferenceSession:
+def options() -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as the runtime loads: weights mapped
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return so
+
+
+def session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), options(), providers=["CPUExecutionProvider"])
 
 
 def test_weights_paged_out_while_loading_and_results_unchanged(tmp_path):
     path = int4_graph(tmp_path)
-    files = data_files(path)
+    files = data_files(tmp_path)
     assert files == {os.path.realpath(tmp_path / "model.onnx.data")}
     x = np.random.default_rng(1).standard_normal((3, 2048)).astype(np.float32)
 
@@ -70,16 +74,27 @@ def test_weights_paged_out_while_loading_and_results_unchanged(tmp_path):
     assert held >= 512, held
     del kept
 
-    with paging_out(files):
-        lean = session(path)
+    lean = cpu_session(str(path), options(), tmp_path)  # prepacking on: paged out while it loads
     assert resident_kib(files) < held / 4  # handed back
     np.testing.assert_array_equal(lean.run(None, {"x": x})[0], expected)  # the packed copy computes the same
     assert page_out(files) >= 0  # again, after running: still nothing lost
     np.testing.assert_array_equal(lean.run(None, {"x": x})[0], expected)
 
 
+def test_only_packing_cpu_sessions_page_out(tmp_path):
+    path = int4_graph(tmp_path)
+    files = data_files(tmp_path)
+    so = options()
+    assert prepacks(so)
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    assert not prepacks(so)
+    lean = cpu_session(str(path), so, tmp_path)  # weights read in place on every run: nothing to page out
+    lean.run(None, {"x": np.ones((1, 2048), np.float32)})
+    assert resident_kib(files) >= 1024  # the 4-bit blocks, read where they are mapped
+
+
 def test_nothing_to_page_out_is_a_no_op(tmp_path):
-    assert data_files(tmp_path / "model.onnx") == set()
+    assert data_files(tmp_path) == set()
     with paging_out(set()):
         pass
     assert page_out({str(tmp_path / "absent.data")}) == 0

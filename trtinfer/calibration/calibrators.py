@@ -372,7 +372,6 @@ def _augmented_session(path: Path, tensors: Sequence[str]) -> Any:
 
 def _session_with_outputs(model: Any, path: Path, tensors: Sequence[str]) -> Any:
     import onnx
-    import onnxruntime as ort
 
     known = {i.name for i in model.graph.input} | {o for n in model.graph.node for o in n.output}
     missing = [t for t in tensors if t not in known]
@@ -385,11 +384,12 @@ def _session_with_outputs(model: Any, path: Path, tensors: Sequence[str]) -> Any
         if t not in outputs:  # no type given: ONNX Runtime infers it (fp16 graphs give fp16 outputs)
             model.graph.output.append(onnx.ValueInfoProto(name=t))
     from trtinfer.runtime.memory import stage_session_options
+    from trtinfer.runtime.page_out import cpu_session
 
     so = stage_session_options(path)
     # the weights stay where they are: ONNX Runtime reads them from the original folder
     so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent.resolve()))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return cpu_session(model.SerializeToString(), so, path.parent)
 
 
 def collect(model_path: str | Path | StageDir, feeds: Iterable[dict[str, np.ndarray]], tensors: Sequence[str],

@@ -238,13 +238,12 @@ def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
     needs them (calibration, on a session with extra outputs) runs each feed once.
     """
     if session is None:
-        import onnxruntime as ort
-
         from trtinfer.runtime.memory import stage_session_options
+        from trtinfer.runtime.page_out import cpu_session
         from trtinfer.stage_weights import materialized_file
 
         with materialized_file(stage.onnx_path) as whole:  # the session keeps what it read after the copy is gone
-            session = ort.InferenceSession(str(whole), stage_session_options(whole), providers=["CPUExecutionProvider"])
+            session = cpu_session(str(whole), stage_session_options(whole), whole.parent)
     past, present = _kv_names(stage)
     specs = {t.name: t for t in stage.io.inputs}
     geo = stage.geometry

@@ -22,7 +22,7 @@ from trtinfer.artifact import Manifest
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, OutputError
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.memory import lean_weights
-from trtinfer.runtime.page_out import data_files, paging_out
+from trtinfer.runtime.page_out import cpu_session
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +289,10 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.intra_op_num_threads = config.intra_op_threads or default_intra_op_threads()
     so.log_severity_level = 3
-    packs = config.provider == "cpu"
-    if packs and config.prepack_weights is not True:
-        # no second copy of a model that big
-        packs = not lean_weights(so, model, always=config.prepack_weights is False)
-    elif not packs:
+    if config.provider == "cpu":
+        if config.prepack_weights is not True:  # no second copy of a model that big
+            lean_weights(so, model, always=config.prepack_weights is False)
+    else:
         preload_cuda_libraries(ort)
         check_provider_available(ort, config.provider)
     if config.provider == "tensorrt":
@@ -306,8 +305,7 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
                      for p in providers]
     try:
         # MLAS packs the weights it reads: the mapped originals need not stay resident beside the packed copy
-        with paging_out(data_files(model) if packs else ()):
-            sess = ort.InferenceSession(str(model), so, providers=providers)
+        sess = cpu_session(str(model), so, model.parent, providers)
     except Exception as e:
         raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
     if config.provider == "cpu":

@@ -22,7 +22,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +78,29 @@ def page_out(files: set[str]) -> int:
     return done
 
 
-def data_files(model: Path) -> set[str]:
-    """Real paths of the external-data files beside ``model`` (``*.data``): the files ONNX Runtime maps."""
-    return {os.path.realpath(p) for p in Path(model).parent.glob("*.data")}
+def data_files(folder: Path) -> set[str]:
+    """Real paths of the external-data files in ``folder`` (``*.data``): the files ONNX Runtime maps."""
+    return {os.path.realpath(p) for p in Path(folder).glob("*.data")}
+
+
+def prepacks(options: Any) -> bool:
+    """Whether a session made with ``options`` (``onnxruntime.SessionOptions``) lets MLAS pack its weights."""
+    try:
+        return bool(options.get_session_config_entry("session.disable_prepacking") != "1")
+    except RuntimeError:  # never set: on
+        return True
+
+
+def cpu_session(model: str | bytes, options: Any, weights: Path, providers: Sequence[Any] = ("CPUExecutionProvider",)
+                ) -> Any:
+    """``onnxruntime.InferenceSession(model, options, providers)``; when it runs on the CPU first and MLAS packs its
+    weights, the weight files in folder ``weights`` are paged out while it loads (:func:`paging_out`)."""
+    import onnxruntime as ort
+
+    first = providers[0] if providers else "CPUExecutionProvider"
+    on_cpu = (first[0] if isinstance(first, tuple) else first) == "CPUExecutionProvider"
+    with paging_out(data_files(weights) if on_cpu and prepacks(options) else ()):
+        return ort.InferenceSession(model, options, providers=list(providers))
 
 
 @contextlib.contextmanager
