@@ -24,14 +24,10 @@ FIELDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k
           "num_assistant_tokens_schedule")
 
 
-def read_generation_defaults(engine_dir: Path) -> GenerationConfig:
-    """The engine's defaults: :class:`GenerationConfig` with the fields its ``generation_config.json`` sets."""
-    return read_generation_defaults_and_keys(engine_dir)[0]
-
-
 def read_generation_defaults_and_keys(engine_dir: Path) -> tuple[GenerationConfig, frozenset[str]]:
-    """:func:`read_generation_defaults` and the names of the fields the file really set (servers that follow vLLM
-    apply only those, not transformers' own defaults such as ``top_k=50``)."""
+    """The engine's defaults (:class:`GenerationConfig` with the fields its ``generation_config.json`` sets) and the
+    names of the fields the file really set (servers that follow vLLM apply only those, not transformers' own
+    defaults such as ``top_k=50``)."""
     path = Path(engine_dir) / "generation_config.json"
     try:
         raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

@@ -99,11 +99,6 @@ def kv_layout(name: str, runner: KVRunner) -> KVLayout:
     return _LAYOUTS[name](runner)
 
 
-def known_layouts() -> list[str]:
-    """The registered layout names."""
-    return sorted(_LAYOUTS)
-
-
 @register_layout
 class ConcatLayout(KVLayout):
     """Left-padded prompts with a 2-D attention mask; each pass returns new present tensors one column longer."""
