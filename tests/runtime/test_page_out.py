@@ -72,6 +72,8 @@ def test_weights_paged_out_while_loading_and_results_unchanged(tmp_path):
     # ONNX Runtime unmaps the packed 4-bit blocks but keeps the scales (512 KiB here) mapped and resident, though the
     # packed copy holds them too (a 1B engine: 154 MiB of scales)
     assert held >= 512, held
+    if page_out(files) == 0:
+        pytest.skip("this kernel refuses MADV_PAGEOUT (Linux < 5.4): paging out does nothing here")
     del kept
 
     lean = cpu_session(str(path), options(), tmp_path)  # prepacking on: paged out while it loads
