@@ -5,7 +5,8 @@ session does after the build), so a model's weights are file pages shared with t
 MLAS *prepacks* the weights of fp32 GEMMs into its own layout: a second, private copy of nearly every weight (on
 Gemma-3-270M fp32, peak 1,822 vs 1,379 MiB without it), which pays at batch > 1 (bs8 decode 2.4x faster here) but
 cannot exist for a model larger than RAM. :func:`lean_weights` turns prepacking off for graphs whose weights take
-more than half the memory available: the weights are then read once, in place.
+more than half the memory available: the weights are then read once, in place. Where prepacking stays on, the
+mapped originals are paged out while the session loads (:mod:`trtinfer.runtime.page_out`).
 """
 from __future__ import annotations
 
