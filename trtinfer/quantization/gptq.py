@@ -55,6 +55,7 @@ class HessianAccumulator:
         self.k = k
         self.xtx = np.zeros((k, k), np.float32)
         self.rows = 0
+        self.spent = False  # hessian() turned the sum into the Hessian
         self._pending: list[np.ndarray] = []
         self._pending_rows = 0
 
@@ -62,7 +63,7 @@ class HessianAccumulator:
         """Add activations ``x [..., K]`` (every leading index is one row of ``X``)."""
         if x.shape[-1] != self.k:
             raise ValueError(f"activations must end in {self.k} features, got shape {x.shape}")
-        if self.rows < 0:
+        if self.spent:
             raise ValueError("hessian() was already called: the accumulator became it")
         x2 = np.array(x, np.float32).reshape(-1, self.k)  # a copy: the caller's buffer may be reused
         self._pending.append(x2)
@@ -80,12 +81,13 @@ class HessianAccumulator:
     def hessian(self) -> np.ndarray:
         """``H = 2 X^T X / rows`` ``[K, K]`` float32 (the Hessian of the mean squared output error), computed in
         place: the accumulator is spent, its sum becomes the Hessian (one ``K x K`` matrix, not two)."""
-        if self.rows <= 0:
-            raise ValueError("no activations were added; call add() before hessian()" if self.rows == 0 else
-                             "hessian() was already called: the accumulator became it")
+        if self.spent:
+            raise ValueError("hessian() was already called: the accumulator became it")
+        if self.rows == 0:
+            raise ValueError("no activations were added; call add() before hessian()")
         self._flush()
         self.xtx *= np.float32(2.0 / self.rows)
-        self.rows = -1  # spent
+        self.spent = True
         return self.xtx
 
 
