@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import git_commit, machine_info, result_path
+from trtinfer.runtime.memory import weight_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,12 +36,6 @@ def measure(engine: Path, source: Path, prompt_len: int, new_tokens: int) -> dic
     if done.returncode or not lines:
         raise SystemExit(f"{' '.join(cmd)} (in {source}) failed: {(done.stderr or done.stdout).strip()[-400:]}")
     return json.loads(lines[-1])  # type: ignore[no-any-return]
-
-
-def weight_bytes(engine: Path) -> int:
-    from trtinfer.runtime.memory import weight_bytes as of
-
-    return of(engine / "model.onnx")
 
 
 def chart(report: dict[str, Any], path: Path) -> None:
@@ -80,7 +75,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     args = ap.parse_args()
     sources = {"now": ROOT} if args.baseline is None else {"baseline": args.baseline.resolve(), "now": ROOT}
-    codes = {name: git_commit() if src == ROOT else _describe(src) for name, src in sources.items()}
+    codes = {name: git_commit(src) for name, src in sources.items()}
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for engine in args.engines:
@@ -91,7 +86,7 @@ def main() -> None:
                       f"decode {res['decode_tok_s']:6.2f} tok/s", flush=True)
     rows = []
     for (engine, name), results in runs.items():
-        size = weight_bytes(Path(engine))
+        size = weight_bytes(Path(engine) / "model.onnx")
         peaks = [r["peak_rss_mib"] for r in results]
         ratios = [p * 2**20 / size for p in peaks]
         rows.append({"engine": Path(engine).name, "path": engine, "code": name, "weight_bytes": size,
@@ -111,12 +106,6 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=2))
     chart(report, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png').name}")
-
-
-def _describe(src: Path) -> str:
-    done = subprocess.run(["git", "-C", str(src), "describe", "--always", "--dirty"], capture_output=True, text=True,
-                          check=False)
-    return done.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":

@@ -40,9 +40,10 @@ def cpu_kind(machine: dict[str, Any] | None = None) -> str:
     return "-".join(re.sub(r"[^a-z0-9]", "", w) for w in [*words, isa] if w)
 
 
-def git_commit() -> str:
-    """The commit measured (``git describe --always --dirty``; ``unknown`` outside a checkout)."""
-    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
+def git_commit(checkout: Path = ROOT) -> str:
+    """The commit measured (``git describe --always --dirty`` of ``checkout``, this one by default; ``unknown``
+    outside a checkout)."""
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=checkout, capture_output=True, text=True,
                          check=False)
     return out.stdout.strip() or "unknown"
 

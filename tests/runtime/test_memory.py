@@ -3,16 +3,7 @@ from __future__ import annotations
 
 import onnxruntime as ort
 
-from trtinfer.runtime.memory import available_memory, lean_weights, weight_bytes
-
-PREPACK_OFF = "session.disable_prepacking"
-
-
-def prepacking_off(so: ort.SessionOptions) -> bool:
-    try:
-        return so.get_session_config_entry(PREPACK_OFF) == "1"
-    except RuntimeError:  # never set
-        return False
+from trtinfer.runtime.memory import available_memory, lean_weights, prepacks, weight_bytes
 
 
 def test_available_memory_and_weight_bytes(tmp_path):
@@ -29,9 +20,9 @@ def test_lean_only_for_big_weights_or_when_asked(tmp_path):
     small.write_bytes(b"x" * 100)
     so = ort.SessionOptions()
     assert not lean_weights(so, small)
-    assert not prepacking_off(so)
+    assert prepacks(so)
     so = ort.SessionOptions()
-    assert lean_weights(so, small, always=True) and prepacking_off(so)
+    assert lean_weights(so, small, always=True) and not prepacks(so)
     # a sparse file larger than half the available memory: no prepacked copy
     big = tmp_path / "big" / "model.onnx"
     big.parent.mkdir()
@@ -39,4 +30,4 @@ def test_lean_only_for_big_weights_or_when_asked(tmp_path):
     with open(big.parent / "model.onnx.data", "wb") as f:
         f.truncate(int(available_memory() * 0.6))
     so = ort.SessionOptions()
-    assert lean_weights(so, big) and prepacking_off(so)
+    assert lean_weights(so, big) and not prepacks(so)

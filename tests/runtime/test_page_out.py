@@ -11,7 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from trtinfer.runtime.page_out import cpu_session, data_files, mapped_ranges, page_out, paging_out, prepacks
+from trtinfer.runtime.memory import PREPACK_OFF, prepacks
+from trtinfer.runtime.page_out import cpu_session, data_files, mapped_ranges, page_out, paging_out
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
 
@@ -88,7 +89,7 @@ def test_only_packing_cpu_sessions_page_out(tmp_path):
     files = data_files(tmp_path)
     so = options()
     assert prepacks(so)
-    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.add_session_config_entry(PREPACK_OFF, "1")
     assert not prepacks(so)
     lean = cpu_session(str(path), so, tmp_path)  # weights read in place on every run: nothing to page out
     lean.run(None, {"x": np.ones((1, 2048), np.float32)})

@@ -11,6 +11,7 @@ from typing import Any
 from trtinfer.artifact import DATA_NAME, ONNX_NAME, StageDir, kv_dtype
 from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BackendUnavailableError, BuildError, ConfigError
+from trtinfer.runtime.memory import PREPACK_OFF
 from trtinfer.stages import ONNX_DTYPES, graph_io
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def build_onnxruntime(stage: StageDir, out: Path, config: BuildConfig) -> dict[s
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = str(out / ONNX_NAME)
     # this session only writes the optimized graph: MLAS's packed copy of every weight would double the build's peak
-    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.add_session_config_entry(PREPACK_OFF, "1")
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA_NAME)
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     try:

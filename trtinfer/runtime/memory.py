@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 #: prepacking is turned off when a graph's weights exceed this share of the available memory
 LEAN_SHARE = 0.5
+#: ONNX Runtime's session setting that turns MLAS prepacking off ("1")
+PREPACK_OFF = "session.disable_prepacking"
 
 
 def proc_kib(path: str, key: str) -> int | None:
@@ -100,8 +102,16 @@ def lean_weights(options: Any, model: Path, *, always: bool = False) -> bool:
             return False
         log.info("%s: weights of %.1f GiB vs %.1f GiB available: weights are read in place (no prepacked copy)",
                  Path(model).name, size / 2**30, (available_memory() or 0) / 2**30)
-    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.add_session_config_entry(PREPACK_OFF, "1")
     return True
+
+
+def prepacks(options: Any) -> bool:
+    """Whether a session made with ``options`` (``onnxruntime.SessionOptions``) lets MLAS pack its weights."""
+    try:
+        return bool(options.get_session_config_entry(PREPACK_OFF) != "1")
+    except RuntimeError:  # never set: on
+        return True
 
 
 def stage_session_options(model: Path, *, always: bool = False) -> Any:

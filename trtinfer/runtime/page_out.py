@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from trtinfer.runtime.memory import prepacks
+
 log = logging.getLogger(__name__)
 
 #: ``madvise`` advice: reclaim these pages now (Linux 5.4+)
@@ -81,14 +83,6 @@ def page_out(files: set[str]) -> int:
 def data_files(folder: Path) -> set[str]:
     """Real paths of the external-data files in ``folder`` (``*.data``): the files ONNX Runtime maps."""
     return {os.path.realpath(p) for p in Path(folder).glob("*.data")}
-
-
-def prepacks(options: Any) -> bool:
-    """Whether a session made with ``options`` (``onnxruntime.SessionOptions``) lets MLAS pack its weights."""
-    try:
-        return bool(options.get_session_config_entry("session.disable_prepacking") != "1")
-    except RuntimeError:  # never set: on
-        return True
 
 
 def cpu_session(model: str | bytes, options: Any, weights: Path, providers: Sequence[Any] = ("CPUExecutionProvider",)
