@@ -204,8 +204,7 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
                         and stage.history.get("export", {}).get("reference_skipped")):
                     from trtinfer.builder.piece_check import reduced_depth_check
 
-                    quantized = stage.history.get("quantize", {}).get("config", {})
-                    piece = reduced_depth_check(resolved, config, stage.geometry, quantized, out.parent)
+                    piece = reduced_depth_check(resolved, config, stage.geometry, out.parent)
             if accuracy is not None:
                 from trtinfer.quantization.accuracy import accuracy_verdict, verdict_error
 

@@ -45,21 +45,16 @@ def _cache_at(root: Path) -> Iterator[None]:
             os.environ["TRTINFER_CACHE"] = old
 
 
-def reduced_depth_check(resolved: Any, config: BuildConfig, geometry: dict[str, Any], quantized: dict[str, Any],
-                        near: Path) -> dict[str, Any]:
+def reduced_depth_check(resolved: Any, config: BuildConfig, geometry: dict[str, Any], near: Path) -> dict[str, Any]:
     """Build ``resolved`` (a :class:`~trtinfer.export.sources.ResolvedModel`) cut to :data:`LAYERS` layers and
-    :data:`VOCAB` tokens with ``config`` (``quantized``: the whole model's quantize-stage config, whose method it
-    follows) in a temporary folder beside ``near``; returns its checks. A failed check fails this build."""
+    :data:`VOCAB` tokens with ``config`` in a temporary folder beside ``near``; returns its checks. A failed check
+    fails this build."""
     from trtinfer.artifact import read_manifest
     from trtinfer.builder.engine_builder import build
 
     num_layers, vocab = int(geometry["num_layers"]), min(VOCAB, int(geometry["vocab_size"]))
     layers = min(LAYERS, num_layers - 1)
-    quant = config.quantization
-    if quant is not None and quantized.get("method") and quant.precision == "int4":
-        quant = dataclasses.replace(quant, method=quantized["method"])  # e.g. round-to-nearest where GPTQ did not fit
-    cut = dataclasses.replace(config, quantization=quant,
-                              export=dataclasses.replace(config.export, layers=layers, vocab=vocab))
+    cut = dataclasses.replace(config, export=dataclasses.replace(config.export, layers=layers, vocab=vocab))
     log.info("checking the pipeline on the model's first %d of %d layers (the whole model does not fit in fp32)",
              layers, num_layers)
     with tempfile.TemporaryDirectory(prefix=".reduced-depth-", dir=near) as tmp, _cache_at(Path(tmp) / "cache"):

@@ -233,8 +233,9 @@ def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
     """Yield each window's prefill feed, then its ``decode_steps`` teacher-forced decode feeds.
 
     Every feed is run on ``session`` (an ``onnxruntime.InferenceSession`` over the stage's graph, or over that
-    graph with extra outputs; a CPU session on ``stage.onnx_path`` when None) because the next feed's KV cache is
-    this one's ``present.*``. ``on_outputs(feed, outputs)`` receives every run's named outputs, so a caller that
+    graph with extra outputs, or one piece of the graph (:mod:`trtinfer.calibration.pieces`: only its layers'
+    ``present.*``); a CPU session on ``stage.onnx_path`` when None) because the next feed's KV cache is this one's
+    ``present.*``. ``on_outputs(feed, outputs)`` receives every run's named outputs, so a caller that
     needs them (calibration, on a session with extra outputs) runs each feed once.
     """
     if session is None:
@@ -265,7 +266,7 @@ def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
             outputs = dict(zip(out_names, session.run(None, feed)))
             if on_outputs is not None:
                 on_outputs(feed, outputs)
-            kv = {p: outputs[q] for p, q in zip(past, present)}
+            kv = {p: outputs.get(q, kv[p]) for p, q in zip(past, present)}
             done = stop
 
 

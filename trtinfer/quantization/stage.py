@@ -26,7 +26,7 @@ from trtinfer.stages import cached_stage, carry_forward, graph_io, make_stage, p
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_FORMAT = 7  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
+QUANTIZE_FORMAT = 8  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
 CALIBRATION_FILES = ("calibration.json", "calibration.cache")
 
 
@@ -66,15 +66,11 @@ def _rewrite(src: StageDir, run: StageDir, folder: Path, config: QuantConfig, ta
     return report
 
 
-def _fitted(config: QuantConfig, fits: bool, figures: str) -> tuple[QuantConfig, str | None]:
-    """``config`` for a model whose fp32 graph does (not) fit: calibrated int4 becomes round-to-nearest (the
-    Hessians need the fp32 graph run), int8-static is refused; returns the reason of a change."""
-    if fits or not config.needs_calibration:
-        return config, None
-    if config.precision == "int4":
-        why = f"calibrated int4 runs the fp32 graph, which does not fit ({figures}): round-to-nearest instead"
-        log.warning("%s", why)
-        return dataclasses.replace(config, method="rtn"), why
+def _check_fits(config: QuantConfig, fits: bool, figures: str) -> None:
+    """Refuse a calibration on the whole fp32 graph where that graph does not fit (GPTQ's statistics run it piece by
+    piece: :mod:`trtinfer.calibration.pieces`)."""
+    if fits or not config.needs_calibration or config.precision == "int4":
+        return
     raise ConfigError(f"{config.precision} calibrates on the fp32 graph, which does not fit ({figures}); "
                       "use --precision int4 or int8 (weight-only)")
 
@@ -88,11 +84,9 @@ def _quantize_into(src: StageDir, folder: Path, config: QuantConfig, progress: b
     get_precision(config.precision, target)  # an unknown precision/target pair fails before any work
     t0 = time.perf_counter()
     fits, figures = whole_copy_fits(graph_weight_bytes(src.onnx_path), folder)
-    config, changed = _fitted(config, fits, figures)
+    _check_fits(config, fits, figures)
     with (materialized(src) if fits else contextlib.nullcontext(src)) as run:
         report = _rewrite(src, run, folder, config, target, progress)
-        if changed:
-            report["method_changed"] = changed
         accuracy: dict[str, Any] = (accuracy_report(run, folder, progress=progress) if fits else
                                     {"skipped": f"the fp32 graph does not fit: {figures}"})
         fallback = tuple(p for p in FALLBACK_FP32.get(config.precision, ()) if p not in config.skip_patterns)

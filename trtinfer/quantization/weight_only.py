@@ -56,23 +56,20 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
     gather = embedding_gather(graph, vocab)
     tied = tied_embedding(gather, head.weight if head is not None else None)
     method = ctx.config.method if bits == 4 else "rtn"
-    hessians: dict[str, np.ndarray] = {}
-    if method == "gptq":
-        from trtinfer.quantization.gptq_stats import matmul_hessians
-
-        hessians = matmul_hessians(ctx, chosen)
     fp32_bytes = sum(4 * s.k * s.n for s in sites)
     cache = BlockCache()
     forms: dict[str, int] = {}
     head_packed: tuple[ir.Value, Blocks] | None = None
-    for s in chosen:
+
+    def place(s: WeightSite, hessian: np.ndarray | None) -> None:
+        nonlocal head_packed
         b, block, sym = layout_for(s, ctx, bits)
         q: Blocks
-        if method == "gptq" and s.name in hessians:
+        if hessian is not None:
             from trtinfer.quantization.gptq import gptq_quantize
 
             w = s.array()
-            q = gptq_quantize(w, hessians[s.name], bits=b, block=block, symmetric=sym,
+            q = gptq_quantize(w, hessian, bits=b, block=block, symmetric=sym,
                               act_order=ctx.config.act_order, scale_search=ctx.config.scale_search)
             del w
             release(s.weight.const_value)  # its mapped pages leave the process: peak stays one weight, not the model
@@ -84,6 +81,16 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
         forms[key] = forms.get(key, 0) + 1
         if s.lm_head:
             head_packed = (packed, q)
+
+    left = {s.name: s for s in chosen}
+    if method == "gptq":  # a piece's statistics, then its weights, then the next piece's: one piece's Hessians held
+        from trtinfer.quantization.gptq_stats import matmul_hessians
+
+        for hessians in matmul_hessians(ctx, chosen):
+            for name, h in hessians.items():
+                place(left.pop(name), h)
+    for s in left.values():
+        place(s, None)
     embedding = "fp32"
     if tied and head_packed is not None and gather is not None:
         packed, q = head_packed

@@ -1,0 +1,105 @@
+"""A stage's graph run piece by piece gives every calibration run the same values as the whole graph: the GPTQ
+statistics (X^T X of every MatMul input, prefill and decode runs) of tiny Llama/Gemma-3 graphs of both KV layouts,
+cut as finely as the rules allow, equal those of one whole-graph session; a GPTQ quantize stage in pieces writes
+the same codes as in one piece."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from trtinfer.calibration import CalibrationSet, StageFeeds, collect, weight_matmul_inputs
+from trtinfer.calibration.pieces import collect_in_pieces, plan
+from trtinfer.export import ExportConfig, export
+from trtinfer.passes import PassConfig
+from trtinfer.passes.optimizer import optimize_stage
+from trtinfer.stage_weights import load_graph
+
+WINDOWS = ((5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 31, 2, 77, 19), (8, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14))
+
+
+@pytest.fixture(scope="module")
+def stages(tiny_model_dir, tmp_path_factory):
+    made = {}
+
+    def get(arch: str, layout: str):
+        if (arch, layout) not in made:
+            root = tmp_path_factory.mktemp(f"pieces-{arch}")
+            exp = export(tiny_model_dir(arch), root / "exp", ExportConfig())
+            made[arch, "concat"] = exp
+            made[arch, "shared_buffer"] = optimize_stage(exp, root / "opt", PassConfig(max_seq_len=64))
+        return made[arch, layout]
+
+    return get
+
+
+def sums(runner, stage, tensors) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    xtx: dict[str, np.ndarray] = {}
+    rows: dict[str, int] = {}
+
+    def add(t: str, x: np.ndarray) -> None:
+        x2 = x.reshape(-1, x.shape[-1]).astype(np.float64)
+        xtx[t] = xtx.get(t, 0) + x2.T @ x2
+        rows[t] = rows.get(t, 0) + x2.shape[0]
+
+    runner(add)
+    return xtx, rows
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("layout", ["concat", "shared_buffer"])
+def test_pieces_see_what_the_whole_graph_sees(stages, arch, layout):
+    stage = stages(arch, layout)
+    assert stage.kv_layout == layout
+    tensors = weight_matmul_inputs(stage)
+    feeds = StageFeeds(stage, CalibrationSet(WINDOWS, seq_len=10, decode_steps=4, source="t"), all_logits=True)
+    cut = plan(load_graph(stage.onnx_path), tensors, budget=1)  # as fine as the rules allow
+    layers = int(stage.geometry["num_layers"])
+    assert len(cut) > 2 * layers  # several pieces per decoder layer
+    assert sorted(t for p in cut for t in p.wanted) == sorted(tensors)  # each tensor in exactly one piece
+    whole, whole_rows = sums(lambda add: collect(stage, feeds, tensors, add, progress=False), stage, tensors)
+    done: list[tuple[str, ...]] = []
+    parts, part_rows = sums(lambda add: done.extend(collect_in_pieces(stage, feeds, tensors, add, budget=1,
+                                                                      progress=False)), stage, tensors)
+    assert len(done) == len(cut) and sorted(t for d in done for t in d) == sorted(tensors)
+    assert part_rows == whole_rows and set(parts) == set(tensors)
+    assert whole_rows[tensors[0]] == len(WINDOWS) * (10 + 4)  # every prefill token and every decode step
+    for t in tensors:
+        scale = np.abs(whole[t]).max()
+        assert scale > 0 and np.abs(parts[t] - whole[t]).max() <= 1e-5 * scale, t
+    assert not list(stage.path.parent.glob(".piece-*"))  # every piece's weights were removed
+
+
+def test_a_cut_never_splits_the_readers_of_one_tensor(stages):
+    stage = stages("llama", "shared_buffer")
+    model = load_graph(stage.onnx_path)
+    tensors = weight_matmul_inputs(stage)
+    nodes = list(model.graph)
+    for piece in plan(model, tensors, budget=1):
+        for t in piece.wanted:
+            readers = [i for i, n in enumerate(nodes) if any(v is not None and v.name == t for v in n.inputs)]
+            assert all(piece.start <= i < piece.stop for i in readers), t
+    whole = plan(model, tensors)  # the default budget: a tiny model is one piece
+    assert len(whole) == 1 and whole[0].inputs == tuple(sorted(v.name for v in model.graph.inputs))
+
+
+def test_gptq_in_pieces_writes_what_one_piece_writes(stages, tmp_path, monkeypatch):
+    from trtinfer.calibration import CalibrationConfig
+    from trtinfer.calibration import pieces as pieces_module
+    from trtinfer.quantization import QuantConfig, quantize_stage
+
+    stage = stages("llama", "shared_buffer")
+    cfg = QuantConfig(precision="int4", method="gptq",
+                      calibration=CalibrationConfig(num_samples=4, seq_len=32, decode_steps=2))
+    one = quantize_stage(stage, tmp_path / "one", cfg, progress=False)
+    monkeypatch.setattr(pieces_module, "PIECE_BYTES", 1)  # the budget gptq_stats asks for
+    many = quantize_stage(stage, tmp_path / "many", cfg, progress=False)
+    assert one.history["quantize"]["report"]["calibration"]["pieces"] == 1
+    assert many.history["quantize"]["report"]["calibration"]["pieces"] > 2 * int(stage.geometry["num_layers"])
+    a = onnx.load(str(one.onnx_path))
+    b = {t.name: t for t in onnx.load(str(many.onnx_path)).graph.initializer}
+    packed = [t for t in a.graph.initializer if t.data_type == onnx.TensorProto.UINT8]
+    assert packed
+    for t in packed:
+        codes_a, codes_b = onnx.numpy_helper.to_array(t), onnx.numpy_helper.to_array(b[t.name])
+        assert np.mean(codes_a == codes_b) > 0.999, t.name  # float sums in another order may flip a rare code
