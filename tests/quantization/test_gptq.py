@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from trtinfer.errors import ConfigError
 from trtinfer.quantization.blocks import quantize_rtn, unpack_codes
-from trtinfer.quantization.gptq import HessianAccumulator, gptq_quantize, weighted_error
+from trtinfer.quantization.gptq import HessianAccumulator, factor, gptq_quantize, weighted_error
 
 
 def correlated(k: int, rows: int, seed: int = 0) -> np.ndarray:
@@ -183,3 +183,33 @@ def test_rtn_in_column_chunks_equals_whole(symmetric, monkeypatch):
     assert np.array_equal(whole.codes, chunked.codes) and np.array_equal(whole.scales, chunked.scales)
     assert (whole.zero_points is None) == symmetric and (symmetric or np.array_equal(whole.zero_points,
                                                                                      chunked.zero_points))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_factor_is_the_inverse_cholesky_in_float32(layer, act_order) -> None:
+    """U^T U = (P^T H P + λI)^-1 with U upper, in the visiting order; a weight quantized with the factor made once
+    equals one quantized from H (q/k/v share one factor)."""
+    x, w, h = layer
+    k = h.shape[0]
+    f = factor(h, act_order=act_order)
+    assert f.u.dtype == np.float32 and np.array_equal(np.triu(f.u), f.u)
+    if act_order:
+        assert np.all(np.diff(np.diag(h)[f.perm]) <= 0)  # decreasing diag H
+    else:
+        np.testing.assert_array_equal(f.perm, np.arange(k))
+    hp = h.astype(np.float64)[np.ix_(f.perm, f.perm)] + 0.01 * float(np.diag(h).mean()) * np.eye(k)
+    inverse = np.linalg.inv(hp)
+    u = f.u.astype(np.float64)
+    assert np.abs(u.T @ u - inverse).max() < 1e-4 * np.abs(inverse).max()
+    np.testing.assert_array_equal(gptq_quantize(w, f, act_order=act_order).dequantize(),
+                                  gptq_quantize(w, h, act_order=act_order).dequantize())
+    with pytest.raises(ValueError, match="act_order"):
+        gptq_quantize(w, f, act_order=not act_order)
+
+
+def test_a_singular_hessian_gets_more_damping(caplog) -> None:
+    x = np.random.default_rng(4).normal(size=(8, 64)).astype(np.float32)  # rank 8 < 64
+    with caplog.at_level("DEBUG", logger="trtinfer.quantization.gptq"):
+        f = factor(hessian_of(x), percdamp=0.0)
+    assert "doubling it" in caplog.text  # the first factorization failed and the matrix was restored
+    assert np.all(np.isfinite(f.u)) and np.array_equal(np.triu(f.u), f.u) and np.all(np.diag(f.u) > 0)

@@ -25,6 +25,7 @@ error weighted by ``diag H`` (an MSE-optimal clip).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -101,9 +102,55 @@ def weighted_error(w: np.ndarray, q: BlockWeight, hessian: np.ndarray) -> float:
     return num / den if den > 0 else num
 
 
-def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int = 4, block: int = 32, symmetric: bool = True,
-                  percdamp: float = 0.01, act_order: bool = False, scale_search: bool = False) -> BlockWeight:
-    """Quantize ``w [K, N]`` (for ``x @ w``) in blocks of ``block`` along ``K`` with GPTQ, given ``H [K, K]``.
+@dataclass(frozen=True)
+class Factor:
+    """What GPTQ needs of one Hessian, made once for every weight that reads the same input (q/k/v, gate/up).
+
+    ``u``: upper ``U [K, K]`` float32 with ``U^T U = (H' + λ·I)^-1`` in the visiting order ``perm``, where ``H'`` is
+    ``H`` with its dead features (``diag H == 0``) cut loose; ``diag``: ``diag H'`` in the original order (the
+    scale search's row weights).
+    """
+
+    u: np.ndarray
+    perm: np.ndarray
+    diag: np.ndarray
+    act_order: bool
+
+
+def factor(hessian: np.ndarray, *, percdamp: float = 0.01, act_order: bool = False) -> Factor:
+    """:class:`Factor` of ``hessian`` (:meth:`HessianAccumulator.hessian`; only its shape up to a factor matters).
+
+    Float32, as the reference keeps ``H``, and at most two ``K x K`` matrices at a time (``hessian`` and one working
+    matrix that becomes ``U``: LAPACK factors and inverts it in place), so the 17408-wide down-projection Hessians of
+    the Qwen3-14B shape take 2.4 GB, not the 7 GB of float64 copies.
+    """
+    k = hessian.shape[0]
+    if hessian.shape != (k, k):
+        raise ValueError(f"a Hessian must be square, got {hessian.shape}")
+    if not 0.0 <= percdamp < 1.0:
+        raise ValueError(f"percdamp must be in [0, 1), got {percdamp}")
+    diag = np.diag(hessian).astype(np.float32)
+    dead = diag <= 0
+    live_mean = float(diag[~dead].mean()) if (~dead).any() else 1.0
+    diag[dead] = live_mean
+    perm = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
+    # J P^T H P J in one copy (J: the order reversal), whose lower Cholesky factor M gives U = J M^-1 J
+    order = perm[::-1]
+    work = np.asarray(hessian, np.float32)[np.ix_(order, order)]
+    flipped_dead = dead[order]
+    work[flipped_dead, :] = 0.0
+    work[:, flipped_dead] = 0.0
+    work[np.flatnonzero(flipped_dead), np.flatnonzero(flipped_dead)] = live_mean
+    _lower_cholesky_inverse(work, percdamp * live_mean)
+    _reverse_in_place(work)
+    return Factor(work, perm, diag, act_order)
+
+
+def gptq_quantize(w: np.ndarray, hessian: np.ndarray | Factor, *, bits: int = 4, block: int = 32,
+                  symmetric: bool = True, percdamp: float = 0.01, act_order: bool = False,
+                  scale_search: bool = False) -> BlockWeight:
+    """Quantize ``w [K, N]`` (for ``x @ w``) in blocks of ``block`` along ``K`` with GPTQ, given ``H [K, K]`` or its
+    :class:`Factor` (made with the same ``act_order``; ``percdamp`` is then the factor's).
 
     ``hessian`` is :meth:`HessianAccumulator.hessian` of the MatMul's input (only its shape up to a factor matters);
     ``percdamp`` adds ``percdamp · mean(diag H)`` to its diagonal. ``act_order`` visits rows by decreasing
@@ -116,20 +163,15 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int = 4, block: i
     """
     k, n = w.shape
     check_layout(k, bits, block)
-    if hessian.shape != (k, k):
-        raise ValueError(f"hessian must be [{k}, {k}] for a weight of shape {w.shape}, got {hessian.shape}")
-    if not 0.0 <= percdamp < 1.0:
-        raise ValueError(f"percdamp must be in [0, 1), got {percdamp}")
+    shape = hessian.u.shape if isinstance(hessian, Factor) else hessian.shape
+    if shape != (k, k):
+        raise ValueError(f"hessian must be [{k}, {k}] for a weight of shape {w.shape}, got {shape}")
+    f = hessian if isinstance(hessian, Factor) else factor(hessian, percdamp=percdamp, act_order=act_order)
+    if f.act_order != act_order:
+        raise ValueError(f"the factor was made with act_order={f.act_order}, the call asks for {act_order}")
     qmax = (1 << bits) - 1
     mid = 1 << (bits - 1)
-    h = np.array(hessian, np.float64)
-    diag = np.diag(h).copy()
-    dead = diag <= 0
-    h[dead, :] = 0.0
-    h[:, dead] = 0.0
-    live_mean = float(diag[~dead].mean()) if (~dead).any() else 1.0
-    h[dead, dead] = live_mean
-    diag_w = np.diag(h).copy()  # per-row weights of the scale search
+    diag_w, perm, u32 = f.diag, f.perm, f.u
 
     wq = np.array(w, np.float32)  # rows are updated in place, then overwritten by their quantized values
     nb = k // block
@@ -144,21 +186,16 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int = 4, block: i
             s, z = _search(rows.T, weights, s, z, bits, symmetric)
         return s, z
 
-    perm = np.arange(k)
     if act_order:
         for g in range(nb):
             s, z = block_params(wq[g * block:(g + 1) * block], diag_w[g * block:(g + 1) * block])
             scales[:, g] = s
             if zeros is not None and z is not None:
                 zeros[:, g] = z
-        perm = np.argsort(-np.diag(h), kind="stable")
         wq = wq[perm]
-        h = h[np.ix_(perm, perm)]
 
     safe_scales = np.where(scales == 0, 1.0, scales).T.astype(np.float32)  # act_order: every block known up front
     safe_block = safe_scales[0]
-    u = _inverse_cholesky(h, percdamp * live_mean)
-    u32 = u.astype(np.float32)
     batch = max(LAZY_BATCH, block)
     chunk = block if not act_order else min(block, 32)
     err = np.zeros((batch, n), np.float32)
@@ -198,42 +235,44 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int = 4, block: i
     return BlockWeight(np.ascontiguousarray(codes.T), scales, zp_out, bits, block)
 
 
-def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
-    """Upper ``U`` with ``U^T U = (H + damp·I)^-1``; the damping doubles until ``H`` is positive definite.
+def _lower_cholesky_inverse(a: np.ndarray, damp: float) -> None:
+    """Overwrite ``a`` (C-ordered float32, symmetric) with ``M^-1``, ``M`` the lower Cholesky factor of ``a + damp·I``
+    (zeros above the diagonal); the damping doubles until the matrix is positive definite.
 
-    With ``J`` the order reversal and ``J H J = M M^T`` (lower ``M``), ``U = J M^-1 J``: one Cholesky and one
-    triangular inverse instead of the reference's Cholesky, inverse and second Cholesky.
+    LAPACK works in place on the Fortran view ``a.T`` (the same buffer): its upper factor there is ``M`` here.
     """
-    k = h.shape[0]
-    eye = np.eye(k)
-    flipped = np.ascontiguousarray(h[::-1, ::-1])
-    damp = max(damp, 1e-8 * float(np.mean(np.abs(np.diag(h)))) or 1e-8)
+    from scipy.linalg import lapack
+
+    k = a.shape[0]
+    diagonal = np.diag(a).copy()
+    damp = max(damp, 1e-8 * float(np.mean(np.abs(diagonal))) or 1e-8)
     for _ in range(20):
-        try:
-            m = np.linalg.cholesky(flipped + damp * eye)
-        except np.linalg.LinAlgError:
-            logger.debug("Hessian not positive definite with damping %g; doubling it", damp)
-            damp *= 2.0
-            continue
-        return np.ascontiguousarray(np.triu(_lower_inverse(m)[::-1, ::-1]))
-    raise np.linalg.LinAlgError("the Hessian stayed singular after 20 doublings of its damping")
+        a.flat[::k + 1] = diagonal + damp
+        _, info = lapack.spotrf(a.T, lower=0, clean=0, overwrite_a=1)
+        if info == 0:
+            break
+        logger.debug("Hessian not positive definite with damping %g; doubling it", damp)
+        for i in range(k):  # the lower part was overwritten: the upper half still holds the matrix
+            a[i + 1:, i] = a[i, i + 1:]
+        damp *= 2.0
+    else:
+        raise np.linalg.LinAlgError("the Hessian stayed singular after 20 doublings of its damping")
+    _, info = lapack.strtri(a.T, lower=0, overwrite_c=1)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"the Cholesky factor could not be inverted (LAPACK info {info})")
+    for i in range(k - 1):
+        a[i, i + 1:] = 0.0
 
 
-def _lower_inverse(m: np.ndarray) -> np.ndarray:
-    """Inverse of a lower-triangular ``m`` by halves (``[[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]]``).
-
-    numpy has no triangular inverse; this is a third of the flops of ``np.linalg.inv`` and runs as GEMMs.
-    """
-    k = m.shape[0]
-    if k <= 128:
-        return np.linalg.inv(m)
-    a = k // 2
-    ai, di = _lower_inverse(m[:a, :a]), _lower_inverse(m[a:, a:])
-    out = np.zeros_like(m)
-    out[:a, :a] = ai
-    out[a:, a:] = di
-    out[a:, :a] = -(di @ (m[a:, :a] @ ai))
-    return out
+def _reverse_in_place(a: np.ndarray, chunk: int = 1 << 22) -> None:
+    """``a[::-1, ::-1]`` into ``a`` itself (C-ordered: the flat buffer reversed), a chunk at a time."""
+    flat = a.reshape(-1)
+    n = flat.size
+    for i in range(0, n // 2, chunk):
+        j = min(i + chunk, n // 2)
+        head = flat[i:j].copy()
+        flat[i:j] = flat[n - j:n - i][::-1]
+        flat[n - j:n - i] = head[::-1]
 
 
 def _params(cols: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 
 from trtinfer.passes.embedding import embedding_gather, tied_embedding
+from trtinfer.quantization.gptq import Factor, factor, gptq_quantize
 from trtinfer.quantization.packing import pack_shared_inputs
 from trtinfer.quantization.registry import QuantContext, register_precision
 from trtinfer.quantization.weights import (
@@ -61,13 +61,11 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
     forms: dict[str, int] = {}
     head_packed: tuple[ir.Value, Blocks] | None = None
 
-    def place(s: WeightSite, hessian: np.ndarray | None) -> None:
+    def place(s: WeightSite, hessian: Factor | None) -> None:
         nonlocal head_packed
         b, block, sym = layout_for(s, ctx, bits)
         q: Blocks
         if hessian is not None:
-            from trtinfer.quantization.gptq import gptq_quantize
-
             w = s.array()
             q = gptq_quantize(w, hessian, bits=b, block=block, symmetric=sym,
                               act_order=ctx.config.act_order, scale_search=ctx.config.scale_search)
@@ -87,8 +85,16 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
         from trtinfer.quantization.gptq_stats import matmul_hessians
 
         for hessians in matmul_hessians(ctx, chosen):
-            for name, h in hessians.items():
-                place(left.pop(name), h)
+            while hessians:  # one factor per input, for every weight reading it (q/k/v, gate/up)
+                name, h = hessians.popitem()
+                readers = [name, *(n for n, other in hessians.items() if other is h)]
+                for n in readers[1:]:
+                    del hessians[n]
+                f = factor(h, act_order=ctx.config.act_order)
+                del h
+                for n in readers:
+                    place(left.pop(n), f)
+                del f
     for s in left.values():
         place(s, None)
     embedding = "fp32"
