@@ -138,12 +138,18 @@ def quantize_rtn_columns(columns: Callable[[int, int], np.ndarray], k: int, n: i
     checkpoint is never whole in memory)."""
     check_layout(k, bits, block)
     step = max(1, RTN_CHUNK_ELEMENTS // k)
-    parts = [_rtn_columns(columns(j, min(n, j + step)), bits, block, symmetric) for j in range(0, n, step)]
+    return joined([_rtn_columns(columns(j, min(n, j + step)), bits, block, symmetric) for j in range(0, n, step)])
+
+
+def joined(parts: list[BlockWeight]) -> BlockWeight:
+    """One :class:`BlockWeight` of ``parts`` quantized a chunk of output columns at a time, in column order."""
     if len(parts) == 1:
         return parts[0]
+    first = parts[0]
     zps = [p.zero_points for p in parts]
     return BlockWeight(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                       None if symmetric else np.concatenate(zps), bits, block)  # type: ignore[arg-type]
+                       None if first.zero_points is None else np.concatenate(zps),  # type: ignore[arg-type]
+                       first.bits, first.block)
 
 
 def _rtn_columns(w: np.ndarray, bits: int, block: int, symmetric: bool) -> BlockWeight:

@@ -25,16 +25,21 @@ error weighted by ``diag H`` (an MSE-optimal clip).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from trtinfer.quantization.blocks import BlockWeight, check_layout, symmetric_scales
+from trtinfer.quantization.blocks import BlockWeight, check_layout, joined, symmetric_scales
 
 logger = logging.getLogger(__name__)
 
 #: Rows per lazy batch (the reference's ``blocksize``); raised to a multiple of the block when a block is larger.
 LAZY_BATCH = 128
+
+#: Output columns quantized at a time (x K): the weight's float copies stay ~100 MB each.
+GPTQ_CHUNK_ELEMENTS = 1 << 25
 
 #: Candidate shrink factors of a block's scale tried by ``scale_search``.
 SCALE_FACTORS = tuple(1.0 - 0.05 * i for i in range(10))
@@ -233,6 +238,14 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray | Factor, *, bits: int = 4,
         codes = codes[inv]
     zp_out = None if zeros is None else zeros.astype(np.uint8)
     return BlockWeight(np.ascontiguousarray(codes.T), scales, zp_out, bits, block)
+
+
+def gptq_columns(columns: Callable[[int, int], np.ndarray], k: int, n: int, hessian: Factor, **kw: Any) -> BlockWeight:
+    """:func:`gptq_quantize` of a ``[K, N]`` weight read ``columns(start, stop)`` at a time (GPTQ treats each output
+    column alone): the float temporaries stay ~100 MB whatever the weight (the Qwen3-14B shape's LM head, 151936
+    columns, would take 9 GB of them whole)."""
+    step = max(1, GPTQ_CHUNK_ELEMENTS // k)
+    return joined([gptq_quantize(columns(j, min(n, j + step)), hessian, **kw) for j in range(0, n, step)])
 
 
 def _lower_cholesky_inverse(a: np.ndarray, damp: float) -> None:

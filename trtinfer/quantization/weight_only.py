@@ -15,7 +15,7 @@ from typing import Any
 import onnx_ir as ir
 
 from trtinfer.passes.embedding import embedding_gather, tied_embedding
-from trtinfer.quantization.gptq import Factor, factor, gptq_quantize
+from trtinfer.quantization.gptq import Factor, factor, gptq_columns
 from trtinfer.quantization.packing import pack_shared_inputs
 from trtinfer.quantization.registry import QuantContext, register_precision
 from trtinfer.quantization.weights import (
@@ -66,11 +66,9 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
         b, block, sym = layout_for(s, ctx, bits)
         q: Blocks
         if hessian is not None:
-            w = s.array()
-            q = gptq_quantize(w, hessian, bits=b, block=block, symmetric=sym,
-                              act_order=ctx.config.act_order, scale_search=ctx.config.scale_search)
-            del w
-            release(s.weight.const_value)  # its mapped pages leave the process: peak stays one weight, not the model
+            q = gptq_columns(s.columns, s.k, s.n, hessian, bits=b, block=block, symmetric=sym,
+                             act_order=ctx.config.act_order, scale_search=ctx.config.scale_search)
+            release(s.weight.const_value)  # its mapped pages leave the process: peak stays a chunk, not the model
         else:  # round-to-nearest: computed as the stage is written, one weight at a time
             assert s.weight.const_value is not None
             q = LazyBlocks(s.weight.const_value, b, block, sym, cache)

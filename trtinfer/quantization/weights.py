@@ -59,6 +59,17 @@ class WeightSite:
         assert self.weight.const_value is not None
         return np.asarray(self.weight.const_value.numpy(), dtype=np.float32)
 
+    def columns(self, start: int, stop: int) -> np.ndarray:
+        """Columns ``start:stop`` of the weight as float32 ``[K, stop - start]``: a weight still in the checkpoint
+        reads only them; any other is mapped (let go with :func:`release` once every column is read)."""
+        from trtinfer.stage_weights import CheckpointTensor
+
+        t = self.weight.const_value
+        assert t is not None
+        if isinstance(t, CheckpointTensor):
+            return t.columns(start, stop)
+        return np.asarray(np.asarray(t.numpy())[:, start:stop], dtype=np.float32)
+
 
 class BlockCache:
     """The last few weights :class:`LazyBlocks` computed: a save writes one weight's B, scales and zero points in a
