@@ -13,7 +13,7 @@ from trtinfer.calibration.pieces import collect_in_pieces, plan
 from trtinfer.export import ExportConfig, export
 from trtinfer.passes import PassConfig
 from trtinfer.passes.optimizer import optimize_stage
-from trtinfer.stage_weights import load_graph
+from trtinfer.stage_weights import load_graph, materialized
 
 WINDOWS = ((5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 31, 2, 77, 19), (8, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14))
 
@@ -103,3 +103,22 @@ def test_gptq_in_pieces_writes_what_one_piece_writes(stages, tmp_path, monkeypat
     for t in packed:
         codes_a, codes_b = onnx.numpy_helper.to_array(t), onnx.numpy_helper.to_array(b[t.name])
         assert np.mean(codes_a == codes_b) > 0.999, t.name  # float sums in another order may flip a rare code
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_reference_scores_in_pieces_equal_the_runtime_scores(stages, arch):
+    """The quantize stage's fp32 reference (held-out log-probs and top-1, run in pieces) = the runtime's scoring of
+    the whole graph."""
+    from trtinfer.quantization.accuracy import held_out_ids, reference_scores
+    from trtinfer.runtime.config import RuntimeConfig
+    from trtinfer.runtime.scoring import open_stage_session, score_ids
+
+    stage = stages(arch, "shared_buffer")
+    ids = held_out_ids(stage.path / "tokenizer.json", 60, int(stage.geometry["vocab_size"]))
+    assert len(ids) == 60
+    logprobs, top = reference_scores(stage, ids, budget=1)
+    with materialized(stage) as copy, open_stage_session(copy, RuntimeConfig(prepack_weights=False)) as sess:
+        whole = score_ids(sess, ids)  # the whole graph, its weights written out of the checkpoint
+    assert logprobs.shape == whole.logprobs.shape == (59,)
+    np.testing.assert_allclose(logprobs, whole.logprobs, atol=1e-4)
+    np.testing.assert_array_equal(top, whole.argmax)

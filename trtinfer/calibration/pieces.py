@@ -56,7 +56,7 @@ def _weight_bytes(node: ir.Node) -> int:
 
 def plan(model: ir.Model, wanted: Sequence[str], budget: int = PIECE_BYTES) -> list[Piece]:
     """Cut ``model``'s nodes into pieces of about ``budget`` weight bytes (at least one node each); see the module
-    docstring. Every name of ``wanted`` must be a value some node reads."""
+    docstring. Every name of ``wanted`` must be a value some node reads, or a graph output."""
     graph = model.graph
     nodes = list(graph)
     if any(attr.type == ir.AttributeType.GRAPH or attr.type == ir.AttributeType.GRAPHS
@@ -74,6 +74,9 @@ def plan(model: ir.Model, wanted: Sequence[str], budget: int = PIECE_BYTES) -> l
         for v in node.outputs:
             if v.name:
                 produced_at[v.name] = i
+    for t in wanted:  # a graph output no node reads (the logits): the piece that makes it
+        if t not in first and t in produced_at and produced_at[t] >= 0:
+            first[t] = last[t] = produced_at[t]
     missing = [t for t in wanted if t not in first]
     if missing:
         raise CalibrationError(f"the graph has no node reading {', '.join(missing[:3])}; name tensors nodes read")

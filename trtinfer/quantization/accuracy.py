@@ -71,31 +71,51 @@ def held_out_ids(tokenizer_json: Path, max_tokens: int, vocab_size: int | None =
 
 def accuracy_report(fp32: StageDir, quantized_folder: Path, *, tokens: int = EVAL_TOKENS,
                     progress: bool = False) -> dict[str, Any]:
-    """Score the fp32 stage and the quantized graph in ``quantized_folder`` on the held-out text; compare."""
+    """Score the fp32 stage (piece by piece: :func:`reference_scores`) and the quantized graph in
+    ``quantized_folder`` (whole, as the engine runs it) on the held-out text; compare."""
+    from trtinfer.runtime.config import RuntimeConfig
     from trtinfer.runtime.scoring import open_stage_session, score_ids
+    from trtinfer.stage_weights import CHECKPOINT_COUNT
 
     t0 = time.perf_counter()
     opt = fp32.history["optimize"]["config"]
     n = min(tokens, int(opt["max_seq_len"]))
     ids = held_out_ids(fp32.path / "tokenizer.json", n, int(fp32.geometry["vocab_size"]))
-    quantized = StageDir(quantized_folder, {**fp32.info, "io": graph_io(quantized_folder / "model.onnx")})
-    from trtinfer.runtime.config import RuntimeConfig
-
-    results = []
-    # the fp32 graph is scored once: its weights are read in place, without MLAS's prepacked copy (the same fp32
-    # products). The quantized graph keeps the default: MatMulNBits computes differently unpacked (Gemma-3 int4:
-    # perplexity 15.73 vs 15.88), and its score must be the engine's
-    for stage, config in ((fp32, RuntimeConfig(prepack_weights=False)), (quantized, RuntimeConfig())):
-        with open_stage_session(stage, config) as sess:
-            results.append(score_ids(sess, ids, what="the held-out text"))
-    ref, got = results
-    np.savez(quantized_folder / HELDOUT_NAME, ids=np.asarray(ids, np.int64), logprobs=ref.logprobs, argmax=ref.argmax)
-    report = compare_scores(ref.logprobs, ref.argmax, got.logprobs, got.argmax, fp32.geometry["vocab_size"])
+    ref_logprobs, ref_argmax = reference_scores(fp32, ids, progress=progress)
+    quantized = StageDir(quantized_folder, {**fp32.info, "io": graph_io(quantized_folder / "model.onnx"),
+                                            CHECKPOINT_COUNT: 0})  # every weight written
+    # MatMulNBits computes differently unpacked (Gemma-3 int4: perplexity 15.73 vs 15.88): the default prepacking,
+    # so the score is the engine's
+    with open_stage_session(quantized, RuntimeConfig()) as sess:
+        got = score_ids(sess, ids, what="the held-out text")
+    np.savez(quantized_folder / HELDOUT_NAME, ids=np.asarray(ids, np.int64), logprobs=ref_logprobs, argmax=ref_argmax)
+    report = compare_scores(ref_logprobs, ref_argmax, got.logprobs, got.argmax, fp32.geometry["vocab_size"])
     report["seconds"] = round(time.perf_counter() - t0, 2)
     if not math.isfinite(got.perplexity):
         log.warning("the quantized graph's perplexity is not finite")
     log.debug("accuracy: %s", report)
     return report
+
+
+def reference_scores(fp32: StageDir, ids: list[int], *, budget: int | None = None,
+                     progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """log p(token t | tokens before t) for t = 1..n-1 of ``ids`` and the top-1 predictions before each, on the fp32
+    stage's graph run piece by piece (:mod:`trtinfer.calibration.pieces`: about a GiB of its weights at a time, read
+    from its checkpoint where they are still there; ``budget``: the bytes of a piece), as one prefill of every token
+    but the last."""
+    from trtinfer.calibration.data import CalibrationSet, StageFeeds
+    from trtinfer.calibration.pieces import PIECE_BYTES, collect_in_pieces
+    from trtinfer.runtime.scoring import log_softmax_at
+
+    cset = CalibrationSet((tuple(ids[:-1]),), seq_len=len(ids) - 1, decode_steps=0, source=f"builtin:{EVAL_TEXT}")
+    rows: list[np.ndarray] = []
+    for _ in collect_in_pieces(fp32, StageFeeds(fp32, cset, all_logits=True), ["logits"],
+                               lambda _t, x: rows.append(x), budget=budget or PIECE_BYTES, progress=progress):
+        pass
+    logits = rows[0].reshape(len(ids) - 1, -1)
+    targets = np.asarray(ids[1:], np.int64)
+    parts = [log_softmax_at(logits[i:i + 64], targets[i:i + 64]) for i in range(0, len(targets), 64)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def compare_scores(ref_logprobs: np.ndarray, ref_argmax: np.ndarray, logprobs: np.ndarray,

@@ -10,7 +10,6 @@ held-out text and top-1 next-token agreement against the fp32 graph it came from
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -50,20 +49,33 @@ def check_input(src: StageDir) -> str:
     return str(opt["target"])
 
 
-def _rewrite(src: StageDir, run: StageDir, folder: Path, config: QuantConfig, target: str,
-             progress: bool) -> dict[str, Any]:
+def _rewrite(src: StageDir, folder: Path, config: QuantConfig, target: str, progress: bool) -> dict[str, Any]:
     """Quantize ``src``'s graph with ``config`` into ``folder``; returns the precision's report.
 
-    The graph's checkpoint weights are read as the precision reaches them; calibration runs on ``run`` (``src``
-    materialized, or ``src`` when no calibration can run). Every weight of the result is written: a quantize stage
-    refers to no checkpoint.
+    The graph's checkpoint weights are read as the precision reaches them (calibration runs the graph piece by piece,
+    or materializes it where it runs whole). Every weight of the result is written: a quantize stage refers to no
+    checkpoint.
     """
     from trtinfer.stage_weights import load_graph, save_graph
 
     model = load_graph(src.onnx_path)
-    report = get_precision(config.precision, target).fn(model, QuantContext(run, config, target, folder, progress))
+    report = get_precision(config.precision, target).fn(model, QuantContext(src, config, target, folder, progress))
     save_graph(model, folder / ONNX_NAME, keep_references=False)
     return report
+
+
+def _accuracy(src: StageDir, folder: Path, progress: bool) -> dict[str, Any]:
+    """The accuracy report of the quantized graph in ``folder`` (:func:`~trtinfer.quantization.accuracy.accuracy_report`:
+    the fp32 graph runs piece by piece, the quantized one whole), or why it was skipped: the quantized graph's
+    weights do not fit the memory share a graph may take."""
+    from trtinfer.quantization.accuracy import accuracy_report
+    from trtinfer.runtime.memory import available_memory, fits_in_memory, weight_bytes
+
+    size = weight_bytes(folder / ONNX_NAME)
+    if not fits_in_memory(size):
+        return {"skipped": f"the quantized graph's {size / 2**30:.1f} GiB of weights do not fit half of the "
+                           f"{(available_memory() or 0) / 2**30:.1f} GiB available"}
+    return accuracy_report(src, folder, progress=progress)
 
 
 def _check_fits(config: QuantConfig, fits: bool, figures: str) -> None:
@@ -76,28 +88,26 @@ def _check_fits(config: QuantConfig, fits: bool, figures: str) -> None:
 
 
 def _quantize_into(src: StageDir, folder: Path, config: QuantConfig, progress: bool) -> StageDir:
-    from trtinfer.quantization.accuracy import FALLBACK_FP32, PERPLEXITY_BOUNDS, accuracy_report
+    from trtinfer.quantization.accuracy import FALLBACK_FP32, PERPLEXITY_BOUNDS
     from trtinfer.runtime.memory import whole_copy_fits
-    from trtinfer.stage_weights import graph_weight_bytes, materialized
+    from trtinfer.stage_weights import graph_weight_bytes
 
     target = check_input(src)
     get_precision(config.precision, target)  # an unknown precision/target pair fails before any work
     t0 = time.perf_counter()
     fits, figures = whole_copy_fits(graph_weight_bytes(src.onnx_path), folder)
     _check_fits(config, fits, figures)
-    with (materialized(src) if fits else contextlib.nullcontext(src)) as run:
-        report = _rewrite(src, run, folder, config, target, progress)
-        accuracy: dict[str, Any] = (accuracy_report(run, folder, progress=progress) if fits else
-                                    {"skipped": f"the fp32 graph does not fit: {figures}"})
-        fallback = tuple(p for p in FALLBACK_FP32.get(config.precision, ()) if p not in config.skip_patterns)
-        bound = PERPLEXITY_BOUNDS[config.precision]
-        if fallback and fits and not accuracy["ratio"] <= bound:
-            why = (f"perplexity x{accuracy['ratio']:.3f} with every GEMM quantized, over the x{bound:g} bound")
-            log.info("%s; quantizing again with %s in fp32", why, ", ".join(fallback))
-            config = dataclasses.replace(config, keep_fp32=config.keep_fp32 + fallback)
-            report = _rewrite(src, run, folder, config, target, progress)
-            report["fallback"] = {"kept_fp32": list(fallback), "because": why, "accuracy_before": accuracy}
-            accuracy = accuracy_report(run, folder, progress=progress)
+    report = _rewrite(src, folder, config, target, progress)
+    accuracy = _accuracy(src, folder, progress)
+    fallback = tuple(p for p in FALLBACK_FP32.get(config.precision, ()) if p not in config.skip_patterns)
+    bound = PERPLEXITY_BOUNDS[config.precision]
+    if fallback and "ratio" in accuracy and not accuracy["ratio"] <= bound:
+        why = (f"perplexity x{accuracy['ratio']:.3f} with every GEMM quantized, over the x{bound:g} bound")
+        log.info("%s; quantizing again with %s in fp32", why, ", ".join(fallback))
+        config = dataclasses.replace(config, keep_fp32=config.keep_fp32 + fallback)
+        report = _rewrite(src, folder, config, target, progress)
+        report["fallback"] = {"kept_fp32": list(fallback), "because": why, "accuracy_before": accuracy}
+        accuracy = _accuracy(src, folder, progress)
     seconds = round(time.perf_counter() - t0, 2)
     info = {**carry_forward(src, folder), "stage": "quantize", "io": graph_io(folder / ONNX_NAME),
             "kv_layout": src.kv_layout}
