@@ -25,7 +25,7 @@ from trtinfer.stages import cached_stage, carry_forward, graph_io, make_stage, p
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_FORMAT = 8  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
+QUANTIZE_FORMAT = 9  # bump when what the quantize stage writes changes (invalidates cached quantized graphs)
 CALIBRATION_FILES = ("calibration.json", "calibration.cache")
 
 
