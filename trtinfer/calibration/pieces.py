@@ -177,10 +177,13 @@ class _Named:
 
 def collect_in_pieces(stage: StageDir, feeds: Any, tensors: Sequence[str],
                       on_batch: Callable[[str, np.ndarray], None], *, budget: int = PIECE_BYTES,
-                      progress: bool = True) -> Iterator[tuple[str, ...]]:
+                      scratch: Path | None = None, progress: bool = True) -> Iterator[tuple[str, ...]]:
     """Run ``stage``'s graph piece by piece over ``feeds`` (a :class:`~trtinfer.calibration.data.StageFeeds`),
     calling ``on_batch(tensor, values)`` for each of ``tensors`` on every run; yields, after each piece, the
-    tensors it completed (every run of them handed over), so a caller can use and drop their statistics."""
+    tensors it completed (every run of them handed over), so a caller can use and drop their statistics.
+
+    Each piece's weights are written in a temporary folder in ``scratch`` (the stage being made, so a killed build's
+    leftovers go with its own; beside ``stage`` by default) and removed when the piece has run."""
     from tqdm.auto import tqdm
 
     from trtinfer.calibration.data import iter_feeds
@@ -198,7 +201,7 @@ def collect_in_pieces(stage: StageDir, feeds: Any, tensors: Sequence[str],
     total = len(feeds) * len(pieces)
     with tqdm(total=total, desc="calibrating", unit="run", leave=False, disable=None if progress else True) as bar:
         for i, piece in enumerate(pieces):
-            tmp = Path(tempfile.mkdtemp(prefix=".piece-", dir=stage.path.parent))
+            tmp = Path(tempfile.mkdtemp(prefix=".piece-", dir=scratch or stage.path.parent))
             try:
                 model = piece_model(stage.onnx_path, piece, kinds)
                 save_graph(model, tmp / ONNX_NAME, keep_references=False)

@@ -81,7 +81,7 @@ def accuracy_report(fp32: StageDir, quantized_folder: Path, *, tokens: int = EVA
     opt = fp32.history["optimize"]["config"]
     n = min(tokens, int(opt["max_seq_len"]))
     ids = held_out_ids(fp32.path / "tokenizer.json", n, int(fp32.geometry["vocab_size"]))
-    ref_logprobs, ref_argmax = reference_scores(fp32, ids, progress=progress)
+    ref_logprobs, ref_argmax = reference_scores(fp32, ids, scratch=quantized_folder, progress=progress)
     quantized = StageDir(quantized_folder, {**fp32.info, "io": graph_io(quantized_folder / "model.onnx"),
                                             CHECKPOINT_COUNT: 0})  # every weight written
     # MatMulNBits computes differently unpacked (Gemma-3 int4: perplexity 15.73 vs 15.88): the default prepacking,
@@ -97,12 +97,12 @@ def accuracy_report(fp32: StageDir, quantized_folder: Path, *, tokens: int = EVA
     return report
 
 
-def reference_scores(fp32: StageDir, ids: list[int], *, budget: int | None = None,
+def reference_scores(fp32: StageDir, ids: list[int], *, budget: int | None = None, scratch: Path | None = None,
                      progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """log p(token t | tokens before t) for t = 1..n-1 of ``ids`` and the top-1 predictions before each, on the fp32
     stage's graph run piece by piece (:mod:`trtinfer.calibration.pieces`: about a GiB of its weights at a time, read
-    from its checkpoint where they are still there; ``budget``: the bytes of a piece), as one prefill of every token
-    but the last."""
+    from its checkpoint where they are still there; ``budget``: the bytes of a piece, ``scratch``: where its files
+    go), as one prefill of every token but the last."""
     from trtinfer.calibration.data import CalibrationSet, StageFeeds
     from trtinfer.calibration.pieces import PIECE_BYTES, collect_in_pieces
     from trtinfer.runtime.scoring import log_softmax_at
@@ -110,7 +110,8 @@ def reference_scores(fp32: StageDir, ids: list[int], *, budget: int | None = Non
     cset = CalibrationSet((tuple(ids[:-1]),), seq_len=len(ids) - 1, decode_steps=0, source=f"builtin:{EVAL_TEXT}")
     rows: list[np.ndarray] = []
     for _ in collect_in_pieces(fp32, StageFeeds(fp32, cset, all_logits=True), ["logits"],
-                               lambda _t, x: rows.append(x), budget=budget or PIECE_BYTES, progress=progress):
+                               lambda _t, x: rows.append(x), budget=budget or PIECE_BYTES, scratch=scratch,
+                               progress=progress):
         pass
     logits = rows[0].reshape(len(ids) - 1, -1)
     targets = np.asarray(ids[1:], np.int64)
