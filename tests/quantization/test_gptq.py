@@ -234,3 +234,23 @@ def test_gptq_a_chunk_of_columns_at_a_time(layer, monkeypatch, act_order) -> Non
     assert read[0] == (0, 7) and read[-1][1] == n and len(read) == -(-n // 7)
     assert np.mean(parts.codes == whole.codes) > 0.999  # GEMMs of another width may round a rare code the other way
     np.testing.assert_allclose(parts.scales, whole.scales, rtol=1e-5)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_spilled_blocks_read_back_what_was_written(layer, tmp_path, symmetric) -> None:
+    """GPTQ's blocks wait on disk until the stage is written: the file gives back the same codes, scales and zero
+    points, and the same MatMulNBits inputs."""
+    from trtinfer.quantization.weights import BlockCache, SpilledBlocks
+
+    _, w, h = layer
+    q = gptq_quantize(w, h, symmetric=symmetric)
+    spilled = SpilledBlocks(q, tmp_path, BlockCache())
+    back = spilled.compute()
+    np.testing.assert_array_equal(back.codes, q.codes)
+    np.testing.assert_array_equal(back.scales, q.scales)
+    assert (back.zero_points is None) == symmetric == spilled.symmetric
+    if not symmetric:
+        np.testing.assert_array_equal(back.zero_points, q.zero_points)
+    np.testing.assert_array_equal(spilled.packed().numpy(), q.packed())
+    assert (spilled.k, spilled.n, spilled.bits, spilled.block) == (q.k, q.n, q.bits, q.block)
+    assert [p.suffix for p in tmp_path.iterdir()] == [".npz"]

@@ -16,6 +16,9 @@ from trtinfer.artifact import StageDir
 from trtinfer.errors import ConfigError
 from trtinfer.quantization.config import QuantConfig
 
+#: the quantize stage's folder of files kept only until its graph is saved (:attr:`QuantContext.scratch`)
+SCRATCH_NAME = ".scratch"
+
 
 @dataclass
 class QuantContext:
@@ -28,6 +31,13 @@ class QuantContext:
     folder: Path
     progress: bool = True
     notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def scratch(self) -> Path:
+        """A folder in the stage being written for what must wait until the graph is saved (removed after it)."""
+        path = self.folder / SCRATCH_NAME
+        path.mkdir(exist_ok=True)
+        return path
 
     @property
     def geometry(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from trtinfer._cache import key_of
 from trtinfer.artifact import ONNX_NAME, StageDir, read_stage, write_stage
 from trtinfer.errors import ConfigError
 from trtinfer.quantization.config import QuantConfig
-from trtinfer.quantization.registry import QuantContext, get_precision
+from trtinfer.quantization.registry import SCRATCH_NAME, QuantContext, get_precision
 from trtinfer.stages import cached_stage, carry_forward, graph_io, make_stage, package_versions
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def _rewrite(src: StageDir, folder: Path, config: QuantConfig, target: str, prog
     model = load_graph(src.onnx_path)
     report = get_precision(config.precision, target).fn(model, QuantContext(src, config, target, folder, progress))
     save_graph(model, folder / ONNX_NAME, keep_references=False)
+    shutil.rmtree(folder / SCRATCH_NAME, ignore_errors=True)
     return report
 
 

@@ -22,6 +22,7 @@ from trtinfer.quantization.weights import (
     BlockCache,
     Blocks,
     LazyBlocks,
+    SpilledBlocks,
     WeightSite,
     release,
     replace_gather,
@@ -66,8 +67,9 @@ def _quantize_sites(model: ir.Model, ctx: QuantContext, bits: int) -> dict[str, 
         b, block, sym = layout_for(s, ctx, bits)
         q: Blocks
         if hessian is not None:
-            q = gptq_columns(s.columns, s.k, s.n, hessian, bits=b, block=block, symmetric=sym,
-                             act_order=ctx.config.act_order, scale_search=ctx.config.scale_search)
+            q = SpilledBlocks(gptq_columns(s.columns, s.k, s.n, hessian, bits=b, block=block, symmetric=sym,
+                                           act_order=ctx.config.act_order, scale_search=ctx.config.scale_search),
+                              ctx.scratch, cache)  # on disk until the stage is written
             release(s.weight.const_value)  # its mapped pages leave the process: peak stays a chunk, not the model
         else:  # round-to-nearest: computed as the stage is written, one weight at a time
             assert s.weight.const_value is not None
