@@ -49,9 +49,17 @@ class Piece:
     weight_bytes: int
 
 
+def _is_weight(v: ir.Value | None) -> bool:
+    """An initializer: it travels with the node that reads it, never across a cut."""
+    return v is not None and v.const_value is not None and v.producer() is None
+
+
 def _weight_bytes(node: ir.Node) -> int:
-    return sum(v.const_value.nbytes for v in node.inputs if v is not None and v.const_value is not None
-               and v.producer() is None)
+    total = 0
+    for v in node.inputs:
+        if v is not None and v.const_value is not None and _is_weight(v):
+            total += int(v.const_value.nbytes)
+    return total
 
 
 def plan(model: ir.Model, wanted: Sequence[str], budget: int = PIECE_BYTES) -> list[Piece]:
@@ -67,8 +75,8 @@ def plan(model: ir.Model, wanted: Sequence[str], budget: int = PIECE_BYTES) -> l
     last: dict[str, int] = {v.name: len(nodes) for v in graph.outputs if v.name}
     for i, node in enumerate(nodes):
         for v in node.inputs:
-            if v is None or not v.name or (v.const_value is not None and v.producer() is None):
-                continue  # initializers travel with the node that reads them
+            if v is None or not v.name or _is_weight(v):
+                continue
             first.setdefault(v.name, i)
             last[v.name] = max(last.get(v.name, i), i)
         for v in node.outputs:
@@ -94,7 +102,7 @@ def plan(model: ir.Model, wanted: Sequence[str], budget: int = PIECE_BYTES) -> l
     pieces = []
     for a, b in itertools.pairwise(cuts):
         reads = {v.name for node in nodes[a:b] for v in node.inputs
-                 if v is not None and v.name and not (v.const_value is not None and v.producer() is None)}
+                 if v is not None and v.name and not _is_weight(v)}
         inputs = tuple(sorted(n for n in reads if produced_at[n] < a))
         outputs = tuple(sorted(n for n, at in produced_at.items() if a <= at < b and last.get(n, -1) >= b))
         mine = tuple(t for t in wanted if a <= first[t] < b)
