@@ -46,6 +46,10 @@ def test_engine_of_a_model_too_large_for_fp32_is_checked_on_its_first_layers(onl
     assert r["layers"] == 1 and r["vocab"] == 100 and "first 1 of 2 decoder layers and the first 100 of 320" in r["scope"]
     assert r["export_validation"]["passed"] and r["engine_check"]["passed"]  # eager, engine, held-out accuracy ran
     assert r["accuracy_check"]["passed"] and r["accuracy_check"]["tokens"] > 100
+    acc = m["accuracy_check"]  # the whole model's held-out accuracy: its quantize-stage graph, scored in pieces
+    assert acc["scored"] == "quantize-stage graph" and acc["passed"] and acc["bound"] == 1.05
+    assert acc["perplexity"] == m["quantization"]["accuracy"]["perplexity"]
+    assert "accuracy of the quantize-stage graph (the engine is not loaded beside the build) on" in out
     assert not list(tmp_path.glob(".reduced-depth-*"))  # its engine and stages were removed
     assert m["geometry"]["num_layers"] == 2  # the engine itself is the whole model
 

@@ -111,16 +111,36 @@ def test_gptq_in_pieces_writes_what_one_piece_writes(stages, tmp_path, monkeypat
 def test_reference_scores_in_pieces_equal_the_runtime_scores(stages, arch):
     """The quantize stage's fp32 reference (held-out log-probs and top-1, run in pieces) = the runtime's scoring of
     the whole graph."""
-    from trtinfer.quantization.accuracy import held_out_ids, reference_scores
+    from trtinfer.quantization.accuracy import graph_scores, held_out_ids
     from trtinfer.runtime.config import RuntimeConfig
     from trtinfer.runtime.scoring import open_stage_session, score_ids
 
     stage = stages(arch, "shared_buffer")
     ids = held_out_ids(stage.path / "tokenizer.json", 60, int(stage.geometry["vocab_size"]))
     assert len(ids) == 60
-    logprobs, top = reference_scores(stage, ids, budget=1)
+    logprobs, top = graph_scores(stage, ids, budget=1)
     with materialized(stage) as copy, open_stage_session(copy, RuntimeConfig(prepack_weights=False)) as sess:
         whole = score_ids(sess, ids)  # the whole graph, its weights written out of the checkpoint
     assert logprobs.shape == whole.logprobs.shape == (59,)
     np.testing.assert_allclose(logprobs, whole.logprobs, atol=1e-4)
     np.testing.assert_array_equal(top, whole.argmax)
+
+
+def test_quantized_scores_in_pieces_equal_the_runtime_scores(stages, tmp_path):
+    """The quantize stage scores its own int4 graph in pieces too (MatMulNBits packed, as the engine runs it): the
+    same log-probs and top-1 as the runtime's session on the whole quantized graph."""
+    from trtinfer.quantization import QuantConfig, quantize_stage
+    from trtinfer.quantization.accuracy import graph_scores, held_out_ids
+    from trtinfer.runtime.scoring import open_stage_session, score_ids
+
+    stage = stages("llama", "shared_buffer")
+    q = quantize_stage(stage, tmp_path / "q", QuantConfig(precision="int4", method="rtn"), progress=False)
+    ids = held_out_ids(stage.path / "tokenizer.json", 60, int(stage.geometry["vocab_size"]))
+    logprobs, top = graph_scores(q, ids, budget=1, scratch=tmp_path)
+    assert not list(tmp_path.glob(".piece-*"))
+    with open_stage_session(q) as sess:
+        whole = score_ids(sess, ids)
+    np.testing.assert_allclose(logprobs, whole.logprobs, atol=1e-3)
+    assert np.mean(top == whole.argmax) > 0.95
+    acc = q.history["quantize"]["accuracy"]  # the stage's own report: these figures
+    assert acc["perplexity"] == pytest.approx(np.exp(-logprobs.mean()), rel=1e-3)

@@ -102,7 +102,7 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     with materialized(stage, rewrite) as whole:
         files = backend.build(whole, dest, config)
     if stage.reference_path is None:
-        return files, None, None
+        return files, None, _stage_accuracy(stage)
     manifest = _manifest(config, stage, files, dest, max_seq)
     return_freed_memory()  # what the export, the passes and the compilation freed, before the engine is mapped
     check = check_engine(dest, manifest, stage.reference_path, config.precision, provider=config.target,
@@ -119,10 +119,19 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     accuracy = None
     if stage.stage == "quantize" and HELDOUT_NAME in stage.info["files"]:
         try:
-            accuracy = check_accuracy(dest, manifest, stage.path / HELDOUT_NAME, provider=config.target)
+            accuracy = {**check_accuracy(dest, manifest, stage.path / HELDOUT_NAME, provider=config.target),
+                        "scored": "engine"}
         except InputError as e:  # e.g. the logits_positions pass disabled: the engine cannot score a sequence
             log.warning("the engine's accuracy is not checked: %s", e)
     return files, check, accuracy
+
+
+def _stage_accuracy(stage: StageDir) -> dict[str, Any] | None:
+    """Where the engine is not checked (a model too large for the export's eager reference, whose engine would not
+    load beside the build either), the held-out accuracy the quantize stage measured on its graph run piece by piece,
+    for the build to judge."""
+    acc = stage.history.get("quantize", {}).get("accuracy") if stage.stage == "quantize" else None
+    return {**acc, "scored": "quantize-stage graph"} if acc and "ratio" in acc else None
 
 
 def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: BuildConfig | None = None, *,

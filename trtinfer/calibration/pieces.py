@@ -185,13 +185,15 @@ class _Named:
 
 def collect_in_pieces(stage: StageDir, feeds: Any, tensors: Sequence[str],
                       on_batch: Callable[[str, np.ndarray], None], *, budget: int = PIECE_BYTES,
-                      scratch: Path | None = None, progress: bool = True) -> Iterator[tuple[str, ...]]:
+                      scratch: Path | None = None, progress: bool = True,
+                      what: str = "calibrating") -> Iterator[tuple[str, ...]]:
     """Run ``stage``'s graph piece by piece over ``feeds`` (a :class:`~trtinfer.calibration.data.StageFeeds`),
     calling ``on_batch(tensor, values)`` for each of ``tensors`` on every run; yields, after each piece, the
     tensors it completed (every run of them handed over), so a caller can use and drop their statistics.
 
     Each piece's weights are written in a temporary folder in ``scratch`` (the stage being made, so a killed build's
-    leftovers go with its own; beside ``stage`` by default) and removed when the piece has run."""
+    leftovers go with its own; beside ``stage`` by default) and removed when the piece has run. ``what``: the
+    work, as the log and the progress bar name it."""
     from tqdm.auto import tqdm
 
     from trtinfer.calibration.data import iter_feeds
@@ -201,13 +203,13 @@ def collect_in_pieces(stage: StageDir, feeds: Any, tensors: Sequence[str],
 
     tensors = list(dict.fromkeys(tensors))
     pieces = plan(load_graph(stage.onnx_path), tensors, budget)
-    log.info("calibrating in %d piece(s) of up to %.2f GiB of weights", len(pieces),
+    log.info("%s in %d piece(s) of up to %.2f GiB of weights", what, len(pieces),
              max(p.weight_bytes for p in pieces) / 2**30)
     later = [set().union(*(p.inputs for p in pieces[i + 1:])) for i in range(len(pieces))]
     carried: list[dict[str, np.ndarray]] = []
     kinds: dict[str, tuple[np.dtype, int]] = {}
     total = len(feeds) * len(pieces)
-    with tqdm(total=total, desc="calibrating", unit="run", leave=False, disable=None if progress else True) as bar:
+    with tqdm(total=total, desc=what, unit="run", leave=False, disable=None if progress else True) as bar:
         for i, piece in enumerate(pieces):
             tmp = Path(tempfile.mkdtemp(prefix=".piece-", dir=scratch or stage.path.parent))
             try:

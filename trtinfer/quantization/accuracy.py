@@ -71,47 +71,45 @@ def held_out_ids(tokenizer_json: Path, max_tokens: int, vocab_size: int | None =
 
 def accuracy_report(fp32: StageDir, quantized_folder: Path, *, tokens: int = EVAL_TOKENS,
                     progress: bool = False) -> dict[str, Any]:
-    """Score the fp32 stage (piece by piece: :func:`reference_scores`) and the quantized graph in
-    ``quantized_folder`` (whole, as the engine runs it) on the held-out text; compare."""
-    from trtinfer.runtime.config import RuntimeConfig
-    from trtinfer.runtime.scoring import open_stage_session, score_ids
+    """Score the fp32 stage and the quantized graph in ``quantized_folder`` on the held-out text, each run piece by
+    piece (:func:`graph_scores`: memory holds about a GiB of either graph's weights at a time); compare."""
     from trtinfer.stage_weights import CHECKPOINT_COUNT
 
     t0 = time.perf_counter()
     opt = fp32.history["optimize"]["config"]
     n = min(tokens, int(opt["max_seq_len"]))
     ids = held_out_ids(fp32.path / "tokenizer.json", n, int(fp32.geometry["vocab_size"]))
-    ref_logprobs, ref_argmax = reference_scores(fp32, ids, scratch=quantized_folder, progress=progress)
+    ref_logprobs, ref_argmax = graph_scores(fp32, ids, scratch=quantized_folder, progress=progress,
+                                            what="scoring the fp32 graph")
+    np.savez(quantized_folder / HELDOUT_NAME, ids=np.asarray(ids, np.int64), logprobs=ref_logprobs, argmax=ref_argmax)
     quantized = StageDir(quantized_folder, {**fp32.info, "io": graph_io(quantized_folder / "model.onnx"),
                                             CHECKPOINT_COUNT: 0})  # every weight written
-    # MatMulNBits computes differently unpacked (Gemma-3 int4: perplexity 15.73 vs 15.88): the default prepacking,
-    # so the score is the engine's
-    with open_stage_session(quantized, RuntimeConfig()) as sess:
-        got = score_ids(sess, ids, what="the held-out text")
-    np.savez(quantized_folder / HELDOUT_NAME, ids=np.asarray(ids, np.int64), logprobs=ref_logprobs, argmax=ref_argmax)
-    report = compare_scores(ref_logprobs, ref_argmax, got.logprobs, got.argmax, fp32.geometry["vocab_size"])
+    logprobs, argmax = graph_scores(quantized, ids, scratch=quantized_folder, progress=progress,
+                                    what="scoring the quantized graph")
+    report = compare_scores(ref_logprobs, ref_argmax, logprobs, argmax, fp32.geometry["vocab_size"])
     report["seconds"] = round(time.perf_counter() - t0, 2)
-    if not math.isfinite(got.perplexity):
+    if not math.isfinite(report["perplexity"]):
         log.warning("the quantized graph's perplexity is not finite")
     log.debug("accuracy: %s", report)
     return report
 
 
-def reference_scores(fp32: StageDir, ids: list[int], *, budget: int | None = None, scratch: Path | None = None,
-                     progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """log p(token t | tokens before t) for t = 1..n-1 of ``ids`` and the top-1 predictions before each, on the fp32
-    stage's graph run piece by piece (:mod:`trtinfer.calibration.pieces`: about a GiB of its weights at a time, read
-    from its checkpoint where they are still there; ``budget``: the bytes of a piece, ``scratch``: where its files
-    go), as one prefill of every token but the last."""
+def graph_scores(stage: StageDir, ids: list[int], *, budget: int | None = None, scratch: Path | None = None,
+                 progress: bool = False, what: str = "scoring") -> tuple[np.ndarray, np.ndarray]:
+    """log p(token t | tokens before t) for t = 1..n-1 of ``ids`` and the top-1 predictions before each, on
+    ``stage``'s graph run piece by piece (:mod:`trtinfer.calibration.pieces`: about a GiB of its weights at a time,
+    read from its checkpoint where they are still there; ``budget``: the bytes of a piece, ``scratch``: where its
+    files go), as one prefill of every token but the last. A piece that fits memory lets MLAS pack its weights, as
+    the engine does (MatMulNBits computes differently unpacked: Gemma-3 int4 perplexity 15.73 vs 15.88)."""
     from trtinfer.calibration.data import CalibrationSet, StageFeeds
     from trtinfer.calibration.pieces import PIECE_BYTES, collect_in_pieces
     from trtinfer.runtime.scoring import log_softmax_at
 
     cset = CalibrationSet((tuple(ids[:-1]),), seq_len=len(ids) - 1, decode_steps=0, source=f"builtin:{EVAL_TEXT}")
     rows: list[np.ndarray] = []
-    for _ in collect_in_pieces(fp32, StageFeeds(fp32, cset, all_logits=True), ["logits"],
+    for _ in collect_in_pieces(stage, StageFeeds(stage, cset, all_logits=True), ["logits"],
                                lambda _t, x: rows.append(x), budget=budget or PIECE_BYTES, scratch=scratch,
-                               progress=progress):
+                               progress=progress, what=what):
         pass
     logits = rows[0].reshape(len(ids) - 1, -1)
     targets = np.asarray(ids[1:], np.int64)
@@ -169,7 +167,9 @@ def accuracy_text(acc: dict[str, Any] | None) -> str:
         return "accuracy: not measured"
     if "skipped" in acc:
         return f"accuracy: not measured ({acc['skipped']})"
-    line = (f"accuracy on {acc['tokens']} held-out tokens ({acc['text']}): perplexity {acc['perplexity']:.3f} vs "
+    where = " of the quantize-stage graph (the engine is not loaded beside the build)" \
+        if acc.get("scored") == "quantize-stage graph" else ""
+    line = (f"accuracy{where} on {acc['tokens']} held-out tokens ({acc['text']}): perplexity {acc['perplexity']:.3f} vs "
             f"fp32 {acc['perplexity_fp32']:.3f} (x{acc['ratio']:.3f}), top-1 agreement {acc['top1_agreement']:.1%}")
     if "bound" in acc:
         by = "" if acc["bound_set_by"] == "default" else f", set by {acc['bound_set_by']}"
