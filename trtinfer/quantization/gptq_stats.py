@@ -55,7 +55,7 @@ def matmul_hessians(ctx: QuantContext, sites: Sequence[WeightSite], *,
     pieces = 0
     feeds = StageFeeds(ctx.stage, cset, all_logits=True)
     for done in collect_in_pieces(ctx.stage, feeds, list(width), add, budget=budget or PIECE_BYTES,
-                                  scratch=ctx.folder, progress=ctx.progress):
+                                  scratch=ctx.scratch, progress=ctx.progress):
         pieces += 1
         hessians: dict[str, np.ndarray] = {}
         for name in done:  # one matrix per input, shared by its MatMuls (q/k/v)
