@@ -54,6 +54,16 @@ def _is_weight(v: ir.Value | None) -> bool:
     return v is not None and v.const_value is not None and v.producer() is None
 
 
+#: initializer types of quantized weights (packed blocks, int8 weights and zero points)
+_QUANTIZED = frozenset({ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.UINT4, ir.DataType.INT4})
+
+
+def _float_weights(model: ir.Model) -> bool:
+    """Whether ``model`` holds no quantized weights (an unquantized graph or piece: its GEMMs' weights are float)."""
+    return not any(v.const_value is not None and v.const_value.dtype in _QUANTIZED
+                   for v in model.graph.initializers.values())
+
+
 def _weight_bytes(node: ir.Node) -> int:
     total = 0
     for v in node.inputs:
@@ -214,9 +224,13 @@ def collect_in_pieces(stage: StageDir, feeds: Any, tensors: Sequence[str],
             tmp = Path(tempfile.mkdtemp(prefix=".piece-", dir=scratch or stage.path.parent))
             try:
                 model = piece_model(stage.onnx_path, piece, kinds)
+                floats = _float_weights(model)
                 save_graph(model, tmp / ONNX_NAME, keep_references=False)
                 del model
-                session = cpu_session(str(tmp / ONNX_NAME), stage_session_options(tmp / ONNX_NAME), tmp)
+                # float weights are read in place: MLAS's packed copy would double the piece, and its column-panel
+                # reads of a mapped [K, N] weight are slow to page out (runtime/page_out.py); quantized pieces pack,
+                # as the engine does (MatMulNBits computes differently unpacked)
+                session = cpu_session(str(tmp / ONNX_NAME), stage_session_options(tmp / ONNX_NAME, always=floats), tmp)
                 runner = _PieceSession(session, piece, carried)
 
                 def hand_over(_feed: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:

@@ -275,6 +275,15 @@ def default_intra_op_threads() -> int:
     return physical_cores(allowed)
 
 
+def row_packed(manifest: Manifest) -> bool:
+    """Whether every GEMM weight of the engine is a ``MatMulNBits`` block (:data:`~trtinfer.runtime.page_out.
+    ROW_PACKED_PRECISIONS`, no node kept in fp32): its mapped weights can be paged out while MLAS packs them."""
+    from trtinfer.runtime.page_out import ROW_PACKED_PRECISIONS
+
+    cfg = (manifest.raw.get("quantization") or {}).get("config") or {}
+    return manifest.precision in ROW_PACKED_PRECISIONS and not cfg.get("keep_fp32") and not cfg.get("exclude")
+
+
 def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> Any:
     """An ``onnxruntime.InferenceSession`` on ``model`` for ``config.provider``, or one line saying what is missing.
 
@@ -305,7 +314,7 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
                      for p in providers]
     try:
         # MLAS packs the weights it reads: the mapped originals need not stay resident beside the packed copy
-        sess = cpu_session(str(model), so, model.parent, providers)
+        sess = cpu_session(str(model), so, model.parent, providers, row_packed=row_packed(manifest))
     except Exception as e:
         raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
     if config.provider == "cpu":

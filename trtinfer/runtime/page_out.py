@@ -34,6 +34,13 @@ log = logging.getLogger(__name__)
 MADV_PAGEOUT = 21
 #: seconds between two passes while a load runs
 INTERVAL_S = 0.01
+#: precisions whose engines' GEMM weights are all ``MatMulNBits`` blocks (unless nodes were kept in fp32), which MLAS
+#: packs reading each output row's stored bytes once, in order: paging their mapped originals out while it packs
+#: costs nothing. A float GEMM weight ``B [K, N]`` is packed in panels of a few columns, every page read again by
+#: many panels: paged out between them, each page faults back from the file over and over (a 4096 x 151936 fp32
+#: MatMul, 2.4 GB: 2.4 s to load plainly, unfinished after 10 min with the pages paged out every 10 ms). Other
+#: graphs are paged out once, when loaded.
+ROW_PACKED_PRECISIONS = frozenset({"int4", "int8", "gguf"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -85,25 +92,33 @@ def data_files(folder: Path) -> set[str]:
     return {os.path.realpath(p) for p in Path(folder).glob("*.data")}
 
 
-def cpu_session(model: str | bytes, options: Any, weights: Path, providers: Sequence[Any] = ("CPUExecutionProvider",)
-                ) -> Any:
+def cpu_session(model: str | bytes, options: Any, weights: Path, providers: Sequence[Any] = ("CPUExecutionProvider",),
+                *, row_packed: bool = False) -> Any:
     """``onnxruntime.InferenceSession(model, options, providers)``; when it runs on the CPU first and MLAS packs its
-    weights, the weight files in folder ``weights`` are paged out while it loads (:func:`paging_out`)."""
+    weights, the weight files in folder ``weights`` are paged out once it has loaded, and, for a graph whose packed
+    weights are all ``MatMulNBits`` blocks (``row_packed``, :data:`ROW_PACKED_PRECISIONS`), while it loads too
+    (:func:`paging_out`)."""
     import onnxruntime as ort
 
     first = providers[0] if providers else "CPUExecutionProvider"
     on_cpu = (first[0] if isinstance(first, tuple) else first) == "CPUExecutionProvider"
-    with paging_out(data_files(weights) if on_cpu and prepacks(options) else ()):
+    with paging_out(data_files(weights) if on_cpu and prepacks(options) else (), while_loading=row_packed):
         return ort.InferenceSession(model, options, providers=list(providers))
 
 
 @contextlib.contextmanager
-def paging_out(files: Iterable[str]) -> Iterator[None]:
-    """While the block runs (an ``InferenceSession`` being made), page out ``files``' mapped pages every
-    :data:`INTERVAL_S` seconds on a helper thread, and once more at the end."""
+def paging_out(files: Iterable[str], *, while_loading: bool = True) -> Iterator[None]:
+    """Page out ``files``' mapped pages when the block (an ``InferenceSession`` being made) ends, and, with
+    ``while_loading``, every :data:`INTERVAL_S` seconds while it runs, on a helper thread."""
     wanted = set(files)
     if not wanted or not Path("/proc/self/maps").exists():
         yield
+        return
+    if not while_loading:
+        try:
+            yield
+        finally:
+            log.debug("paged out %d mappings of %s", page_out(wanted), sorted(wanted))
         return
     stop = threading.Event()
 
