@@ -1,4 +1,5 @@
-"""runtime.page_out: a session's mapped weight pages are handed back while it loads, and nothing it computes changes."""
+"""runtime.page_out: a session's mapped weight pages are handed back (while it loads where MLAS packs them row by row),
+and nothing it computes changes."""
 from __future__ import annotations
 
 import os
@@ -101,3 +102,40 @@ def test_nothing_to_page_out_is_a_no_op(tmp_path):
     with paging_out(set()):
         pass
     assert page_out({str(tmp_path / "absent.data")}) == 0
+
+
+def test_pages_stay_while_a_float_graph_loads(tmp_path):
+    """Without ``while_loading`` (a graph whose float GEMM weights MLAS packs in column panels, each page read again
+    by many panels) nothing is paged out during the block, so no page is faulted back from the file between two
+    panels; everything is paged out when it ends. With it, the helper hands pages back during the block."""
+    import time
+
+    int4_graph(tmp_path)
+    files = data_files(tmp_path)
+    data = np.memmap(tmp_path / "model.onnx.data", mode="r")  # a mapping of the weights, as ONNX Runtime's
+    size_kib = data.nbytes // 1024
+    if page_out(files) == 0:
+        pytest.skip("this kernel refuses MADV_PAGEOUT (Linux < 5.4): paging out does nothing here")
+    with paging_out(files, while_loading=False):
+        int(data.sum())  # every page read, as a packing pass reads them
+        time.sleep(0.1)  # ten passes of a page-out while loading
+        during = resident_kib(files)
+    assert during >= 0.9 * size_kib, (during, size_kib)
+    assert resident_kib(files) < during / 4  # handed back once loaded
+    with paging_out(files):  # while loading
+        int(data.sum())
+        time.sleep(0.1)
+        assert resident_kib(files) < during / 4
+
+
+def test_engines_page_out_while_loading_only_where_every_weight_is_matmulnbits():
+    from trtinfer.artifact import Manifest
+    from trtinfer.runtime.ort_env import row_packed
+
+    def manifest(precision: str, **config):
+        return Manifest({"precision": precision, "quantization": {"config": config}})
+
+    assert row_packed(manifest("int4")) and row_packed(manifest("int8")) and row_packed(manifest("gguf"))
+    assert not row_packed(manifest("fp32")) and not row_packed(manifest("fp16")) and not row_packed(manifest("int8-static"))
+    assert not row_packed(manifest("int4", keep_fp32=["lm_head"]))  # an fp32 MatMul left: packed in column panels
+    assert not row_packed(manifest("int8", exclude=["down_proj"]))
