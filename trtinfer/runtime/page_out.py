@@ -4,8 +4,10 @@ ONNX Runtime maps each external-data tensor of a graph into memory; MLAS then *p
 kernels (MatMulNBits, fp32 MatMul) into a private copy and reads only that copy from then on. The mapped pages it
 read to pack stay resident in the process until the session is finished loading, and many stay mapped after it: a
 1B int4 engine (769 MiB of weights) peaked at 1,249 MiB while loading, 182 MiB of it the file's pages.
-:func:`paging_out` runs beside the load and asks the kernel to reclaim those pages (``madvise(MADV_PAGEOUT)``,
-Linux 5.4+) every few milliseconds, and once more when the load is done: the same engine then peaks at ~1,000 MiB.
+:func:`paging_out` asks the kernel to reclaim those pages (``madvise(MADV_PAGEOUT)``, Linux 5.4+) when the load is
+done, and, for engines whose weights are all ``MatMulNBits`` blocks (packed row by row, each page read once), every
+few milliseconds while it runs: the same engine then peaks at ~1,000 MiB. Float weights are packed in column panels
+that read each page many times: paged out between two panels, a page faults back from the file again and again.
 
 ``MADV_PAGEOUT`` never loses data, which is why it is used and not ``MADV_DONTNEED``: clean file pages are
 dropped (a later read faults them back in from the file: a tensor ONNX Runtime still reads in place, such as a
