@@ -311,6 +311,13 @@ class Manifest(ArtifactRecord):
         return {"float16": "fp16", "bfloat16": "bf16"}.get(self.io.kv_dtype, "fp32")
 
     @property
+    def kept_float(self) -> tuple[str, ...]:
+        """Node-name patterns a quantized engine's build left unquantized (``keep_fp32`` + ``exclude``); empty for
+        an engine without quantization or with every GEMM quantized."""
+        cfg = (self.raw.get("quantization") or {}).get("config") or {}
+        return tuple(cfg.get("keep_fp32") or ()) + tuple(cfg.get("exclude") or ())
+
+    @property
     def pooling(self) -> dict[str, Any]:
         """An encoder's pooling (``mode``, ``normalize``); mean without normalization when not recorded."""
         return dict(self.raw.get("pooling") or {"mode": "mean", "normalize": False})

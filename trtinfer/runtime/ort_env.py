@@ -280,8 +280,7 @@ def row_packed(manifest: Manifest) -> bool:
     ROW_PACKED_PRECISIONS`, no node kept in fp32): its mapped weights can be paged out while MLAS packs them."""
     from trtinfer.runtime.page_out import ROW_PACKED_PRECISIONS
 
-    cfg = (manifest.raw.get("quantization") or {}).get("config") or {}
-    return manifest.precision in ROW_PACKED_PRECISIONS and not cfg.get("keep_fp32") and not cfg.get("exclude")
+    return manifest.precision in ROW_PACKED_PRECISIONS and not manifest.kept_float
 
 
 def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> Any:
