@@ -99,8 +99,9 @@ def graph_scores(stage: StageDir, ids: list[int], *, budget: int | None = None, 
     """log p(token t | tokens before t) for t = 1..n-1 of ``ids`` and the top-1 predictions before each, on
     ``stage``'s graph run piece by piece (:mod:`trtinfer.calibration.pieces`: about a GiB of its weights at a time,
     read from its checkpoint where they are still there; ``budget``: the bytes of a piece, ``scratch``: where its
-    files go), as one prefill of every token but the last. A piece that fits memory lets MLAS pack its weights, as
-    the engine does (MatMulNBits computes differently unpacked: Gemma-3 int4 perplexity 15.73 vs 15.88)."""
+    files go), as one prefill of every token but the last. A quantized graph's pieces let MLAS pack their weights, as
+    the engine does (MatMulNBits computes differently unpacked: Gemma-3 int4 perplexity 15.73 vs 15.88); a float
+    graph's read theirs in place."""
     from trtinfer.calibration.data import CalibrationSet, StageFeeds
     from trtinfer.calibration.pieces import PIECE_BYTES, collect_in_pieces
     from trtinfer.runtime.scoring import log_softmax_at
