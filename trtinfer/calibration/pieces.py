@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import onnx_ir as ir
@@ -49,7 +49,7 @@ class Piece:
     weight_bytes: int
 
 
-def _is_weight(v: ir.Value | None) -> bool:
+def _is_weight(v: ir.Value | None) -> TypeGuard[ir.Value]:
     """An initializer: it travels with the node that reads it, never across a cut."""
     return v is not None and v.const_value is not None and v.producer() is None
 
@@ -65,11 +65,7 @@ def _float_weights(model: ir.Model) -> bool:
 
 
 def _weight_bytes(node: ir.Node) -> int:
-    total = 0
-    for v in node.inputs:
-        if v is not None and v.const_value is not None and _is_weight(v):
-            total += int(v.const_value.nbytes)
-    return total
+    return sum(int(w.nbytes) for v in node.inputs if _is_weight(v) and (w := v.const_value) is not None)
 
 
 def plan(model: ir.Model, wanted: Sequence[str], budget: int = PIECE_BYTES) -> list[Piece]:

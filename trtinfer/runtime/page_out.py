@@ -116,23 +116,19 @@ def paging_out(files: Iterable[str], *, while_loading: bool = True) -> Iterator[
     if not wanted or not Path("/proc/self/maps").exists():
         yield
         return
-    if not while_loading:
-        try:
-            yield
-        finally:
-            log.debug("paged out %d mappings of %s", page_out(wanted), sorted(wanted))
-        return
     stop = threading.Event()
 
     def loop() -> None:
         while not stop.wait(INTERVAL_S):
             page_out(wanted)
 
-    helper = threading.Thread(target=loop, name="trtinfer-page-out", daemon=True)
-    helper.start()
+    helper = threading.Thread(target=loop, name="trtinfer-page-out", daemon=True) if while_loading else None
+    if helper is not None:
+        helper.start()
     try:
         yield
     finally:
-        stop.set()
-        helper.join()
+        if helper is not None:
+            stop.set()
+            helper.join()
         log.debug("paged out %d mappings of %s", page_out(wanted), sorted(wanted))
