@@ -5,7 +5,8 @@ steps get to the machine's measured memory bandwidth.
 usage: python -m benchmarks.real_size (--checkpoint DIR | --preset NAME [--layers N] [--vocab V])
            [--precisions fp32,int8,int4] [--method M] [--cache DIR] [--work DIR] [--batch-sizes 1,8]
            [--prompt-len 512] [--batch-prompt-len 32] [--new-tokens 32] [--buffer-mib 1024] [--oga-python PY]
-           [--llama-cpp-python PY --llama-cpp-convert SCRIPT [--llama-cpp-types Q4_0,Q4_K_M]] [--keep] [--out PREFIX]
+           [--llama-cpp-python PY --llama-cpp-convert SCRIPT [--llama-cpp-types Q4_0,Q4_K_M] [--llama-cpp-outtype q8_0]]
+           [--keep] [--out PREFIX]
 
 1. Checkpoint: ``--checkpoint DIR`` (a Hugging Face folder), or ``--preset`` (``make_checkpoint.py``'s presets and
    slices), written once to ``WORK/checkpoints/<preset>[-lN][-vV]`` and reused by later runs.
@@ -24,13 +25,15 @@ usage: python -m benchmarks.real_size (--checkpoint DIR | --preset NAME [--layer
    batches with ``--batch-prompt-len`` (each run prefills 9 times; a long prompt at batch 8 costs minutes at 8B).
 
 4. Peers on the same checkpoint in the same run: onnxruntime-genai's builder (``-p int4 -e cpu``) and llama.cpp: the
-   checkpoint converted to a bf16 GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` (``peer_workers/convert_llama_cpp.py``
+   checkpoint converted to a bf16 GGUF (``--llama-cpp-outtype q8_0``: a Q8_0 one, quantized again, where the disk
+   has no room for a second bf16 copy) by llama.cpp's own ``convert_hf_to_gguf.py`` (``peer_workers/convert_llama_cpp.py``
    names our tokenizer's pre-tokenizer), quantized by ``llama_model_quantize`` (``peer_workers/quantize_llama_cpp.py``)
    to each ``--llama-cpp-types``; build wall time = conversion + quantization, build peak = the larger of the two.
    llama-cpp-python generates one sequence at a time: its larger batches are rows with that error. Its roofline
    fraction counts the quantized file's tensor bytes as one decode step's reads (every weight once; KV not counted).
 
-Each engine is deleted once measured and the run folder (engines, logs, the default cache) at the end, unless
+Each engine is deleted once measured, the default cache once the builds are done, and the run folder (engines, logs)
+at the end, unless
 ``--keep``; ``--cache DIR`` is never deleted. Prints one table, writes PREFIX.json (raw figures, CPU flags,
 versions, command lines) and PREFIX.png; PREFIX defaults to benchmarks/results/real_size_<checkpoint>_<machine kind>_<date>.
 """
@@ -198,17 +201,19 @@ def _timed(cmd: list[str], log_path: Path) -> tuple[subprocess.CompletedProcess[
 
 
 def llama_cpp_rows(ckpt: Path, python: str, convert: Path, out: Path, types: Sequence[str],
-                   batch_sizes: Sequence[int], prompt_len: int, new_tokens: int) -> list[dict[str, Any]]:
-    """llama.cpp's converter (bf16 GGUF) and quantizer on the checkpoint, then ``peer_workers/run_llama_cpp.py`` at batch
-    1 with the ``prompt_len`` prompt; one row per quantization type (a failure is a row with its error)."""
+                   batch_sizes: Sequence[int], prompt_len: int, new_tokens: int,
+                   outtype: str = "bf16") -> list[dict[str, Any]]:
+    """llama.cpp's converter (a GGUF of ``outtype``: bf16, or q8_0 where the disk holds no second bf16 copy) and
+    quantizer on the checkpoint, then ``peer_workers/run_llama_cpp.py`` at batch 1 with the ``prompt_len`` prompt;
+    one row per quantization type (a failure is a row with its error)."""
     from tokenizers import Tokenizer
 
     from trtinfer.bench import PROMPT_TEXT
 
     out.mkdir(parents=True, exist_ok=True)
-    bf16 = out / "model-bf16.gguf"
+    converted = out / f"model-{outtype}.gguf"
     conv_cmd = [sys.executable, str(HERE / "peer_workers" / "convert_llama_cpp.py"), str(convert), str(ckpt),
-                "--outtype", "bf16", "--outfile", str(bf16)]
+                "--outtype", outtype, "--outfile", str(converted)]
     log.info("converting the checkpoint with llama.cpp's convert_hf_to_gguf.py (log: %s)", out / "convert.log")
     conv, conv_t = _timed(conv_cmd, out / "convert.log")
     ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(PROMPT_TEXT).ids
@@ -220,12 +225,14 @@ def llama_cpp_rows(ckpt: Path, python: str, convert: Path, out: Path, types: Seq
                                "cache_growth_bytes": 0, "convert": {"wall_s": conv_t["wall_s"],
                                                                     "peak_rss_bytes": conv_t["peak_rss_bytes"]}}
         rows.append(row)
-        if conv.returncode or not bf16.is_file():
+        if outtype != "bf16":
+            row["converted_to"] = outtype  # quantized again from this (llama_model_quantize's allow_requantize)
+        if conv.returncode or not converted.is_file():
             row.update(error=f"convert_hf_to_gguf.py: {conv_t['last_line']}", build_wall_s=conv_t["wall_s"],
                        build_peak_rss_bytes=conv_t["peak_rss_bytes"], stderr_tail=conv_t["tail"])
             continue
         gguf = out / f"model-{kind}.gguf"
-        q_cmd = [python, str(HERE / "peer_workers" / "quantize_llama_cpp.py"), str(bf16), str(gguf), kind]
+        q_cmd = [python, str(HERE / "peer_workers" / "quantize_llama_cpp.py"), str(converted), str(gguf), kind]
         log.info("quantizing to %s with llama_model_quantize", kind)
         quant, quant_t = _timed(q_cmd, out / f"quantize-{kind}.log")
         row["command"].append(q_cmd)
@@ -255,7 +262,7 @@ def llama_cpp_rows(ckpt: Path, python: str, convert: Path, out: Path, types: Seq
             res["achieved_gb_s"] = row["engine_bytes"] * res["decode_tok_s"] / 1e9
             row["runs"].append({**res, "batch_size": 1})
         gguf.unlink()
-    bf16.unlink(missing_ok=True)
+    converted.unlink(missing_ok=True)
     return rows
 
 
@@ -403,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--llama-cpp-convert", type=Path, help="llama.cpp's convert_hf_to_gguf.py (with its conversion/ "
                     "and gguf-py/ beside it: vendor/llama.cpp of llama-cpp-python's source distribution)")
     ap.add_argument("--llama-cpp-types", type=_csv(str), default=["Q4_0", "Q4_K_M"])
+    ap.add_argument("--llama-cpp-outtype", choices=["bf16", "q8_0"], default="bf16",
+                    help="the converter's GGUF, which is then quantized: q8_0 where a second bf16 copy of the "
+                         "checkpoint does not fit on the disk (the 14B shape here)")
     ap.add_argument("--keep", action="store_true", help="keep the run folder (engines, build logs, default cache)")
     ap.add_argument("--out", type=Path, help="PREFIX of PREFIX.json and PREFIX.png")
     args = ap.parse_args(argv)
@@ -433,6 +443,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 if not args.keep:
                     shutil.rmtree(engine)
             rows.append(row)
+        if not args.cache and not args.keep:  # its growth is measured: the peers' files need the disk
+            shutil.rmtree(cache, ignore_errors=True)
         if args.oga_python:
             rows.append(oga_row(ckpt, args.oga_python, run_dir / "engines" / "oga-int4", args.batch_sizes,
                                 args.prompt_len, args.batch_prompt_len, args.new_tokens))
@@ -442,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 ap.error("--llama-cpp-python needs --llama-cpp-convert (llama.cpp's convert_hf_to_gguf.py)")
             rows += llama_cpp_rows(ckpt, args.llama_cpp_python, args.llama_cpp_convert.expanduser(),
                                    run_dir / "engines" / "llama.cpp", args.llama_cpp_types, args.batch_sizes,
-                                   args.prompt_len, args.new_tokens)
+                                   args.prompt_len, args.new_tokens, args.llama_cpp_outtype)
         probe_after = roofline.probe_bandwidth(args.buffer_mib)  # a shared machine's bandwidth drifts
     finally:
         if not args.keep:
