@@ -82,8 +82,11 @@ def share_stage_weights(engine_onnx: Path, stage_onnx: Path) -> int:
     if not _same_bytes(own, src, [(v[1], theirs[n][1], v[2]) for n, v in shared.items()]):
         log.debug("%s: its weights differ from %s: it keeps its own copy", engine_onnx, src)
         return 0
+    raw = {}
     with open(own, "rb") as f:
-        raw = {n: (f.seek(off), f.read(length))[1] for n, (_, off, length) in inline.items()}
+        for name, (_, offset, length) in inline.items():
+            f.seek(offset)
+            raw[name] = f.read(length)
     link = own.with_name(f".{own.name}.shared")
     try:
         link.unlink(missing_ok=True)
