@@ -13,8 +13,7 @@ usage: python -m benchmarks.real_size (--checkpoint DIR | --preset NAME [--layer
 2. Build, per precision: ``python -m trtinfer build CKPT --precision P -o ENGINE --force`` (int4: ``--method rtn``
    unless ``--method``) under ``/usr/bin/time -v``: its peak RSS (the largest single process; GNU time reports
    ``ru_maxrss`` of the child) and wall time, exit code, ``TRTINFER_CACHE`` growth and engine size (allocated
-   bytes, as ``du`` counts them) and the build's disk use (both together, an engine data file linked to its cache
-   stage's counted once), and the manifest's ``export.validation``, ``engine_check`` and ``accuracy_check``
+   bytes, as ``du`` counts them), and the manifest's ``export.validation``, ``engine_check`` and ``accuracy_check``
    (where they did not run, the manifest's reasons: ``export.validation_skipped``, ``export.reference_skipped``,
    ``quantization.accuracy.skipped``). A failed build is a row, with
    the last line the CLI wrote to stderr as its error; its log stays in the run folder with ``--keep``.
@@ -65,24 +64,18 @@ VERSIONED = ("trtinfer", "onnxruntime", "onnx", "numpy", "tokenizers", "torch", 
 TIME_START = re.compile(r"^(\tCommand being timed:|Command exited with non-zero status|Command terminated by signal)")
 
 
-def tree_bytes(*roots: Path) -> int:
-    """Bytes allocated to the files under ``roots`` (folders or files) as ``du`` counts them (blocks; a file linked
-    in several places, an engine's data file linked to its cache stage's, once); 0 for an absent root."""
+def tree_bytes(root: Path) -> int:
+    """Bytes allocated to the files under ``root`` (or to the file ``root``) as ``du`` counts them (blocks, hard
+    links once); 0 if absent."""
+    if root.is_file():
+        return root.stat().st_blocks * 512
     seen, total = set(), 0
-
-    def add(path: str) -> None:
-        nonlocal total
-        st = os.lstat(path)
-        if (st.st_dev, st.st_ino) not in seen:
-            seen.add((st.st_dev, st.st_ino))
-            total += st.st_blocks * 512
-
-    for root in roots:
-        if root.is_file():
-            add(str(root))
-        for dirpath, dirs, files in os.walk(root):
-            for name in dirs + files:
-                add(os.path.join(dirpath, name))
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(dirpath, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
     return total
 
 
@@ -142,9 +135,7 @@ def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cach
     m = json.loads((engine / "manifest.json").read_text())
     export = m.get("export") or {}
     quantization = m.get("quantization") or {}
-    # the build's disk use: the cache's growth and the engine, a weights file linked into both counted once
-    row.update(engine_bytes=tree_bytes(engine), disk_growth_bytes=tree_bytes(cache, engine) - before,
-               build_seconds_manifest=m.get("build_seconds"), stages=m.get("stages"),
+    row.update(engine_bytes=tree_bytes(engine), build_seconds_manifest=m.get("build_seconds"), stages=m.get("stages"),
                export_validation=export.get("validation"), engine_check=m.get("engine_check"),
                accuracy_check=m.get("accuracy_check"), source=m.get("source"),
                validation_skipped=export.get("validation_skipped"), reference_skipped=export.get("reference_skipped"),
@@ -322,8 +313,7 @@ def _gib(b: float | None, unit: float = 2**30) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """One markdown row per precision: build costs, engine costs, decode rates, roofline fraction, checks."""
     bss = report["settings"]["batch_sizes"]
-    head = (["precision", "build wall s", "build peak GiB", "cache growth GB", "engine GB", "disk use GB",
-             f"load+generate peak GiB (bs{bss[0]})"]
+    head = (["precision", "build wall s", "build peak GiB", "cache growth GB", "engine GB", f"load+generate peak GiB (bs{bss[0]})"]
             + [f"bs{b} tok/s" for b in bss] + [f"TTFT {report['settings']['prompt_len']} ms",
                                                 "% of roofline (" + "/".join(f"bs{b}" for b in bss) + ")", "checks"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -333,8 +323,7 @@ def format_table(report: dict[str, Any]) -> str:
         wall = "-" if r["build_wall_s"] is None else f"{r['build_wall_s']:.1f}"
         peak = ok[0].get("peak_rss_mib")
         cells = [r["precision"], wall, _gib(r["build_peak_rss_bytes"]), _gib(r["cache_growth_bytes"], 1e9),
-                 _gib(r.get("engine_bytes"), 1e9), _gib(r.get("disk_growth_bytes"), 1e9),
-                 _gib(peak * 2**20 if peak else None)]
+                 _gib(r.get("engine_bytes"), 1e9), _gib(peak * 2**20 if peak else None)]
         cells += [f"{u['decode_tok_s']:.1f}" if "decode_tok_s" in u else "error" if u else "-" for u in ok]
         cells.append(f"{ok[0]['ttft_ms']:.0f}" if "ttft_ms" in ok[0] else "-")
         cells.append("/".join(f"{u['fraction_of_read']:.0%}" if "fraction_of_read" in u else "-" for u in ok))

@@ -68,8 +68,6 @@ def test_main_on_a_one_layer_slice(tmp_path):
         assert row["exit_code"] == 0 and "error" not in row and row["command"][-2:] == ["--method", "rtn"]
         assert row["engine_check"]["passed"] and row["accuracy_check"]["passed"] and row["export_validation"]
         assert row["cache_growth_bytes"] > row["engine_bytes"] > 0 and row["build_peak_rss_bytes"] > 0
-        # the engine's weights are its cache stage's file, linked: the build's disk use counts them once
-        assert row["cache_growth_bytes"] <= row["disk_growth_bytes"] < row["cache_growth_bytes"] + 0.2 * row["engine_bytes"]
         assert [r["batch_size"] for r in row["runs"]] == [1, 2]
         for run in row["runs"]:
             assert run["decode_tok_s"] > 0 and run["peak_rss_mib"] > 0 and run["ttft_ms"] > 0

@@ -118,9 +118,6 @@ def build_onnxruntime(stage: StageDir, out: Path, config: BuildConfig) -> dict[s
         ort.InferenceSession(str(stage.onnx_path), so, providers=providers)
     except Exception as e:
         raise BuildError(f"ONNX Runtime could not optimize {stage.onnx_path}: {e}") from e
-    from trtinfer.builder.shared_weights import share_stage_weights
-
-    share_stage_weights(out / ONNX_NAME, Path(stage.onnx_path))  # the stage's weights, stored once
     if config.target == "cpu":  # a tied table read by a gather and a prepacked head: one mapping each
         from trtinfer.builder.weight_views import one_name_per_reader
 
