@@ -33,8 +33,7 @@ usage: python -m benchmarks.real_size (--checkpoint DIR | --preset NAME [--layer
    fraction counts the quantized file's tensor bytes as one decode step's reads (every weight once; KV not counted).
 
 Each engine is deleted once measured, the default cache once the builds are done, and the run folder (engines, logs)
-at the end, unless
-``--keep``; ``--cache DIR`` is never deleted. Prints one table, writes PREFIX.json (raw figures, CPU flags,
+at the end, unless ``--keep``; ``--cache DIR`` is never deleted. Prints one table, writes PREFIX.json (raw figures, CPU flags,
 versions, command lines) and PREFIX.png; PREFIX defaults to benchmarks/results/real_size_<checkpoint>_<machine kind>_<date>.
 """
 from __future__ import annotations

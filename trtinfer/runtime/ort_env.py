@@ -22,7 +22,7 @@ from trtinfer.artifact import Manifest
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, OutputError
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.memory import lean_weights
-from trtinfer.runtime.page_out import cpu_session
+from trtinfer.runtime.page_out import ROW_PACKED_PRECISIONS, cpu_session
 
 log = logging.getLogger(__name__)
 
@@ -278,8 +278,6 @@ def default_intra_op_threads() -> int:
 def row_packed(manifest: Manifest) -> bool:
     """Whether every GEMM weight of the engine is a ``MatMulNBits`` block (:data:`~trtinfer.runtime.page_out.
     ROW_PACKED_PRECISIONS`, no node kept in fp32): its mapped weights can be paged out while MLAS packs them."""
-    from trtinfer.runtime.page_out import ROW_PACKED_PRECISIONS
-
     return manifest.precision in ROW_PACKED_PRECISIONS and not manifest.kept_float
 
 
