@@ -101,6 +101,10 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     # an fp32 stage's weights may still be in the checkpoint: a whole copy, its tied embedding stored once
     with materialized(stage, rewrite) as whole:
         files = backend.build(whole, dest, config)
+    if config.prefill is not None:
+        from trtinfer.builder.prefill_graph import write_prefill_graph
+
+        files.update(write_prefill_graph(dest, files["decoder"], config.precision))
     if stage.reference_path is None:
         return files, None, _stage_accuracy(stage)
     manifest = _manifest(config, stage, files, dest, max_seq)
@@ -124,6 +128,18 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
         except InputError as e:  # e.g. the logits_positions pass disabled: the engine cannot score a sequence
             log.warning("the engine's accuracy is not checked: %s", e)
     return files, check, accuracy
+
+
+def _check_prefill(engine: Path, manifest: Manifest, stage: StageDir) -> dict[str, Any]:
+    """:func:`~trtinfer.builder.check.check_prefill` on the engine being built; a graph past the bound fails the
+    build."""
+    from trtinfer.builder.check import check_prefill
+
+    report = check_prefill(engine, manifest, stage.path / "tokenizer.json")
+    if not report["passed"]:
+        raise BuildError(f"the int8 prefill graph's held-out perplexity is x{report['ratio']:.3f} of the decoder "
+                         f"graph's alone (bound x{report['bound']}); build without --prefill")
+    return report
 
 
 def _stage_accuracy(stage: StageDir) -> dict[str, Any] | None:
@@ -214,6 +230,8 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
                     from trtinfer.builder.piece_check import reduced_depth_check
 
                     piece = reduced_depth_check(resolved, config, stage.geometry, out.parent)
+                prefill = (None if config.prefill is None else
+                           _check_prefill(tmp, _manifest(config, stage, files, tmp, max_seq), stage))
             if accuracy is not None:
                 from trtinfer.quantization.accuracy import accuracy_verdict, verdict_error
 
@@ -224,7 +242,8 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
                 stage.copy_files(TOKENIZER_FILES, tmp)
                 manifest = _manifest(config, stage, files, tmp, max_seq).updated(
                     **({} if check is None else {"engine_check": check.to_dict()}), accuracy_check=accuracy,
-                    **({} if piece is None else {"reduced_depth_check": piece}), stages=bar.records,
+                    **({} if piece is None else {"reduced_depth_check": piece}),
+                    **({} if prefill is None else {"prefill_check": prefill}), stages=bar.records,
                     build_seconds=round(time.perf_counter() - t_start, 2))
                 write_manifest(tmp, manifest)
     log.debug("built %s in %.1f s", out, time.perf_counter() - t_start)

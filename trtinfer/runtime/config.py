@@ -71,12 +71,15 @@ class RuntimeConfig:
     #: weights take more than half the available memory (:mod:`trtinfer.runtime.memory`); False: never (a graph
     #: run a few times, such as a build stage scored once, gains nothing from the copy)
     prepack_weights: bool | None = None
+    #: CPU: run passes of several tokens (prefills, chunks, scoring) on the engine's int8 prefill graph where it has
+    #: one (``trtinfer build --prefill int8``); False: every pass on the decoder graph
+    prefill_graph: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.provider, str) or self.provider not in PROVIDERS:
             raise ConfigError(f"provider must be one of {PROVIDERS}, got {describe(self.provider)}", field="provider")
         _check_types(self, {"device_id": "int", "intra_op_threads": "int", "trt_timing_cache": "bool",
-                            "trt_max_workspace_size": "int", "cuda_graphs": "bool"})
+                            "trt_max_workspace_size": "int", "cuda_graphs": "bool", "prefill_graph": "bool"})
         if self.device_id < 0:
             raise ConfigError(f"device_id must be >= 0, got {self.device_id}", field="device_id")
         if self.intra_op_threads < 0:

@@ -45,6 +45,11 @@ class OrtDecoderSession(DecoderSession):
         self.device = "cuda" if config.provider in GPU_PROVIDERS else "cpu"  # where the KV cache lives
         model = engine_dir / manifest.files["decoder"]
         self.sess = open_ort_session(model, engine_dir, manifest, config)
+        # passes of several tokens (prefills, chunks, scoring) on the engine's int8 prefill graph, where it has one
+        # (``trtinfer build --prefill int8``; :mod:`trtinfer.builder.prefill_graph`): same inputs, outputs and KV
+        prefill = manifest.files.get("prefill") if config.provider == "cpu" and config.prefill_graph else None
+        self.prefill_sess = None if prefill is None else open_ort_session(engine_dir / prefill, engine_dir, manifest,
+                                                                           config, spin=False)
         so, providers = self.sess.get_session_options(), ort_providers(config, manifest, engine_dir)
         got = [i.name for i in self.sess.get_inputs()]
         if got != self.input_names:
@@ -83,6 +88,7 @@ class OrtDecoderSession(DecoderSession):
         for staging in self.live_stagings():
             staging.release()
         self.sess = None
+        self.prefill_sess = None
         self.select_sess = None
 
     # --- host buffers -------------------------------------------------------------------------------------
@@ -104,6 +110,12 @@ class OrtDecoderSession(DecoderSession):
             staging.bind(io, name, arr)
 
     # --- what the KV layouts run on (KVRunner) -----------------------------------------------------------------
+    def session_for(self, feeds: dict[str, np.ndarray]) -> Any:
+        """The session that runs a pass: the prefill graph for several tokens a row where the engine has one."""
+        if self.prefill_sess is not None and feeds["input_ids"].shape[1] > 1:
+            return self.prefill_sess
+        return self.sess
+
     def kv_value(self, shape: tuple[int, ...]) -> Any:
         """A zeroed KV tensor of the engine's KV type (zeros: unused buffer slots are read as 0 * x, never NaN)."""
         ov = self._ort.OrtValue
@@ -136,7 +148,8 @@ class OrtDecoderSession(DecoderSession):
         """
         if self.has_logits_positions:
             feeds = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
-        io = self.sess.io_binding()
+        sess = self.session_for(feeds)
+        io = sess.io_binding()
         for name, arr in feeds.items():
             self.bind_host_input(io, name, arr, staging)
         for name, val in zip(self.past_names, kv_in):
@@ -147,7 +160,7 @@ class OrtDecoderSession(DecoderSession):
                 io.bind_output(name, self.device, self.config.device_id)
             else:
                 io.bind_ortvalue_output(name, kv_out[i])
-        self.sess.run_with_iobinding(io)
+        sess.run_with_iobinding(io)
         outs = io.get_outputs()
         return self.select(outs[0].numpy(), positions), (list(outs[1:]) if kv_out is None else kv_out)
 
@@ -180,7 +193,8 @@ class OrtDecoderSession(DecoderSession):
         """Rows bound in place through IOBinding pointers (a C-contiguous buffer's rows are tensors of their own)."""
         if self.has_logits_positions:
             feeds = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
-        io = self.sess.io_binding()
+        sess = self.session_for(feeds)
+        io = sess.io_binding()
         for name, arr in feeds.items():
             self.bind_host_input(io, name, arr, staging)
         io.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
@@ -190,7 +204,7 @@ class OrtDecoderSession(DecoderSession):
             ptr = val.data_ptr() + first_row * row
             io.bind_input(past, self.device, self.config.device_id, elem, shape, ptr)
             io.bind_output(present, self.device, self.config.device_id, elem, shape, ptr)  # written in place
-        self.sess.run_with_iobinding(io)
+        sess.run_with_iobinding(io)
         return self.select(io.get_outputs()[0].numpy(), positions)
 
     # --- interface ------------------------------------------------------------------------------------------
