@@ -148,7 +148,7 @@ def check_prefill(engine_dir: Path, manifest: Manifest, tokenizer_json: Path) ->
     from trtinfer.runtime.session import open_session
 
     vocab = int(manifest.geometry["vocab_size"])
-    ids = held_out_ids(tokenizer_json, EVAL_TOKENS, vocab)
+    ids = held_out_ids(tokenizer_json, min(EVAL_TOKENS, manifest.max_seq_len), vocab)
     scores = {}
     for use in (False, True):
         with open_session(engine_dir, manifest, RuntimeConfig(prefill_graph=use)) as sess:

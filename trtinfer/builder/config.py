@@ -20,7 +20,7 @@ TENSORRT_PRECISIONS = ("fp32", "fp16", "bf16", "int8-static", "int4")
 #: ``--prefill`` kinds: a second graph for passes of several tokens (:mod:`trtinfer.builder.prefill_graph`)
 PREFILL_KINDS = ("int8",)
 #: the decoder's GEMM op per engine precision, the one an int8 prefill graph rewrites; other precisions have none
-PREFILL_GEMM_OPS = {"fp32": ("MatMul",), "int4": ("MatMulNBits",), "int8": ("MatMulNBits",), "gguf": ("MatMulNBits",)}
+PREFILL_GEMM_OPS = {"fp32": ("MatMul", "FusedMatMul"), "int4": ("MatMulNBits",), "int8": ("MatMulNBits",), "gguf": ("MatMulNBits",)}
 
 
 @dataclass(frozen=True)

@@ -39,15 +39,23 @@ PREFILL_DATA = "prefill.onnx.data"
 _SHIFT = 128
 
 
-def _float_weight(node: ir.Node) -> ir.TensorProtocol | None:
-    """The constant ``[K, N]`` float32 weight of a plain MatMul, else None."""
-    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+def _float_weight(node: ir.Node) -> tuple[ir.TensorProtocol, bool] | None:
+    """The constant 2-D float32 weight of a plain MatMul, or of a FusedMatMul that only transposes it (ONNX Runtime's
+    form of a head reading a tied embedding), and whether it is stored transposed (``[N, K]``); else None."""
+    transposed = False
+    if node.op_type == "FusedMatMul" and node.domain == MS_DOMAIN and len(node.inputs) == 2:
+        a = node.attributes
+        if (a.get_int("transA", 0) or a.get_int("transBatchA", 0) or a.get_int("transBatchB", 0)
+                or a.get_float("alpha", 1.0) != 1.0):
+            return None
+        transposed = bool(a.get_int("transB", 0))
+    elif node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
         return None
     w = node.inputs[1]
     t = None if w is None else w.const_value
     if t is None or t.dtype != ir.DataType.FLOAT or len(t.shape) != 2:
         return None
-    return t
+    return t, transposed
 
 
 def _nbits_weight(node: ir.Node) -> Callable[[], np.ndarray] | None:
@@ -78,15 +86,18 @@ def _nbits_weight(node: ir.Node) -> Callable[[], np.ndarray] | None:
 
 
 def _gemm_weight(node: ir.Node) -> tuple[int, int, Callable[[], np.ndarray]] | None:
-    """``(K, N, reader of the float32 [K, N] weight)`` of a MatMul or MatMulNBits with a constant weight, else None."""
+    """``(K, N, reader of the float32 [K, N] weight)`` of a GEMM with a constant weight, else None."""
     if node.op_type == "MatMulNBits":
         read = _nbits_weight(node)
         attr = node.attributes
         return None if read is None else (attr.get_int("K", 0), attr.get_int("N", 0), read)
-    w = _float_weight(node)
-    if w is None:
+    got = _float_weight(node)
+    if got is None:
         return None
+    w, transposed = got
     k, n = (int(d) for d in w.shape.numpy())
+    if transposed:
+        return n, k, lambda: np.ascontiguousarray(w.numpy().T)
     return k, n, w.numpy
 
 

@@ -275,6 +275,33 @@ def default_intra_op_threads() -> int:
     return physical_cores(allowed)
 
 
+#: x86 CPU flags under which MLAS's u8 x s8 GEMM (an int8 prefill graph's ``MatMulInteger``) accumulates exactly:
+#: VNNI's ``vpdpbusd`` adds the four products in 32 bits; AVX2's ``vpmaddubsw`` adds pairs into int16 and saturates
+#: (255 x 127 x 2 > 32767), which wrecks full-range int8 weights (ONNX Runtime's own int8 guidance: ``reduce_range``)
+EXACT_U8S8_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def u8s8_exact(machine: str, flags: set[str]) -> bool:
+    """Whether MLAS's u8 x s8 GEMM is exact on a CPU of ``machine`` (``platform.machine()``) with ``flags`` (x86
+    ``/proc/cpuinfo`` flags; ARM's kernels widen before they add)."""
+    return machine.lower() not in ("x86_64", "amd64", "i686", "i386") or bool(flags & EXACT_U8S8_FLAGS)
+
+
+def this_cpu_u8s8_exact() -> bool:
+    """:func:`u8s8_exact` for this machine (``/proc/cpuinfo``; a machine without it counts as exact only off x86)."""
+    import platform
+
+    flags: set[str] = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                flags = set(value.split())
+                break
+    return u8s8_exact(platform.machine(), flags)
+
+
 def row_packed(manifest: Manifest) -> bool:
     """Whether every GEMM weight of the engine is a ``MatMulNBits`` block (:data:`~trtinfer.runtime.page_out.
     ROW_PACKED_PRECISIONS`, no node kept in fp32): its mapped weights can be paged out while MLAS packs them."""

@@ -6,6 +6,7 @@ libraries, pinned staging) is :mod:`trtinfer.runtime.ort_env`'s. This class only
 """
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Sequence
@@ -19,9 +20,20 @@ from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import GPU_PROVIDERS, RuntimeConfig
 from trtinfer.runtime.kv_feeds import LOGITS_POSITIONS
 from trtinfer.runtime.kv_layouts import kv_layout
-from trtinfer.runtime.ort_env import PinnedInputs, open_ort_session, ort_providers, staging_memory_info
+from trtinfer.runtime.ort_env import (
+    PinnedInputs,
+    open_ort_session,
+    ort_providers,
+    staging_memory_info,
+    this_cpu_u8s8_exact,
+)
 from trtinfer.runtime.session import DecoderSession, KVCache, register_backend
 
+log = logging.getLogger(__name__)
+
+#: passes of at least this many tokens a row run on an engine's int8 prefill graph; narrower ones (speculative
+#: verification, a prompt's short tail) on the decoder, so verified drafts score as the decode steps they stand for
+PREFILL_GRAPH_MIN_TOKENS = 16
 #: ONNX element types of the KV dtypes (IOBinding takes these for pointer bindings; numpy has no bfloat16)
 _ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}
 
@@ -48,6 +60,10 @@ class OrtDecoderSession(DecoderSession):
         # passes of several tokens (prefills, chunks, scoring) on the engine's int8 prefill graph, where it has one
         # (``trtinfer build --prefill int8``; :mod:`trtinfer.builder.prefill_graph`): same inputs, outputs and KV
         prefill = manifest.files.get("prefill") if config.provider == "cpu" and config.prefill_graph else None
+        if prefill is not None and not this_cpu_u8s8_exact():
+            log.warning("%s: the int8 prefill graph is not used on this CPU (no VNNI: its u8 x s8 GEMM saturates); "
+                        "prompts run on the decoder graph", engine_dir)
+            prefill = None
         self.prefill_sess = None if prefill is None else open_ort_session(engine_dir / prefill, engine_dir, manifest,
                                                                            config, spin=False)
         so, providers = self.sess.get_session_options(), ort_providers(config, manifest, engine_dir)
@@ -111,8 +127,9 @@ class OrtDecoderSession(DecoderSession):
 
     # --- what the KV layouts run on (KVRunner) -----------------------------------------------------------------
     def session_for(self, feeds: dict[str, np.ndarray]) -> Any:
-        """The session that runs a pass: the prefill graph for several tokens a row where the engine has one."""
-        if self.prefill_sess is not None and feeds["input_ids"].shape[1] > 1:
+        """The session that runs a pass: the prefill graph for :data:`PREFILL_GRAPH_MIN_TOKENS` or more a row where the
+        engine has one, else the decoder."""
+        if self.prefill_sess is not None and feeds["input_ids"].shape[1] >= PREFILL_GRAPH_MIN_TOKENS:
             return self.prefill_sess
         return self.sess
 

@@ -1,0 +1,110 @@
+"""``--prefill int8``: the int8 prefill graph's arithmetic, its place in an engine, the runtime's use of it, the build's
+check and the refusals."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import trtinfer
+from trtinfer.builder import BuildConfig
+from trtinfer.builder.check import PREFILL_BOUND
+from trtinfer.errors import ConfigError
+from trtinfer.runtime.config import RuntimeConfig
+from trtinfer.runtime.ort_session import PREFILL_GRAPH_MIN_TOKENS
+
+
+def _two_gemm_graph(path, w1: np.ndarray, w2: np.ndarray) -> None:
+    """x [B,S,64] -> MatMul w1 [64,128] -> MatMul w2 [128,64] -> y: the second is the widest-K GEMM (a down projection)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", w1.shape[0]])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    h = helper.make_tensor_value_info("h", TensorProto.FLOAT, None)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("MatMul", ["h", "w2"], ["y"])],
+                          "g", [x], [y, h], [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+
+
+def test_int8_gemm_matches_per_token_arithmetic(tmp_path):
+    """Each rewritten GEMM computes round(x/s)*s_token @ Wq*s_channel exactly as written out in numpy, stays within int8
+    rounding of fp32 for rows of very different magnitudes, and the widest-K GEMM keeps its fp32 MatMul."""
+    import onnxruntime as ort
+
+    from trtinfer.builder.prefill_graph import PREFILL_NAME, write_prefill_graph
+
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((64, 128)).astype(np.float32) * 0.1
+    w2 = rng.standard_normal((128, 64)).astype(np.float32) * 0.1
+    _two_gemm_graph(tmp_path / "model.onnx", w1, w2)
+    files = write_prefill_graph(tmp_path, "model.onnx", "fp32")
+    assert files == {"prefill": PREFILL_NAME, "prefill_data": "prefill.onnx.data"}
+    ops = [n.op_type for n in onnx.load(str(tmp_path / PREFILL_NAME), load_external_data=False).graph.node]
+    assert ops.count("MatMulInteger") == 1 and ops.count("MatMul") == 1  # w2 (K=128, the widest) kept
+
+    x = rng.standard_normal((2, 5, 64)).astype(np.float32) * np.array([0.01, 1, 30, 0.5, 4], np.float32)[None, :, None]
+    y, h = ort.InferenceSession(str(tmp_path / PREFILL_NAME), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    s = np.abs(x).max(-1, keepdims=True) / 127
+    ws = np.abs(w1).max(0) / 127
+    want_h = (np.clip(np.rint(x / s), -127, 127) @ np.clip(np.rint(w1 / ws), -127, 127)) * s * ws
+    np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
+    exact = x @ w1
+    rel = np.abs(h - exact).max(-1) / np.abs(exact).max(-1)  # per row: every magnitude keeps its precision
+    assert rel.max() < 0.03, rel
+    np.testing.assert_allclose(y, h @ w2, rtol=1e-4, atol=1e-4 * np.abs(y).max())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_engine_with_prefill_graph(tiny_engine, precision):
+    """The engine carries the graph and the build's check of it; long passes run on it, decode steps and short
+    passes on the decoder; its logits stay near the decoder's, and turning it off gives the decoder's exactly."""
+    path = tiny_engine("llama", precision=precision, prefill="int8")
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["files"]["prefill"] == "prefill.onnx" and (path / "prefill.onnx.data").stat().st_size > 0
+    check = m["prefill_check"]
+    assert check["passed"] and check["ratio"] <= PREFILL_BOUND and check["tokens"] > 100, check
+    assert m["build_config"]["prefill"] == "int8"
+    prompt = list(range(3, 3 + 2 * PREFILL_GRAPH_MIN_TOKENS))
+    with trtinfer.load(path) as eng, trtinfer.load(path, RuntimeConfig(prefill_graph=False)) as plain:
+        sess = eng.session
+        assert sess.prefill_sess is not None and plain.session.prefill_sess is None
+        wide = {"input_ids": np.zeros((1, PREFILL_GRAPH_MIN_TOKENS), np.int64)}
+        assert sess.session_for(wide) is sess.prefill_sess
+        assert sess.session_for({"input_ids": np.zeros((4, 1), np.int64)}) is sess.sess  # decode steps
+        a, _ = sess.prefill([prompt], 128)
+        b, _ = plain.session.prefill([prompt], 128)
+        short_a, _ = sess.prefill([prompt[:4]], 16)
+        short_b, _ = plain.session.prefill([prompt[:4]], 16)
+        np.testing.assert_array_equal(short_a, short_b)  # under the threshold: the decoder itself
+        assert not np.array_equal(a, b)  # the int8 graph ran ...
+        assert np.abs(a - b).max() < 0.05 * max(1.0, np.abs(b).max())  # ... and stays near the decoder's logits
+        out = eng.generate(input_ids=[prompt], max_new_tokens=6, min_new_tokens=6)
+        assert len(out[0].token_ids) == 6
+
+
+def test_prefill_refused_where_it_has_no_meaning(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="--prefill must be one of int8"):
+        BuildConfig(prefill="fp8")
+    with pytest.raises(ConfigError, match="ONNX Runtime CPU engines"):
+        BuildConfig(precision="fp16", prefill="int8")
+    with pytest.raises(ConfigError, match="ONNX Runtime CPU engines"):
+        BuildConfig(target="cuda", prefill="int8")
+    from trtinfer.cli import main
+
+    out = tmp_path / "e"
+    assert main(["build", str(tiny_model_dir("llama")), "-o", str(out), "--prefill", "int9"]) == 2
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="prefill_graph must be True or False"):
+        RuntimeConfig(prefill_graph="yes")  # type: ignore[arg-type]
+
+
+def test_prefill_graph_only_where_the_int8_gemm_is_exact():
+    """x86 without VNNI (AVX2's saturating pair adds) runs prompts on the decoder; VNNI/AMX or ARM use the graph."""
+    from trtinfer.runtime.ort_env import u8s8_exact
+
+    assert not u8s8_exact("x86_64", {"avx", "avx2", "fma", "avx512f", "avx512bw"})
+    assert u8s8_exact("x86_64", {"avx2", "avx_vnni"}) and u8s8_exact("x86_64", {"avx512f", "avx512_vnni"})
+    assert u8s8_exact("aarch64", set())
