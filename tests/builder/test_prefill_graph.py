@@ -71,6 +71,11 @@ def test_engine_with_prefill_graph(tiny_engine, precision):
     with trtinfer.load(path) as eng, trtinfer.load(path, RuntimeConfig(prefill_graph=False)) as plain:
         sess = eng.session
         assert sess.prefill_sess is not None and plain.session.prefill_sess is None
+        # two sessions, one set of cores: neither's workers spin once its run is over; a lone decoder's do
+        for s in (sess.sess, sess.prefill_sess):
+            assert s.get_session_options().get_session_config_entry("session.force_spinning_stop") == "1"
+        with pytest.raises(RuntimeError, match="does not have configuration"):
+            plain.session.sess.get_session_options().get_session_config_entry("session.force_spinning_stop")
         wide = {"input_ids": np.zeros((1, PREFILL_GRAPH_MIN_TOKENS), np.int64)}
         assert sess.session_for(wide) is sess.prefill_sess
         assert sess.session_for({"input_ids": np.zeros((4, 1), np.int64)}) is sess.sess  # decode steps

@@ -309,15 +309,22 @@ def row_packed(manifest: Manifest) -> bool:
 
 
 def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: RuntimeConfig, *,
-                     spin: bool = True) -> Any:
+                     stop_spinning: bool = False) -> Any:
     """An ``onnxruntime.InferenceSession`` on ``model`` for ``config.provider``, or one line saying what is missing.
 
     GPU providers: the CUDA libraries of the nvidia-* wheels are preloaded, the provider must be offered, TensorRT's
     cache folders are made, and a session that fell back to another provider (ONNX Runtime does that silently when a
     CUDA, cuDNN or TensorRT library cannot load) is refused instead of running on the fallback. The graph was
-    optimized offline at build time, so ONNX Runtime does not redo it on every load. ``spin`` False: the session's
-    worker threads sleep as soon as a run ends (a second session of one engine must not spin on the cores the first
-    one runs on: SmolLM2 int4 decode 145 -> 105 tok/s on 2 cores when its prefill session's threads spun).
+    optimized offline at build time, so ONNX Runtime does not redo it on every load.
+
+    ``stop_spinning``: the session's worker threads spin between the parallel sections of a run but sleep as soon as
+    the run ends (ONNX Runtime's ``session.force_spinning_stop``). Two sessions of one engine (decoder and prefill
+    graph) each have their own pool on the same cores; one's workers left spinning after its run take the cores the
+    other's run needs (SmolLM2 int4 on 2 cores: decode 145 -> 105 tok/s while an idle prefill session spun; with the
+    decoder spinning on and the prefill session not spinning at all, a 128-token prefill right after decode steps took
+    103-126 ms, with both stopping at the end of a run 84-89 ms, decode as fast).
+    (ONNX Runtime's one global pool for both is not an option: once it exists, every session of the process must
+    use it.)
     """
     import onnxruntime as ort
 
@@ -325,8 +332,8 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.intra_op_num_threads = config.intra_op_threads or default_intra_op_threads()
     so.log_severity_level = 3
-    if not spin:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if stop_spinning:
+        so.add_session_config_entry("session.force_spinning_stop", "1")
     if config.provider == "cpu":
         if config.prepack_weights is not True:  # no second copy of a model that big
             lean_weights(so, model, always=config.prepack_weights is False)

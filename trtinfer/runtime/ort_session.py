@@ -56,7 +56,6 @@ class OrtDecoderSession(DecoderSession):
         self._ort = ort
         self.device = "cuda" if config.provider in GPU_PROVIDERS else "cpu"  # where the KV cache lives
         model = engine_dir / manifest.files["decoder"]
-        self.sess = open_ort_session(model, engine_dir, manifest, config)
         # passes of several tokens (prefills, chunks, scoring) on the engine's int8 prefill graph, where it has one
         # (``trtinfer build --prefill int8``; :mod:`trtinfer.builder.prefill_graph`): same inputs, outputs and KV
         prefill = manifest.files.get("prefill") if config.provider == "cpu" and config.prefill_graph else None
@@ -64,8 +63,10 @@ class OrtDecoderSession(DecoderSession):
             log.warning("%s: the int8 prefill graph is not used on this CPU (no VNNI: its u8 x s8 GEMM saturates); "
                         "prompts run on the decoder graph", engine_dir)
             prefill = None
+        two = prefill is not None  # two sessions on the same cores: neither's workers spin once its run is over
+        self.sess = open_ort_session(model, engine_dir, manifest, config, stop_spinning=two)
         self.prefill_sess = None if prefill is None else open_ort_session(engine_dir / prefill, engine_dir, manifest,
-                                                                           config, spin=False)
+                                                                           config, stop_spinning=True)
         so, providers = self.sess.get_session_options(), ort_providers(config, manifest, engine_dir)
         got = [i.name for i in self.sess.get_inputs()]
         if got != self.input_names:
