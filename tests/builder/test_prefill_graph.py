@@ -14,7 +14,6 @@ from trtinfer.builder import BuildConfig
 from trtinfer.builder.check import PREFILL_BOUND
 from trtinfer.errors import ConfigError
 from trtinfer.runtime.config import RuntimeConfig
-from trtinfer.runtime.ort_session import PREFILL_GRAPH_MIN_TOKENS
 
 
 def _two_gemm_graph(path, w1: np.ndarray, w2: np.ndarray) -> None:
@@ -59,15 +58,18 @@ def test_int8_gemm_matches_per_token_arithmetic(tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_engine_with_prefill_graph(tiny_engine, precision):
-    """The engine carries the graph and the build's check of it; long passes run on it, decode steps and short
-    passes on the decoder; its logits stay near the decoder's, and turning it off gives the decoder's exactly."""
+    """The engine carries the graph and the build's check of it; passes of several tokens run on it (a prompt gives the
+    same logits whole or in chunks), decode steps and draft verification on the decoder; its logits stay near the
+    decoder's, and turning it off gives the decoder's exactly."""
+    from trtinfer.runtime.slots import SlotCache
+
     path = tiny_engine("llama", precision=precision, prefill="int8")
     m = json.loads((path / "manifest.json").read_text())
     assert m["files"]["prefill"] == "prefill.onnx" and (path / "prefill.onnx.data").stat().st_size > 0
     check = m["prefill_check"]
     assert check["passed"] and check["ratio"] <= PREFILL_BOUND and check["tokens"] > 100, check
     assert m["build_config"]["prefill"] == "int8"
-    prompt = list(range(3, 3 + 2 * PREFILL_GRAPH_MIN_TOKENS))
+    prompt = list(range(3, 35))
     with trtinfer.load(path) as eng, trtinfer.load(path, RuntimeConfig(prefill_graph=False)) as plain:
         sess = eng.session
         assert sess.prefill_sess is not None and plain.session.prefill_sess is None
@@ -76,16 +78,25 @@ def test_engine_with_prefill_graph(tiny_engine, precision):
             assert s.get_session_options().get_session_config_entry("session.force_spinning_stop") == "1"
         with pytest.raises(RuntimeError, match="does not have configuration"):
             plain.session.sess.get_session_options().get_session_config_entry("session.force_spinning_stop")
-        wide = {"input_ids": np.zeros((1, PREFILL_GRAPH_MIN_TOKENS), np.int64)}
-        assert sess.session_for(wide) is sess.prefill_sess
+        assert sess.session_for({"input_ids": np.zeros((1, 2), np.int64)}) is sess.prefill_sess
         assert sess.session_for({"input_ids": np.zeros((4, 1), np.int64)}) is sess.sess  # decode steps
+        with sess.decoder_graph():
+            assert sess.session_for({"input_ids": np.zeros((1, 5), np.int64)}) is sess.sess
         a, _ = sess.prefill([prompt], 128)
         b, _ = plain.session.prefill([prompt], 128)
-        short_a, _ = sess.prefill([prompt[:4]], 16)
-        short_b, _ = plain.session.prefill([prompt[:4]], 16)
-        np.testing.assert_array_equal(short_a, short_b)  # under the threshold: the decoder itself
         assert not np.array_equal(a, b)  # the int8 graph ran ...
         assert np.abs(a - b).max() < 0.05 * max(1.0, np.abs(b).max())  # ... and stays near the decoder's logits
+        # chunks: the same KV and logits as the prompt in one pass (activations are quantized token by token)
+        cache = SlotCache(sess, 1, 64)
+        cache.prefill(0, prompt[:20])
+        chunked = cache.prefill(0, prompt[20:])
+        np.testing.assert_allclose(chunked, a.reshape(-1, a.shape[-1])[-1], rtol=1e-4, atol=1e-4 * np.abs(a).max())
+        # a draft's verification scores as decode steps: the logits the decoder gives one token at a time
+        steps = SlotCache(sess, 1, 64)
+        steps.prefill(0, prompt)
+        one_by_one = np.stack([steps.prefill(0, [t]) for t in (7, 8, 9)])
+        verified = cache.prefill(0, [7, 8, 9], every=True)
+        np.testing.assert_allclose(verified, one_by_one, rtol=1e-4, atol=1e-4 * np.abs(one_by_one).max())
         out = eng.generate(input_ids=[prompt], max_new_tokens=6, min_new_tokens=6)
         assert len(out[0].token_ids) == 6
 

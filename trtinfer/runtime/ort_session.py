@@ -6,10 +6,11 @@ libraries, pinned staging) is :mod:`trtinfer.runtime.ort_env`'s. This class only
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,6 @@ from trtinfer.runtime.session import DecoderSession, KVCache, register_backend
 
 log = logging.getLogger(__name__)
 
-#: passes of at least this many tokens a row run on an engine's int8 prefill graph; narrower ones (speculative
-#: verification, a prompt's short tail) on the decoder, so verified drafts score as the decode steps they stand for
-PREFILL_GRAPH_MIN_TOKENS = 16
 #: ONNX element types of the KV dtypes (IOBinding takes these for pointer bindings; numpy has no bfloat16)
 _ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}
 
@@ -63,6 +61,7 @@ class OrtDecoderSession(DecoderSession):
             log.warning("%s: the int8 prefill graph is not used on this CPU (no VNNI: its u8 x s8 GEMM saturates); "
                         "prompts run on the decoder graph", engine_dir)
             prefill = None
+        self._on_decoder = threading.local()  # per thread: inside decoder_graph()
         two = prefill is not None  # two sessions on the same cores: neither's workers spin once its run is over
         self.sess = open_ort_session(model, engine_dir, manifest, config, stop_spinning=two)
         self.prefill_sess = None if prefill is None else open_ort_session(engine_dir / prefill, engine_dir, manifest,
@@ -128,11 +127,22 @@ class OrtDecoderSession(DecoderSession):
 
     # --- what the KV layouts run on (KVRunner) -----------------------------------------------------------------
     def session_for(self, feeds: dict[str, np.ndarray]) -> Any:
-        """The session that runs a pass: the prefill graph for :data:`PREFILL_GRAPH_MIN_TOKENS` or more a row where the
-        engine has one, else the decoder."""
-        if self.prefill_sess is not None and feeds["input_ids"].shape[1] >= PREFILL_GRAPH_MIN_TOKENS:
+        """The session that runs a pass: where the engine has a prefill graph, every pass of several tokens a row
+        (prompts, whole or in chunks, and scoring) outside :meth:`decoder_graph`; else the decoder. Its activations are
+        quantized token by token, so a prompt gives the same KV whatever chunks it comes in."""
+        if (self.prefill_sess is not None and feeds["input_ids"].shape[1] > 1
+                and not getattr(self._on_decoder, "active", False)):
             return self.prefill_sess
         return self.sess
+
+    @contextlib.contextmanager
+    def decoder_graph(self) -> Iterator[None]:
+        was = getattr(self._on_decoder, "active", False)
+        self._on_decoder.active = True
+        try:
+            yield
+        finally:
+            self._on_decoder.active = was
 
     def kv_value(self, shape: tuple[int, ...]) -> Any:
         """A zeroed KV tensor of the engine's KV type (zeros: unused buffer slots are read as 0 * x, never NaN)."""

@@ -14,6 +14,7 @@ position only); :meth:`DecoderSession.run_chunk` asks for every position of a ch
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from abc import ABC, abstractmethod
@@ -165,6 +166,12 @@ class DecoderSession(ABC):
     def truncate_cache(self, kv: KVCache, n: int) -> KVCache:
         """The cache of a one-row sequence rolled back to its first ``n`` tokens."""
         raise EngineLoadError(f"the {type(self).__name__} backend cannot truncate a KV cache")
+
+    def decoder_graph(self) -> contextlib.AbstractContextManager[None]:
+        """Within this block, passes of this thread run on the decoder graph even where the engine has a prefill graph
+        (a draft's verification must score its tokens as the decode steps they stand for); a no-op for backends
+        with one graph."""
+        return contextlib.nullcontext()
 
     def check_can_score(self) -> None:
         """Raise :class:`InputError` when the engine returns last-position logits only (built before scoring)."""

@@ -18,6 +18,7 @@ lands in the position its next write overwrites, and its logits are ignored.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Sequence
 from typing import Any
@@ -129,7 +130,8 @@ class SlotCache:
         feeds = self.layout.buffer_feeds(np.asarray(tokens, dtype=np.int64)[None, :], np.array([start], np.int64),
                                          np.array([n], np.int64))
         want = np.arange(n, dtype=np.int64)[None, :] if every else np.array([[n - 1]], dtype=np.int64)
-        logits = self._run(feeds, slot, 1, want)
+        with self.session.decoder_graph() if every else contextlib.nullcontext():  # a draft scores as decode steps
+            logits = self._run(feeds, slot, 1, want)
         self.index.extend(slot, tokens)
         return logits[0] if every else logits[0, -1]
 
