@@ -46,9 +46,11 @@ def run_all(sched: Scheduler, limit: int = 10_000) -> int:
     raise AssertionError("the scheduler did not drain")
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "llama-prefill-int8"])
 def engine(request, tiny_engine):
-    with trtinfer.load(tiny_engine(request.param)) as eng:
+    # llama-prefill-int8: prompts on the int8 prefill graph, in any chunks, decode steps on the decoder
+    path = tiny_engine("llama", prefill="int8") if request.param.endswith("int8") else tiny_engine(request.param)
+    with trtinfer.load(path) as eng:
         assert eng.session.kv_layout == "shared_buffer"
         yield eng
 
