@@ -110,10 +110,14 @@ def parse_time_v(stderr: str) -> dict[str, Any]:
 
 
 def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cache: Path) -> dict[str, Any]:
-    """Build one engine through the CLI under ``/usr/bin/time -v``; the row of figures (``error`` on failure)."""
-    cmd = [sys.executable, "-m", "trtinfer", "build", str(ckpt), "--precision", precision, "-o", str(engine), "--force"]
-    if precision == "int4":
+    """Build one engine through the CLI under ``/usr/bin/time -v``; the row of figures (``error`` on failure).
+    ``precision`` ``P+prefill``: precision P with the int8 prefill graph (``--prefill int8``)."""
+    base, _, extra = precision.partition("+")
+    cmd = [sys.executable, "-m", "trtinfer", "build", str(ckpt), "--precision", base, "-o", str(engine), "--force"]
+    if base == "int4":
         cmd += ["--method", method or "rtn"]
+    if extra == "prefill":
+        cmd += ["--prefill", "int8"]
     log_path = engine.parent / f"build-{precision}.log"
     before = tree_bytes(cache)
     log.info("building %s (log: %s)", precision, log_path)
@@ -136,7 +140,7 @@ def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cach
     quantization = m.get("quantization") or {}
     row.update(engine_bytes=tree_bytes(engine), build_seconds_manifest=m.get("build_seconds"), stages=m.get("stages"),
                export_validation=export.get("validation"), engine_check=m.get("engine_check"),
-               accuracy_check=m.get("accuracy_check"), source=m.get("source"),
+               accuracy_check=m.get("accuracy_check"), prefill_check=m.get("prefill_check"), source=m.get("source"),
                validation_skipped=export.get("validation_skipped"), reference_skipped=export.get("reference_skipped"),
                quantization_report=quantization.get("report"), stage_accuracy=quantization.get("accuracy"),
                reduced_depth_check=m.get("reduced_depth_check"))
@@ -392,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     src.add_argument("--preset", help="make_checkpoint.py preset (llama-3.2-1b, qwen3-8b, qwen3-14b)")
     ap.add_argument("--layers", type=int, help="--preset: an N-layer slice")
     ap.add_argument("--vocab", type=int, help="--preset: this vocabulary size")
-    ap.add_argument("--precisions", type=_csv(str), default=["fp32", "int8", "int4"])
+    ap.add_argument("--precisions", type=_csv(str), default=["fp32", "int8", "int4"],
+                    help="engines to build; P+prefill: precision P with --prefill int8")
     ap.add_argument("--method", help="int4 --method (default rtn)")
     ap.add_argument("--work", type=Path, default=Path("~/.cache/trtinfer-bench"),
                     help="checkpoints/ and runs/ (a temp folder per run: engines, logs, the default cache)")
