@@ -124,3 +124,12 @@ def test_prefill_graph_only_where_the_int8_gemm_is_exact():
     assert not u8s8_exact("x86_64", {"avx", "avx2", "fma", "avx512f", "avx512bw"})
     assert u8s8_exact("x86_64", {"avx2", "avx_vnni"}) and u8s8_exact("x86_64", {"avx512f", "avx512_vnni"})
     assert u8s8_exact("aarch64", set())
+
+
+def test_inspect_shows_the_prefill_check(tiny_engine, capsys):
+    from trtinfer.cli import main
+
+    path = tiny_engine("llama", precision="int4", prefill="int8")
+    assert main(["inspect", str(path)]) == 0
+    ratio = json.loads((path / "manifest.json").read_text())["prefill_check"]["ratio"]
+    assert f"int8 prefill graph: held-out perplexity x{ratio:.3f} of the decoder graph's alone" in capsys.readouterr().out

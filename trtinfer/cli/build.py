@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from trtinfer.artifact import read_manifest
     from trtinfer.builder import BuildConfig, build
     from trtinfer.cli.quantize import quant_config
-    from trtinfer.cli.summary import fused_text, validation_text
+    from trtinfer.cli.summary import fused_text, prefill_text, validation_text
     from trtinfer.export import ExportConfig
     from trtinfer.quantization.accuracy import accuracy_text
     from trtinfer.quantization.config import PRECISIONS as QUANTIZED
@@ -108,10 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if c:
         print(f"engine check vs {c['reference']} ({c['precision']}): max|diff| {c['max_abs_diff']:.3g} <= "
               f"{c['tolerance']:g} x {c['logits_scale']:.3g}, top-1 agreement {c['top1_agreement']:.0%}")
-    pc = m.get("prefill_check")
-    if pc:
-        print(f"int8 prefill graph: held-out perplexity x{pc['ratio']:.3f} of the decoder graph's alone (bound "
-              f"x{pc['bound']:g}), top-1 agreement {pc['top1_agreement']:.0%}")
+    if m.get("prefill_check"):
+        print(prefill_text(m["prefill_check"]))
     r = m.get("reduced_depth_check")
     if r:
         v, c, a = r["export_validation"] or {}, r["engine_check"] or {}, r.get("accuracy_check")

@@ -134,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"engine check vs {c.get('reference', 'export')}: max|diff| {c['max_abs_diff']:.2e} (tol {c['tolerance']:g} x "
               f"{c['logits_scale']:.3g}), top-1 agreement {c['top1_agreement']:.0%}, "
               f"{'passed' if c['passed'] else 'FAILED'}")
+    if m.get("prefill_check"):
+        from trtinfer.cli.summary import prefill_text
+
+        print(prefill_text(m["prefill_check"]))
     ins, outs = m["io"]["inputs"], m["io"]["outputs"]
     print("inputs")
     for t in ins[:5]:

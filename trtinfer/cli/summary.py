@@ -45,3 +45,9 @@ def stage_summary(stage: Any) -> str:
         head += f", {cfg['target']} {cfg['precision']}, KV layout {stage.kv_layout}"
         return head + "\nfused: " + ", ".join(fired)
     return head + "\n" + validation_text(stage.validation)
+
+
+def prefill_text(check: dict[str, Any]) -> str:
+    """One line for an engine's int8 prefill graph check (``prefill_check`` in the manifest)."""
+    return (f"int8 prefill graph: held-out perplexity x{check['ratio']:.3f} of the decoder graph's alone (bound "
+            f"x{check['bound']:g}), top-1 agreement {check['top1_agreement']:.0%}")
