@@ -41,8 +41,11 @@ def test_int8_gemm_matches_per_token_arithmetic(tmp_path):
     _two_gemm_graph(tmp_path / "model.onnx", w1, w2)
     files = write_prefill_graph(tmp_path, "model.onnx", "fp32")
     assert files == {"prefill": PREFILL_NAME, "prefill_data": "prefill.onnx.data"}
-    ops = [n.op_type for n in onnx.load(str(tmp_path / PREFILL_NAME), load_external_data=False).graph.node]
+    graph = onnx.load(str(tmp_path / PREFILL_NAME), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
     assert ops.count("MatMulInteger") == 1 and ops.count("MatMul") == 1  # w2 (K=128, the widest) kept
+    used = {i for n in graph.node for i in n.input}
+    assert "w1" not in {t.name for t in graph.initializer} and {t.name for t in graph.initializer} <= used
 
     x = rng.standard_normal((2, 5, 64)).astype(np.float32) * np.array([0.01, 1, 30, 0.5, 4], np.float32)[None, :, None]
     y, h = ort.InferenceSession(str(tmp_path / PREFILL_NAME), providers=["CPUExecutionProvider"]).run(None, {"x": x})

@@ -191,11 +191,16 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...]) -> int:
         name, old.name = old.name, f"{tag}.replaced"
         old.replace_all_uses_with(out, replace_graph_outputs=True)
         out.name = name  # the decoder's value names (the graph's outputs among them) stay
+        for i in range(len(node.inputs)):  # its weights lose their one reader: dropped below
+            node.replace_input_with(i, None)
         graph.remove(node, safe=False)
         done += 1
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     RemoveUnusedNodesPass()(model)
+    for name, value in list(graph.initializers.items()):  # the replaced weights: not written to the prefill graph
+        if not value.uses() and not value.is_graph_output():
+            del graph.initializers[name]
     return done
 
 
