@@ -194,6 +194,13 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
             raise ConfigError(f"{stage.path} was optimized for {got}, but --backend {config.backend} "
                               f"--target {config.target} needs {want}; optimize the export with --target {want}")
     backend.available(config)  # a missing library or device stops the build here, before any stage runs
+    if config.prefill is not None:
+        from trtinfer.runtime.ort_env import this_cpu_u8s8_exact
+
+        if not this_cpu_u8s8_exact():  # the build must run the graph it checks
+            raise ConfigError(f"--prefill {config.prefill} needs a CPU whose int8 GEMM is exact (x86 with VNNI, or "
+                              "ARM) to check the graph it builds; this one has no VNNI: build without --prefill, or "
+                              "on such a CPU")
     names = (["export"] if stage is None else []) + (["optimize"] if stage is None or stage.stage == "export" else [])
     if config.quantization is not None and (stage is None or stage.stage != "quantize"):
         names.append("quantize")
