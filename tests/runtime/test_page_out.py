@@ -48,6 +48,10 @@ def int4_graph(folder: Path, k: int = 2048, n: int = 2048, block: int = 32) -> P
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     path = folder / "model.onnx"
     onnx.save(model, str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    # written back now: MADV_PAGEOUT does not reclaim dirty page-cache pages, and a just-written file's may still be
+    # dirty when the session maps it (the test once kept all 512 KiB resident in a CI run on a loaded machine)
+    with open(folder / "model.onnx.data", "rb+") as f:
+        os.fsync(f.fileno())
     return path
 
 
