@@ -28,7 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from trtinfer.builder.config import PREFILL_GEMM_OPS
-from trtinfer.quantization.blocks import BlockWeight, unpack_codes
+from trtinfer.quantization.blocks import BlockWeight
 from trtinfer.quantization.weights import MS_DOMAIN
 
 log = logging.getLogger(__name__)
@@ -73,14 +73,8 @@ def _nbits_weight(node: ir.Node) -> Callable[[], np.ndarray] | None:
     k, n, bits, block = (attr.get_int(a, 0) for a in ("K", "N", "bits", "block_size"))
 
     def read() -> np.ndarray:
-        packed = b.numpy()
-        codes = unpack_codes(packed.reshape(n, -1, packed.shape[-1]), bits)[:, :k]
-        s = scales.numpy().astype(np.float32).reshape(n, -1)
-        zp = None
-        if zps is not None:
-            z = zps.numpy().reshape(n, -1)
-            zp = (z if bits == 8 else np.stack([z & 0x0F, z >> 4], axis=-1).reshape(n, -1))[:, : s.shape[1]]
-        return BlockWeight(codes, s, zp, bits, block).dequantize()
+        return BlockWeight.from_matmul_nbits(b.numpy(), scales.numpy(), None if zps is None else zps.numpy(), k, n,
+                                             bits, block).dequantize()
 
     return read
 

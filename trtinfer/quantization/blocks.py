@@ -70,6 +70,16 @@ class BlockWeight:
         """``GatherBlockQuantized``'s scales ``[N, K/block, 1]`` (rows of the table ``W^T``)."""
         return self.scales[:, :, None]
 
+    @classmethod
+    def from_matmul_nbits(cls, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int,
+                          bits: int, block: int) -> BlockWeight:
+        """The blocks ``MatMulNBits``' inputs ``b``, ``scales`` and ``zero_points`` hold (the inverse of
+        :meth:`packed`, :meth:`flat_scales` and :meth:`packed_zero_points`)."""
+        codes = unpack_codes(b.reshape(n, -1, b.shape[-1]), bits)[:, :k]
+        s = scales.astype(np.float32).reshape(n, -1)
+        zp = None if zero_points is None else unpack_codes(zero_points.reshape(n, 1, -1), bits)[:, : s.shape[1]]
+        return cls(codes, s, zp, bits, block)
+
     def packed_zero_points(self) -> np.ndarray | None:
         """``MatMulNBits``' zero_points input ``[N, ceil(K/block * bits/8)]`` uint8, or None when symmetric."""
         if self.zero_points is None:

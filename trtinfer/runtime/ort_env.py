@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.metadata
 import io as _io
 import logging
@@ -287,8 +288,10 @@ def u8s8_exact(machine: str, flags: set[str]) -> bool:
     return machine.lower() not in ("x86_64", "amd64", "i686", "i386") or bool(flags & EXACT_U8S8_FLAGS)
 
 
+@functools.cache
 def this_cpu_u8s8_exact() -> bool:
-    """:func:`u8s8_exact` for this machine (``/proc/cpuinfo``; a machine without it counts as exact only off x86)."""
+    """:func:`u8s8_exact` for this machine (``/proc/cpuinfo``, read once a process; a machine without it counts as
+    exact only off x86)."""
     import platform
 
     flags: set[str] = set()
