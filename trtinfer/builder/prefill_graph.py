@@ -16,7 +16,7 @@ weight (a quantized engine's blocks dequantized; a tied head read through ``Fuse
 output channel, so prefill and decode compute the same model up to int8 rounding. Everything else (attention, norms,
 the KV interface) is the decoder's graph unchanged: the runtime runs passes of several tokens on this graph and decode
 steps on the decoder, over the same KV values. The price is one int8 copy of the rewritten weights beside the
-decoder's. Measured: docs/benchmarks/cpu.md (128-token TTFT 0.32-0.41x eager's on an AVX-512 VNNI CPU).
+decoder's. Measured: docs/benchmarks/cpu.md (128-token TTFT 0.32-0.43x eager's on an AVX-512 VNNI CPU).
 """
 from __future__ import annotations
 

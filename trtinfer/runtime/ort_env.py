@@ -325,7 +325,7 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
     graph) each have their own pool on the same cores; one's workers left spinning after its run take the cores the
     other's run needs (SmolLM2 int4 on 2 cores: decode 145 -> 105 tok/s while an idle prefill session spun; with the
     decoder spinning on and the prefill session not spinning at all, a 128-token prefill right after decode steps took
-    103-126 ms, with both stopping at the end of a run 84-89 ms, decode as fast).
+    103-126 ms, with both stopping at the end of a run 84-89 ms; decode 0-6% slower in benchmarks/prefill.py).
     (ONNX Runtime's one global pool for both is not an option: once it exists, every session of the process must
     use it.)
     """
