@@ -46,6 +46,12 @@ def test_int8_gemm_matches_per_token_arithmetic(tmp_path):
     assert ops.count("MatMulInteger") == 1 and ops.count("MatMul") == 1  # w2 (K=128, the widest) kept
     used = {i for n in graph.node for i in n.input}
     assert "w1" not in {t.name for t in graph.initializer} and {t.name for t in graph.initializer} <= used
+    # the kept weight is read from the decoder's data file, only the int8 weights are written anew
+    where = {t.name: {e.key: e.value for e in t.external_data}.get("location")
+             for t in graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    assert where["w2"] == "model.onnx.data" and {n for n, f in where.items() if f != "model.onnx.data"} == {
+        n for n in where if n.startswith("prefill.")}
+    assert (tmp_path / "prefill.onnx.data").stat().st_size == 64 * 128  # the int8 codes (its 128 scales are inline)
 
     x = rng.standard_normal((2, 5, 64)).astype(np.float32) * np.array([0.01, 1, 30, 0.5, 4], np.float32)[None, :, None]
     y, h = ort.InferenceSession(str(tmp_path / PREFILL_NAME), providers=["CPUExecutionProvider"]).run(None, {"x": x})

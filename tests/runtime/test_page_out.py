@@ -143,3 +143,4 @@ def test_engines_page_out_while_loading_only_where_every_weight_is_matmulnbits()
     assert not row_packed(manifest("fp32")) and not row_packed(manifest("fp16")) and not row_packed(manifest("int8-static"))
     assert not row_packed(manifest("int4", keep_fp32=["lm_head"]))  # an fp32 MatMul left: packed in column panels
     assert not row_packed(manifest("int8", exclude=["down_proj"]))
+    assert not row_packed(manifest("int4"), "prefill")  # the int8 prefill graph's MatMulInteger weights: column panels

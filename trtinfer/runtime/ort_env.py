@@ -305,14 +305,17 @@ def this_cpu_u8s8_exact() -> bool:
     return u8s8_exact(platform.machine(), flags)
 
 
-def row_packed(manifest: Manifest) -> bool:
-    """Whether every GEMM weight of the engine is a ``MatMulNBits`` block (:data:`~trtinfer.runtime.page_out.
-    ROW_PACKED_PRECISIONS`, no node kept in fp32): its mapped weights can be paged out while MLAS packs them."""
-    return manifest.precision in ROW_PACKED_PRECISIONS and not manifest.kept_float
+def row_packed(manifest: Manifest, graph: str = "decoder") -> bool:
+    """Whether every GEMM weight of the engine's ``graph`` (its manifest's file role) is a ``MatMulNBits`` block
+    (:data:`~trtinfer.runtime.page_out.ROW_PACKED_PRECISIONS`, no node kept in fp32): its mapped weights can be paged
+    out while MLAS packs them. Never the int8 prefill graph: MLAS packs its ``MatMulInteger`` weights ``[K, N]`` in
+    column panels as it does float ones (the 1B shape's int4 engine: its prefill graph loaded in 3.1 s, and in 400 s
+    with its pages handed back every 10 ms)."""
+    return graph != "prefill" and manifest.precision in ROW_PACKED_PRECISIONS and not manifest.kept_float
 
 
 def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: RuntimeConfig, *,
-                     stop_spinning: bool = False) -> Any:
+                     stop_spinning: bool = False, graph: str = "decoder") -> Any:
     """An ``onnxruntime.InferenceSession`` on ``model`` for ``config.provider``, or one line saying what is missing.
 
     GPU providers: the CUDA libraries of the nvidia-* wheels are preloaded, the provider must be offered, TensorRT's
@@ -327,7 +330,7 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
     decoder spinning on and the prefill session not spinning at all, a 128-token prefill right after decode steps took
     103-126 ms, with both stopping at the end of a run 84-89 ms; decode 0-6% slower in benchmarks/prefill.py).
     (ONNX Runtime's one global pool for both is not an option: once it exists, every session of the process must
-    use it.)
+    use it.) ``graph``: which of the engine's graphs ``model`` is (its manifest's file role, :func:`row_packed`).
     """
     import onnxruntime as ort
 
@@ -353,7 +356,7 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
                      for p in providers]
     try:
         # MLAS packs the weights it reads: the mapped originals need not stay resident beside the packed copy
-        sess = cpu_session(str(model), so, model.parent, providers, row_packed=row_packed(manifest))
+        sess = cpu_session(str(model), so, model.parent, providers, row_packed=row_packed(manifest, graph))
     except Exception as e:
         raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
     if config.provider == "cpu":

@@ -65,7 +65,7 @@ class OrtDecoderSession(DecoderSession):
         two = prefill is not None  # two sessions on the same cores: neither's workers spin once its run is over
         self.sess = open_ort_session(model, engine_dir, manifest, config, stop_spinning=two)
         self.prefill_sess = None if prefill is None else open_ort_session(engine_dir / prefill, engine_dir, manifest,
-                                                                           config, stop_spinning=True)
+                                                                           config, stop_spinning=True, graph="prefill")
         so, providers = self.sess.get_session_options(), ort_providers(config, manifest, engine_dir)
         got = [i.name for i in self.sess.get_inputs()]
         if got != self.input_names:
