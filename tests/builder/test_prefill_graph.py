@@ -110,6 +110,33 @@ def test_engine_with_prefill_graph(tiny_engine, precision):
         assert len(out[0].token_ids) == 6
 
 
+def test_cli_turns_the_prefill_graph_off(tiny_engine, tmp_path, capsys):
+    """``--no-prefill-graph`` (eval, generate, serve): every pass on the decoder graph: eval scores the decoder's
+    perplexity, not the prefill graph's; serve's setting reaches the engine's runtime config."""
+    from trtinfer.cli import main
+    from trtinfer.cli.serve import add_parser, config_from_args
+
+    path = tiny_engine("llama", precision="fp32", prefill="int8")
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12, encoding="utf-8")
+    got = {}
+    for flag in ("--prefill-graph", "--no-prefill-graph"):
+        assert main(["eval", str(path), "--text-file", str(text), "--json", flag]) == 0
+        got[flag] = json.loads(capsys.readouterr().out)["perplexity"]
+    with trtinfer.load(path, RuntimeConfig(prefill_graph=False)) as plain:
+        decoder = plain.perplexity(text.read_text(encoding="utf-8")).perplexity
+    assert got["--no-prefill-graph"] == pytest.approx(decoder, rel=1e-6)
+    assert got["--prefill-graph"] != pytest.approx(decoder, rel=1e-6)
+    assert main(["generate", str(path), "--prompt", "hi", "--max-new-tokens", "3", "--no-prefill-graph"]) == 0
+    import argparse
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    for argv, want in ((["serve", "E"], True), (["serve", "E", "--no-prefill-graph"], False)):
+        args = sub.choices["serve"].parse_args(argv[1:])
+        assert config_from_args(args).runtime().prefill_graph is want
+
+
 def test_prefill_refused_where_it_has_no_meaning(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="--prefill must be one of int8"):
         BuildConfig(prefill="fp8")
@@ -124,6 +151,10 @@ def test_prefill_refused_where_it_has_no_meaning(tiny_model_dir, tmp_path):
     assert not out.exists()
     with pytest.raises(ConfigError, match="prefill_graph must be True or False"):
         RuntimeConfig(prefill_graph="yes")  # type: ignore[arg-type]
+    from trtinfer.serving.config import ServeConfig
+
+    with pytest.raises(ConfigError, match="prefill_graph must be True or False"):
+        ServeConfig(prefill_graph=1)  # type: ignore[arg-type]
 
 
 def test_prefill_graph_only_where_the_int8_gemm_is_exact():

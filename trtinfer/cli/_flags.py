@@ -20,7 +20,9 @@ GENERATION_FLAGS = {
     "prompt_lookup_num_tokens": "--prompt-lookup-num-tokens", "logprobs": "--logprobs",
     "top_logprobs": "--top-logprobs", "num_assistant_tokens": "--num-assistant-tokens",
 }
-RUNTIME_FLAGS = {"provider": "--provider"}
+RUNTIME_FLAGS = {"provider": "--provider", "prefill_graph": "--prefill-graph"}
+PREFILL_GRAPH_HELP = ("CPU: run prompts on the engine's int8 prefill graph where it has one (`build --prefill int8`); "
+                      "--no-prefill-graph runs every pass on the decoder graph (default: on)")
 
 
 def config_from_flags(factory: Callable[..., T], flags: Mapping[str, str], **values: object) -> T:

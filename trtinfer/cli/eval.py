@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trtinfer.cli._flags import PREFILL_GRAPH_HELP
+
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
@@ -25,6 +27,7 @@ def add_parser(sub: Any) -> None:
                         "earlier window scored, with up to window - stride tokens of context")
     p.add_argument("--json", action="store_true", help='print {"perplexity": float, "tokens": int}')
     p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default="cpu")
+    p.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=True, help=PREFILL_GRAPH_HELP)
     p.set_defaults(func=run)
 
 
@@ -55,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     if args.stride is not None and not 1 <= args.stride <= (args.window or args.stride):
         raise InputError(f"--stride must be between 1 and the window, got {args.stride}")
     text = read_text_file(args.text_file)
-    runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider)
+    runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider,
+                                prefill_graph=args.prefill_graph)
     manifest = read_manifest(Path(args.engine))
     if manifest.kind == "encoder":
         raise InputError(f"{args.engine} is an encoder engine; `trtinfer eval` needs a decoder engine")

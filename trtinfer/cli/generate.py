@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from trtinfer.cli._flags import PREFILL_GRAPH_HELP
+
 #: fields whose checks depend on fields the engine's generation_config.json may set (num_beams, do_sample)
 _COMBINED = frozenset({"num_return_sequences"})
 
@@ -58,6 +60,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default="cpu")
+    p.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=True, help=PREFILL_GRAPH_HELP)
     p.set_defaults(func=run)
 
 
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         if e.field not in _COMBINED:  # a rule that involves the engine's defaults is checked once they are known
             raise
-    runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider)
+    runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider,
+                                prefill_graph=args.prefill_graph)
     if args.assistant is None and "num_assistant_tokens" in chosen:
         raise InputError("--num-assistant-tokens needs --assistant ENGINE_DIR")
     with contextlib.ExitStack() as stack:

@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from trtinfer.cli._flags import PREFILL_GRAPH_HELP
+
 log = logging.getLogger("trtinfer.serve")
 
 #: ServeConfig field -> flag (errors about a field are reported under its flag)
@@ -22,7 +24,8 @@ SERVE_FLAGS = {"host": "--host", "port": "--port", "api_key": "--api-key", "mode
                "max_queue": "--max-queue", "max_body_bytes": "--max-body-bytes", "prefill_chunk": "--prefill-chunk",
                "max_n": "--max-n", "provider": "--provider", "intra_op_threads": "--threads",
                "max_slots": "--max-slots", "max_model_len": "--max-model-len", "prefix_caching": "--prefix-caching",
-               "speculative_ngram": "--speculative-ngram", "chat_template": "--chat-template"}
+               "speculative_ngram": "--speculative-ngram", "chat_template": "--chat-template",
+               "prefill_graph": "--prefill-graph"}
 #: RayConfig field -> flag (``--ray`` itself chooses Ray Serve)
 RAY_FLAGS = {"replicas": "--replicas", "replica_cpus": "--replica-cpus", "address": "--ray-address"}
 #: where --api-key is read from when the flag is not given (a key on the command line shows in `ps`)
@@ -63,6 +66,7 @@ def add_parser(sub: Any) -> None:
                         "calling) and parse <tool_call> blocks back")
     p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default=None, help="default cpu")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default 0: one per core)")
+    p.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=None, help=PREFILL_GRAPH_HELP)
     ray = p.add_argument_group("scale-out on Ray Serve (pip install 'trtinfer[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve as a Ray Serve deployment: one engine per replica, each with its own batcher")

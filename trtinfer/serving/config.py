@@ -19,7 +19,7 @@ there a moment before a slot takes it, so at least 1).
     ``max_body_bytes``: larger request bodies get 413. ``prefill_chunk``: prompt tokens a step may prefill (long
     prompts go in chunks between decode steps; in one call while others decode). ``max_n``: the most choices
     (``n``) one request may ask for.
-    ``provider`` and ``intra_op_threads`` go to the engine's :class:`~trtinfer.runtime.config.RuntimeConfig`.
+    ``provider``, ``intra_op_threads`` and ``prefill_graph`` go to the engine's :class:`~trtinfer.runtime.config.RuntimeConfig`.
     ``max_slots``: requests decoded at once (default: the engine's max batch size, at most 8); ``max_model_len``:
     positions per request, prompt + output (default: the engine's max sequence length, at most 2048). Both size the
     KV cache the server reserves when it starts (slots x positions; e.g. 754 MiB for SmolLM2-135M at 8 x 2048).
@@ -46,6 +46,7 @@ there a moment before a slot takes it, so at least 1).
     prefix_caching: bool = True
     speculative_ngram: int = 0
     chat_template: str | None = None
+    prefill_graph: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.host, str) and self.host):
@@ -59,9 +60,9 @@ there a moment before a slot takes it, so at least 1).
             value = getattr(self, name)
             if value is not None and not (is_int(value) and value >= low):
                 raise ConfigError(f"{name} must be an integer >= {low} or None, got {describe(value)}", field=name)
-        if not isinstance(self.prefix_caching, bool):
-            raise ConfigError(f"prefix_caching must be True or False, got {describe(self.prefix_caching)}",
-                              field="prefix_caching")
+        for name in ("prefix_caching", "prefill_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {describe(getattr(self, name))}", field=name)
         if self.port > 65535:
             raise ConfigError(f"port must be within 0..65535 (0: a free one), got {self.port}", field="port")
         for name in ("api_key", "model_name", "chat_template"):
@@ -74,7 +75,8 @@ there a moment before a slot takes it, so at least 1).
 
     def runtime(self) -> RuntimeConfig:
         """The engine's runtime settings."""
-        return RuntimeConfig(provider=self.provider, intra_op_threads=self.intra_op_threads)
+        return RuntimeConfig(provider=self.provider, intra_op_threads=self.intra_op_threads,
+                             prefill_graph=self.prefill_graph)
 
     def slots_for(self, max_batch_size: int) -> int:
         """Slots for an engine of this max batch size."""
