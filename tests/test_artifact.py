@@ -60,3 +60,30 @@ def test_a_stage_record_of_the_wrong_shape_is_one_line(tiny_model_dir, tmp_path)
         (bad / STAGE_FILE).write_text(json.dumps(info))
         with pytest.raises(ModelSourceError, match=f"lacks or mistypes .*{named}.*; produce"):
             read_stage(bad, verify=False)
+
+
+def test_stages_share_their_tokenizer_files_and_engines_copy_them(tiny_model_dir, tmp_path):
+    """A chain of stages keeps one copy of each carried file on disk (hard links): a 14B build's cache held 11 MB
+    of tokenizer per stage. The engine's files stay copies: editing an engine's chat template must not change the
+    cache. A stage whose linked file is edited in place is refused when read, like any changed file."""
+    from trtinfer.builder import build
+    from trtinfer.errors import ModelSourceError
+    from trtinfer.export.onnx_export import export
+    from trtinfer.passes import PassConfig
+    from trtinfer.passes.optimizer import optimize_stage
+    from trtinfer.stages import read_stage
+
+    exp = export(tiny_model_dir("llama"), tmp_path / "export")
+    opt = optimize_stage(exp, tmp_path / "opt", PassConfig(target="onnxruntime-cpu", max_seq_len=64))
+    carried = [n for n in ("tokenizer.json", "reference.npz") if n in exp.info["files"]]
+    assert carried == ["tokenizer.json", "reference.npz"]
+    for name in carried:
+        assert (opt.path / name).samefile(exp.path / name) and (opt.path / name).stat().st_nlink == 2
+    engine = build(opt.path, tmp_path / "engine", progress=False)
+    assert not (engine / "tokenizer.json").samefile(opt.path / "tokenizer.json")
+    assert (engine / "tokenizer.json").read_bytes() == (opt.path / "tokenizer.json").read_bytes()
+    with open(opt.path / "tokenizer.json", "ab") as f:  # an in-place edit reaches both stages: both are refused
+        f.write(b" ")
+    for stage in (exp.path, opt.path):
+        with pytest.raises(ModelSourceError, match="tokenizer.json"):
+            read_stage(stage)

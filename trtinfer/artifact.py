@@ -10,6 +10,7 @@ the only writers and readers. Stdlib only: the runtime imports it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -188,11 +189,20 @@ class StageDir(ArtifactRecord):
         p = self.path / REFERENCE_NAME
         return p if REFERENCE_NAME in self.info.get("files", {}) else None
 
-    def copy_files(self, names: tuple[str, ...], dst: Path) -> None:
-        """Copy those of ``names`` this stage holds into ``dst``."""
+    def copy_files(self, names: tuple[str, ...], dst: Path, *, link: bool = False) -> None:
+        """Copy those of ``names`` this stage holds into ``dst``; with ``link``, hard-link them where the file system
+        allows (one copy on disk for every stage of a chain: a stage's files are never written after it records
+        them, and :func:`read_stage` refuses one that changed). An engine's files are copies: users edit them."""
         for name in names:
-            if name in self.info["files"]:
-                shutil.copyfile(self.path / name, dst / name)
+            if name not in self.info["files"]:
+                continue
+            if link:
+                try:
+                    os.link(self.path / name, dst / name)
+                    continue
+                except OSError:  # another file system, or one without hard links
+                    pass
+            shutil.copyfile(self.path / name, dst / name)
 
     def content_key(self) -> str:
         """A key for everything this directory holds (its files' hashes and its stage.json facts)."""
