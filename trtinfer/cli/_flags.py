@@ -1,6 +1,7 @@
 """Flags -> configs for the CLI verbs: errors come back under the flag's name, checked before anything loads."""
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
@@ -21,8 +22,14 @@ GENERATION_FLAGS = {
     "top_logprobs": "--top-logprobs", "num_assistant_tokens": "--num-assistant-tokens",
 }
 RUNTIME_FLAGS = {"provider": "--provider", "prefill_graph": "--prefill-graph"}
-PREFILL_GRAPH_HELP = ("CPU: run prompts on the engine's int8 prefill graph where it has one (`build --prefill int8`); "
-                      "--no-prefill-graph runs every pass on the decoder graph (default: on)")
+
+
+def add_prefill_graph_flag(parser: argparse.ArgumentParser, default: bool | None = True) -> None:
+    """``--prefill-graph/--no-prefill-graph`` (``RuntimeConfig.prefill_graph``) on a verb that loads a decoder engine;
+    ``default`` None where the verb's config holds the default."""
+    parser.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=default,
+                        help="CPU: run prompts on the engine's int8 prefill graph where it has one (`build --prefill "
+                             "int8`); --no-prefill-graph runs every pass on the decoder graph (default: on)")
 
 
 def config_from_flags(factory: Callable[..., T], flags: Mapping[str, str], **values: object) -> T:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trtinfer.cli._flags import PREFILL_GRAPH_HELP
+from trtinfer.cli._flags import add_prefill_graph_flag
 
 
 def add_parser(sub: Any) -> None:
@@ -27,7 +27,7 @@ def add_parser(sub: Any) -> None:
                         "earlier window scored, with up to window - stride tokens of context")
     p.add_argument("--json", action="store_true", help='print {"perplexity": float, "tokens": int}')
     p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default="cpu")
-    p.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=True, help=PREFILL_GRAPH_HELP)
+    add_prefill_graph_flag(p)
     p.set_defaults(func=run)
 
 

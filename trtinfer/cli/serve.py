@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trtinfer.cli._flags import PREFILL_GRAPH_HELP
+from trtinfer.cli._flags import add_prefill_graph_flag
 
 log = logging.getLogger("trtinfer.serve")
 
@@ -66,7 +66,7 @@ def add_parser(sub: Any) -> None:
                         "calling) and parse <tool_call> blocks back")
     p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default=None, help="default cpu")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default 0: one per core)")
-    p.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=None, help=PREFILL_GRAPH_HELP)
+    add_prefill_graph_flag(p, default=None)
     ray = p.add_argument_group("scale-out on Ray Serve (pip install 'trtinfer[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve as a Ray Serve deployment: one engine per replica, each with its own batcher")
