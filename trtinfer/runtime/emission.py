@@ -98,7 +98,10 @@ class Emission:
         for members in groups.values():
             reqs = [m[0] for m in members]
             try:
-                tokens = self._choose(reqs, np.stack([m[1] for m in members]))
+                # one request (the server's rows: each its own settings): its row as it is (selection copies what
+                # it rewrites)
+                batch = members[0][1][None, :] if len(members) == 1 else np.stack([m[1] for m in members])
+                tokens = self._choose(reqs, batch)
             except Exception as e:  # noqa: BLE001  the group's selection failed (a user's hook): it ends
                 for req in reqs:
                     self._error(req, e)

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 #: ONNX element types of the KV dtypes (IOBinding takes these for pointer bindings; numpy has no bfloat16)
 _ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}
+_LOGITS_DTYPES: dict[str, np.dtype[Any]] = {"tensor(float)": np.dtype(np.float32),
+                                            "tensor(float16)": np.dtype(np.float16)}
 
 
 @register_backend("onnxruntime")
@@ -87,6 +89,12 @@ class OrtDecoderSession(DecoderSession):
         self._stagings: weakref.WeakSet[PinnedInputs] = weakref.WeakSet()  # live generations' (for close, stats)
         self._stagings_lock = threading.Lock()
         self.layout = kv_layout(self.kv_layout, self)
+        # per graph: the numpy dtype of its logits where their last dimension is fixed (bound to a host array each
+        # pass), else absent (ONNX Runtime allocates them)
+        self._logits_dtype = {id(g): _LOGITS_DTYPES[o.type] for g in (self.sess, self.prefill_sess) if g is not None
+                              for o in g.get_outputs()[:1]
+                              if o.name == "logits" and o.type in _LOGITS_DTYPES and isinstance(o.shape[-1], int)}
+        self.vocab_size = int(self.sess.get_outputs()[0].shape[-1]) if self._logits_dtype else 0
 
     @property
     def pinned(self) -> bool:
@@ -217,23 +225,42 @@ class OrtDecoderSession(DecoderSession):
                                    self.kv_shape[0])
 
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
-                 positions: np.ndarray, staging: Any) -> np.ndarray:
-        """Rows bound in place through IOBinding pointers (a C-contiguous buffer's rows are tensors of their own)."""
+                 positions: np.ndarray, staging: Any, bindings: dict[Any, Any] | None = None) -> np.ndarray:
+        """Rows bound in place through IOBinding pointers (a C-contiguous buffer's rows are tensors of their own).
+
+        ``bindings``: the caller's (one slot cache's) IOBindings by graph and row range, each with its KV rows bound
+        once: a step rebinds only the host feeds and the logits (60 pointer bindings fewer per SmolLM2 step), and
+        the logits land in a fresh host array where their shape is known (a ``logits_positions`` graph), so nothing
+        wraps the other outputs. On the CPU provider; CUDA binds everything afresh each pass."""
         if self.has_logits_positions:
             feeds = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
         sess = self.session_for(feeds)
-        io = sess.io_binding()
+        key = (id(sess), first_row, rows)
+        if self.device != "cpu":  # CUDA binds afresh each pass, as before (reuse unmeasured on a GPU)
+            bindings = None
+        io = None if bindings is None else bindings.get(key)
+        if io is None:
+            io = sess.io_binding()
+            io.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
+            kvh, hd = self.kv_shape
+            shape, elem, row = [rows, kvh, capacity, hd], _ONNX_TYPES[str(self.kv_dtype)], self.kv_row_bytes(capacity)
+            for past, present, val in zip(self.past_names, self.present_names, values):
+                ptr = val.data_ptr() + first_row * row
+                io.bind_input(past, self.device, self.config.device_id, elem, shape, ptr)
+                io.bind_output(present, self.device, self.config.device_id, elem, shape, ptr)  # written in place
+            if bindings is not None:
+                bindings[key] = io
         for name, arr in feeds.items():
             self.bind_host_input(io, name, arr, staging)
-        io.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
-        kvh, hd = self.kv_shape
-        shape, elem, row = [rows, kvh, capacity, hd], _ONNX_TYPES[str(self.kv_dtype)], self.kv_row_bytes(capacity)
-        for past, present, val in zip(self.past_names, self.present_names, values):
-            ptr = val.data_ptr() + first_row * row
-            io.bind_input(past, self.device, self.config.device_id, elem, shape, ptr)
-            io.bind_output(present, self.device, self.config.device_id, elem, shape, ptr)  # written in place
+        out = self._logits_dtype.get(id(sess)) if self.has_logits_positions and bindings is not None else None
+        if out is None:
+            io.bind_output("logits", "cpu")
+            sess.run_with_iobinding(io)
+            return self.select(io.get_outputs()[0].numpy(), positions)
+        logits = np.empty((rows, positions.shape[1], self.vocab_size), out)
+        io.bind_output("logits", "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data)
         sess.run_with_iobinding(io)
-        return self.select(io.get_outputs()[0].numpy(), positions)
+        return logits
 
     # --- interface ------------------------------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:

@@ -153,10 +153,11 @@ class DecoderSession(ABC):
         raise EngineLoadError(f"the {type(self).__name__} backend cannot copy KV rows")
 
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
-                 positions: np.ndarray, staging: Any) -> np.ndarray:
+                 positions: np.ndarray, staging: Any, bindings: dict[Any, Any] | None = None) -> np.ndarray:
         """One pass over rows ``first_row .. first_row + rows - 1`` of ``values`` (read and written in place);
         ``feeds`` are the layout's :meth:`~trtinfer.runtime.kv_layouts.KVLayout.buffer_feeds`; logits
-        ``[rows, K, V]`` at ``positions [rows, K]``."""
+        ``[rows, K, V]`` at ``positions [rows, K]``. ``bindings``: the caller's (one thread's, one set of
+        ``values``') dict where a backend may keep what it bound for a row range, to reuse on the next pass."""
         raise EngineLoadError(f"the {type(self).__name__} backend keeps no KV rows for continuous batching")
 
     def copy_cache(self, kv: KVCache) -> KVCache:

@@ -69,6 +69,7 @@ class SlotCache:
                 ctypes.memset(session.row_pointer(val), 0, self._row_bytes * slots)
         self.index = PrefixIndex(slots)  # the tokens each row's KV holds: the one record of each row's length
         self._staging = session.new_staging()  # this cache's host input buffers (CUDA), reused step to step
+        self._bindings: dict[Any, Any] = {}  # the session's bindings of this cache's row ranges, reused step to step
 
     @property
     def lengths(self) -> np.ndarray:
@@ -119,7 +120,7 @@ class SlotCache:
         if not self.layout.in_place:
             return self._run_gathered(feeds, first_row, rows, positions)
         return self.session.run_rows(feeds, self.values, first_row, rows, self.capacity,  # type: ignore[no-any-return]
-                                     positions, self._staging)
+                                     positions, self._staging, self._bindings)
 
     def prefill(self, slot: int, tokens: Sequence[int], every: bool = False) -> np.ndarray:
         """Feed the next ``tokens`` of slot ``slot``'s sequence (one batch-1 call); logits ``[V]`` after the last,
@@ -210,5 +211,6 @@ class SlotCache:
     def close(self) -> None:
         """Drop the buffers (and the host staging)."""
         self.values = []
+        self._bindings.clear()
         if self._staging is not None:
             self._staging.release()

@@ -364,7 +364,8 @@ class TrtDecoderSession(DecoderSession):
             self.stream.synchronize()
 
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
-                 positions: np.ndarray, staging: Any) -> np.ndarray:
+                 positions: np.ndarray, staging: Any,
+                 bindings: dict[Any, Any] | None = None) -> np.ndarray:
         """Rows ``first_row..`` of the slot buffers bound by address (a row's ``[KV, capacity, D]`` block is
         contiguous), as the generation's own buffers are; a decode step of the same rows replays its CUDA graph."""
         views = [_Rows(int(v.ptr) + first_row * self._kv_bytes_per_row) for v in values]
