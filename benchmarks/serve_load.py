@@ -6,9 +6,12 @@ usage: python -m benchmarks.serve_load [--engine DIR | --model smollm2-135m] [--
 Starts ``trtinfer serve`` as its own process on loopback, then for each concurrency level C runs C client threads,
 each sending ``--requests`` streamed chat requests in a row (ragged questions, greedy, ``ignore_eos`` so every
 request makes ``--max-tokens`` tokens). Per request: TTFT (send -> first chunk with text; the role chunk before it
-is sent at once, even while the request waits for a slot) and inter-token latencies (gaps between chunks with text;
-a token whose text is held back, e.g. half a UTF-8 character, merges two gaps); tokens from the usage chunk; per level: p50/p99 of both, generated tokens/s and requests/s over the level's wall
-time, errors. Each streamed text is checked against the same request sent alone before the load (greedy: it must
+is sent at once, even while the request waits for a slot) and inter-token latencies two ways: ITL, the gaps between
+chunks with text (a token whose text is held back, a special token such as ``<|im_end|>`` or half a UTF-8 character,
+merges two gaps: 7 of SmolLM2's 64 tokens in these answers), and token ITL, the gaps between tokens (the request
+asks for ``continuous_usage_stats``, so each chunk says how many tokens it brought: trtinfer sends a chunk per token
+then; a server that does not gives no token ITL). Tokens from the usage; per level: p50/p99 of TTFT and both
+ITLs, generated tokens/s and requests/s over the level's wall time, errors. Each streamed text is checked against the same request sent alone before the load (greedy: it must
 not depend on its batch neighbours). Prints a table, writes benchmarks/results/serve_load.json and .png.
 """
 from __future__ import annotations
@@ -39,23 +42,31 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def stream_one(client: openai.OpenAI, question: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed chat request: its text, TTFT and inter-token gaps (seconds)."""
+    """One streamed chat request: its text, TTFT, inter-token gaps between text chunks and per token (seconds)."""
     t0 = time.perf_counter()
     times, parts = [], []
+    arrivals: list[tuple[float, int]] = []  # (time, tokens it added) of each chunk that carried tokens
     stream = client.chat.completions.create(model="load", messages=[{"role": "user", "content": question}],
                                             max_tokens=max_tokens, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True})
     tokens = 0
     for chunk in stream:
+        now = time.perf_counter()
         if chunk.usage is not None:
+            if chunk.choices and chunk.usage.completion_tokens > tokens:
+                arrivals.append((now, chunk.usage.completion_tokens - tokens))
             tokens = chunk.usage.completion_tokens
         # text chunks only: the first chunk (the assistant role, empty text) comes before the request has a slot
         if chunk.choices and chunk.choices[0].delta.content:
-            times.append(time.perf_counter())
+            times.append(now)
             parts.append(chunk.choices[0].delta.content)
     gaps = [b - a for a, b in itertools.pairwise(times)]
+    # per token: a chunk that brought k tokens stands for k gaps of 1/k of its wait (a server that sends no usage
+    # per chunk gives none; this one sends a chunk per token, text or not, with continuous_usage_stats)
+    token_gaps = [(b - a) / k for (a, _), (b, k) in itertools.pairwise(arrivals) for _ in range(k)]
     return {"text": "".join(parts), "ttft": times[0] - t0 if times else float("nan"), "gaps": gaps,
-            "chunks": tokens, "end": time.perf_counter() - t0}
+            "token_gaps": token_gaps, "chunks": tokens, "end": time.perf_counter() - t0}
 
 
 def run_level(client: openai.OpenAI, level: int, per_client: int, max_tokens: int,
@@ -85,12 +96,15 @@ def run_level(client: openai.OpenAI, level: int, per_client: int, max_tokens: in
     wall = time.perf_counter() - t0
     ttft = [r["ttft"] for r in results]
     gaps = [g for r in results for g in r["gaps"]]
+    token_gaps = [g for r in results for g in r["token_gaps"]]
     tokens = sum(r["chunks"] for r in results)
     return {"concurrency": level, "requests": len(results), "errors": len(errors), "error_samples": errors[:3],
             "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "requests_per_s": round(len(results) / wall, 3),
             "ttft_p50_ms": round(pct(ttft, 50) * 1000, 1), "ttft_p99_ms": round(pct(ttft, 99) * 1000, 1),
             "itl_p50_ms": round(pct(gaps, 50) * 1000, 1), "itl_p99_ms": round(pct(gaps, 99) * 1000, 1),
+            "token_itl_p50_ms": round(pct(token_gaps, 50) * 1000, 1),
+            "token_itl_p99_ms": round(pct(token_gaps, 99) * 1000, 1),
             "same_as_alone": sum(r["same_as_alone"] for r in results)}
 
 
@@ -123,11 +137,12 @@ def main() -> None:
         proc.wait(timeout=60)
     base = levels[0]["tokens_per_s"]
     print(f"{'clients':>7} {'req':>4} {'err':>4} {'tok/s':>8} {'x 1 client':>10} {'req/s':>7} {'TTFT p50':>9} "
-          f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'= alone':>8}")
+          f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'tok p50':>8} {'tok p99':>8} {'= alone':>8}")
     for lv in levels:
         print(f"{lv['concurrency']:>7} {lv['requests']:>4} {lv['errors']:>4} {lv['tokens_per_s']:>8.1f} "
               f"{lv['tokens_per_s'] / base:>10.2f} {lv['requests_per_s']:>7.3f} {lv['ttft_p50_ms']:>9.0f} "
               f"{lv['ttft_p99_ms']:>9.0f} {lv['itl_p50_ms']:>8.1f} {lv['itl_p99_ms']:>8.1f} "
+              f"{lv['token_itl_p50_ms']:>8.1f} {lv['token_itl_p99_ms']:>8.1f} "
               f"{lv['same_as_alone']:>4}/{lv['requests']}")
     RESULTS.mkdir(exist_ok=True)
     record = {"machine": machine_info(), "engine": str(engine), "max_tokens": args.max_tokens,

@@ -251,7 +251,9 @@ class Handler:
         """The SSE body: a chunk per event that carries something, the usage chunk if asked, then ``[DONE]``.
 
         ``usage``: None, none; ``"last"``: a last chunk with the usage (``include_usage``); ``"continuous"``: that,
-        and every chunk with the usage so far (vLLM's ``continuous_usage_stats``). The usage so far counts every
+        and every chunk with the usage so far (vLLM's ``continuous_usage_stats``), a chunk per token then, also for
+        a token whose text is still held back (a special token, half a character): as vLLM streams a chunk per
+        step, a client sees each token arrive (per-token latency, progress). The usage so far counts every
         choice's tokens, as the last chunk does (vLLM counts each choice's own), so the last chunk with choices
         carries the final usage. ``tools``: text that may be a ``<tool_call>`` is held back and the calls go as one
         ``tool_calls`` delta at the choice's end (finish reason ``"tool_calls"``).
@@ -281,8 +283,8 @@ class Handler:
                     if ev.finish_reason is not None:
                         tail, calls = filters[i].finish()
                         text += tail
-                if not text and lp is None and ev.finish_reason is None:
-                    continue
+                if not text and lp is None and ev.finish_reason is None and usage != "continuous":
+                    continue  # (a token of no text yet; with continuous usage every token gets its chunk)
                 if chat:
                     delta: dict[str, Any] = {"content": text} if text else {}
                     if calls:
