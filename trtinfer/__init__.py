@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from trtinfer.version import __version__
 
 __all__ = ["Argmax", "Distribution", "Engine", "Entropy", "GenerationConfig", "GenerationResult", "Logits", "Logprob",
            "Logprobs", "RuntimeConfig", "Sampler", "__version__", "load"]

@@ -65,7 +65,7 @@ def package_versions(*names: str) -> dict[str, str]:
     """trtinfer's version and those of ``names`` (from package metadata: nothing is imported)."""
     from importlib.metadata import version
 
-    from trtinfer import __version__
+    from trtinfer.version import __version__
 
     return {"trtinfer": __version__, **{n: version(n) for n in names}}
 

@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     """The `trtinfer` command line: every verb and flag (verbs whose extra is missing accept anything and say so)."""
     from importlib import import_module
 
-    from trtinfer import __version__
+    from trtinfer.version import __version__
 
     p = argparse.ArgumentParser(prog="trtinfer", description="Export, build and run transformer engines.")
     p.add_argument("--version", action="version", version=f"trtinfer {__version__}")
