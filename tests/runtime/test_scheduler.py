@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -266,6 +267,51 @@ def test_async_streams_and_timestamps(llama):
         assert r.token_times == sorted(r.token_times) and len(r.token_times) == len(w.token_ids)
         assert r.result().timings.prompt_tokens == len(r.prompt_ids)
         assert len(r.result().timings.decode_ms) == len(w.token_ids) - 1
+
+
+def test_one_loop_wake_up_serves_every_stream_of_a_step(llama):
+    """The streams read on one event loop are woken together: a step that records a token for each of 4 requests
+    schedules one callback on the loop (not 4), and every stream still gets every event in order."""
+    ps = prompts((7, 13, 2, 9))
+    want = [alone(llama, p, GREEDY) for p in ps]
+    loop = asyncio.new_event_loop()
+    calls = [0]
+    real = loop.call_soon_threadsafe
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    sched = Scheduler(llama, prefill_chunk=64)  # stepped here, not on its own thread
+    try:
+        reqs = [sched.submit(p, GREEDY) for p in ps]
+
+        async def one(r):
+            return [ev async for ev in r.stream()]
+
+        async def listening(r):  # the stream is registered before the first step
+            return asyncio.ensure_future(one(r))
+
+        tasks = [asyncio.run_coroutine_threadsafe(listening(r), loop).result() for r in reqs]
+        time.sleep(0.2)
+        steps = 0
+        while sched.step():
+            steps += 1
+        streams = [asyncio.run_coroutine_threadsafe(asyncio.wait_for(t, 60), loop).result() for t in tasks]
+    finally:
+        sched.close()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join()
+        loop.close()
+    events = sum(len(e) for e in streams)
+    assert events == sum(len(w.token_ids) for w in want) == 4 * GREEDY.max_new_tokens
+    for events_of, w in zip(streams, want):
+        assert [e.token_id for e in events_of] == w.token_ids
+    # one wake-up a step at most, give or take a thread switch inside a step (plus the test's own calls)
+    assert calls[0] <= steps + 4 + len(reqs) * 2 < events, (calls[0], steps, events)
 
 
 def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(llama, monkeypatch):

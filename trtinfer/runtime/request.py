@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
 
 import numpy as np
 
@@ -33,6 +36,47 @@ class Event:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     time: float = 0.0
+
+
+class _LoopWaker:
+    """Wakes an event loop's streams from the scheduler's thread: the streams with news are collected and ONE
+    ``call_soon_threadsafe`` sets them all. A step records every running request's token before the next pass
+    releases the GIL, so 8 streams cost one loop wake-up a step, not 8 (each a write and a read of the loop's
+    self-pipe: ~3% of the server's samples at 8 streams on 2 cores)."""
+
+    _loops: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]] = weakref.WeakKeyDictionary()
+    _loops_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: set[asyncio.Event] = set()
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+        with cls._loops_lock:
+            waker = cls._loops.get(loop)
+            if waker is None:
+                waker = cls._loops[loop] = cls(loop)
+            return waker
+
+    def wake(self, event: asyncio.Event) -> None:
+        """From any thread: ``event`` is set on the loop, with the others pending, by one scheduled callback."""
+        with self.lock:
+            first = not self.pending
+            self.pending.add(event)
+        if first:
+            try:
+                self.loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:  # the loop closed while the request ran: nobody listens any more
+                with self.lock:
+                    self.pending.clear()
+
+    def _flush(self) -> None:
+        with self.lock:
+            events, self.pending = self.pending, set()
+        for event in events:
+            event.set()
 
 
 class Request:
@@ -129,15 +173,10 @@ class Request:
 
     async def stream(self) -> AsyncIterator[Event]:
         """Events as they come, for asyncio: the scheduler's thread wakes this loop through
-        ``call_soon_threadsafe``; raises the request's error after its last event, if it failed."""
-        loop = asyncio.get_running_loop()
+        ``call_soon_threadsafe`` (once for all of a loop's streams with news, :class:`_LoopWaker`); raises the
+        request's error after its last event, if it failed."""
         wake = asyncio.Event()
-
-        def waker() -> None:
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # the loop closed while the request ran: nobody listens any more
-                pass
+        waker = partial(_LoopWaker.of(asyncio.get_running_loop()).wake, wake)
 
         with self._cond:
             self._wakers.append(waker)
