@@ -127,3 +127,22 @@ def test_cache_under_a_file(tiny_model_dir, tmp_path):
     assert error_line(p) == (f"trtinfer build: error: cannot create {blocker / 'cache'}: {blocker} is a file; "
                              "point TRTINFER_CACHE at another folder")
     assert not (tmp_path / "engine").exists()
+
+
+def test_provider_flag_offers_the_runtimes_providers_and_parsing_loads_no_runtime():
+    """``--provider``'s choices are the runtime's providers (written twice so that parsing loads no runtime: held
+    equal here), every verb that loads an engine offers them, and a bad one is argparse's one line."""
+    from trtinfer.cli._flags import PROVIDER_CHOICES
+    from trtinfer.runtime.config import PROVIDERS
+
+    assert PROVIDER_CHOICES == PROVIDERS
+    for verb in ("generate", "eval", "serve", "triton"):
+        p = cli(verb, "--help")
+        assert p.returncode == 0 and "{cpu,cuda,tensorrt}" in p.stdout, (verb, p.stdout)
+    line = error_line(cli("generate", "nowhere", "-p", "hi", "--provider", "gpu"))
+    assert "--provider" in line and "invalid choice: 'gpu'" in line, line
+    code = ("import sys; from trtinfer.cli import parser; parser(); "
+            "print(sorted(m for m in sys.modules if m.startswith('trtinfer.runtime')))")
+    probe = subprocess.run([sys.executable, "-c", code],
+                           check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert probe.stdout.strip() == "[]", probe.stdout

@@ -22,6 +22,15 @@ GENERATION_FLAGS = {
     "top_logprobs": "--top-logprobs", "num_assistant_tokens": "--num-assistant-tokens",
 }
 RUNTIME_FLAGS = {"provider": "--provider", "prefill_graph": "--prefill-graph"}
+#: :data:`trtinfer.runtime.config.PROVIDERS`, written here so that parsing the command line loads no runtime (numpy
+#: and the rest come with the verb that runs); tests/cli holds the two equal
+PROVIDER_CHOICES = ("cpu", "cuda", "tensorrt")
+
+
+def add_provider_flag(parser: argparse.ArgumentParser, default: str | None = "cpu", help: str | None = None) -> None:
+    """``--provider`` (``RuntimeConfig.provider``) on a verb that loads an engine; ``default`` None where the verb's
+    config (or the engine) chooses."""
+    parser.add_argument("--provider", choices=PROVIDER_CHOICES, default=default, help=help)
 
 
 def add_prefill_graph_flag(parser: argparse.ArgumentParser, default: bool | None = True) -> None:

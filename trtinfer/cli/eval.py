@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trtinfer.cli._flags import add_prefill_graph_flag
+from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag
 
 
 def add_parser(sub: Any) -> None:
@@ -26,7 +26,7 @@ def add_parser(sub: Any) -> None:
                    help="tokens between window starts (default: window // 2); each window scores only tokens no "
                         "earlier window scored, with up to window - stride tokens of context")
     p.add_argument("--json", action="store_true", help='print {"perplexity": float, "tokens": int}')
-    p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default="cpu")
+    add_provider_flag(p)
     add_prefill_graph_flag(p)
     p.set_defaults(func=run)
 

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from trtinfer.cli._flags import add_prefill_graph_flag
+from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag
 
 #: fields whose checks depend on fields the engine's generation_config.json may set (num_beams, do_sample)
 _COMBINED = frozenset({"num_return_sequences"})
@@ -59,7 +59,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
-    p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default="cpu")
+    add_provider_flag(p)
     add_prefill_graph_flag(p)
     p.set_defaults(func=run)
 

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trtinfer.cli._flags import add_prefill_graph_flag
+from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag
 
 log = logging.getLogger("trtinfer.serve")
 
@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> None:
                    help="the chat route's template instead of the model's: a jinja file, or built in: chatml-tools "
                         "(SmolLM2, Qwen2 and other ChatML models), gemma3-tools; both render tools (function "
                         "calling) and parse <tool_call> blocks back")
-    p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default=None, help="default cpu")
+    add_provider_flag(p, default=None, help="default cpu")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default 0: one per core)")
     add_prefill_graph_flag(p, default=None)
     ray = p.add_argument_group("scale-out on Ray Serve (pip install 'trtinfer[ray]')")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from trtinfer.cli._flags import add_provider_flag
+
 TRITON_FLAGS = {"model_name": "--name", "version": "--version", "link": "--link", "instances": "--instances",
                 "provider": "--provider", "max_queue_delay_us": "--max-queue-delay-us"}
 
@@ -18,8 +20,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--version", type=int, default=1, help="version folder (default 1)")
     p.add_argument("--link", action="store_true", help="symlink the engine files instead of copying them")
     p.add_argument("--instances", type=int, default=1, help="Triton model instances (each loads the engine)")
-    p.add_argument("--provider", choices=("cpu", "cuda", "tensorrt"), default=None,
-                   help="decoders: execution provider inside Triton (default: cuda for CUDA engines, else cpu)")
+    add_provider_flag(p, default=None,
+                      help="decoders: execution provider inside Triton (default: cuda for CUDA engines, else cpu)")
     p.add_argument("--max-queue-delay-us", type=int, default=100,
                    help="encoders: how long the dynamic batcher waits to fill a batch")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
