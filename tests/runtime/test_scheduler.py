@@ -271,16 +271,18 @@ def test_async_streams_and_timestamps(llama):
 
 def test_one_loop_wake_up_serves_every_stream_of_a_step(llama):
     """The streams read on one event loop are woken together: a step that records a token for each of 4 requests
-    schedules one callback on the loop (not 4), and every stream still gets every event in order."""
+    schedules one callback on the loop (not 4), whatever the threads' timing (the pushes of a step are held until
+    its tokens are all recorded), and every stream still gets every event in order."""
     ps = prompts((7, 13, 2, 9))
     want = [alone(llama, p, GREEDY) for p in ps]
     loop = asyncio.new_event_loop()
     calls = [0]
     real = loop.call_soon_threadsafe
 
-    def counted(*a, **k):
-        calls[0] += 1
-        return real(*a, **k)
+    def counted(callback, *a, **k):
+        # the streams' wake-ups, not the test's own calls (run_coroutine_threadsafe's `callback`, loop.stop)
+        calls[0] += getattr(callback, "__name__", "") not in ("callback", "stop")
+        return real(callback, *a, **k)
 
     loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
     runner = threading.Thread(target=loop.run_forever, daemon=True)
@@ -310,8 +312,9 @@ def test_one_loop_wake_up_serves_every_stream_of_a_step(llama):
     assert events == sum(len(w.token_ids) for w in want) == 4 * GREEDY.max_new_tokens
     for events_of, w in zip(streams, want):
         assert [e.token_id for e in events_of] == w.token_ids
-    # one wake-up a step at most, give or take a thread switch inside a step (plus the test's own calls)
-    assert calls[0] <= steps + 4 + len(reqs) * 2 < events, (calls[0], steps, events)
+    # one wake-up a step at most (a step's tokens are recorded inside one wake_once block), plus a prompt's first
+    # token recorded on its own
+    assert calls[0] <= steps + len(reqs) < events, (calls[0], steps, events)
 
 
 def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(llama, monkeypatch):

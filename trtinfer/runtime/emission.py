@@ -15,7 +15,7 @@ import numpy as np
 
 from trtinfer.runtime.generator import row_finish, settle, token_logprobs, user_hook
 from trtinfer.runtime.proposers import trim_draft
-from trtinfer.runtime.request import Event, Request
+from trtinfer.runtime.request import Event, Request, wake_once
 from trtinfer.runtime.sampling import select_next
 
 
@@ -95,6 +95,11 @@ class Emission:
         for req, lg in rows:
             key = (id(req.cfg), id(req.logits_processor), len(req.generated), req.eos)
             groups.setdefault(key, []).append((req, lg))
+        with wake_once():  # the readers' event loops: one wake-up each for all these tokens
+            self._select_and_record(groups)
+
+    def _select_and_record(self, groups: dict[tuple[Any, ...], list[tuple[Request, np.ndarray]]]) -> None:
+        """:meth:`_emit_all`'s selection and recording, group by group; a failure ends its group's requests only."""
         for members in groups.values():
             reqs = [m[0] for m in members]
             try:
