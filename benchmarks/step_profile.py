@@ -88,7 +88,9 @@ def profile(engine: Path, batch: int, past: int, steps: int) -> dict[str, Any]:
     b, _keep = bind(s)
     for _ in range(3 + steps):
         s.run_with_iobinding(b)
-    events = json.loads(Path(s.end_profiling()).read_text())
+    trace = Path(s.end_profiling())
+    events = json.loads(trace.read_text())
+    trace.unlink()  # ONNX Runtime's trace file: read, then gone (each run wrote one more into /tmp)
     runs = 3 + steps
     by_op: Counter[str] = Counter()
     by_node: Counter[str] = Counter()
