@@ -89,12 +89,11 @@ class OrtDecoderSession(DecoderSession):
         self._stagings: weakref.WeakSet[PinnedInputs] = weakref.WeakSet()  # live generations' (for close, stats)
         self._stagings_lock = threading.Lock()
         self.layout = kv_layout(self.kv_layout, self)
-        # per graph: the numpy dtype of its logits where their last dimension is fixed (bound to a host array each
-        # pass), else absent (ONNX Runtime allocates them)
-        self._logits_dtype = {id(g): _LOGITS_DTYPES[o.type] for g in (self.sess, self.prefill_sess) if g is not None
-                              for o in g.get_outputs()[:1]
-                              if o.name == "logits" and o.type in _LOGITS_DTYPES and isinstance(o.shape[-1], int)}
-        self.vocab_size = int(self.sess.get_outputs()[0].shape[-1]) if self._logits_dtype else 0
+        # per graph: the numpy dtype and last dimension of its logits where that dimension is fixed (bound to a host
+        # array each pass), else absent (ONNX Runtime allocates them)
+        self._logits_out = {id(g): (_LOGITS_DTYPES[o.type], int(o.shape[-1]))
+                            for g in (self.sess, self.prefill_sess) if g is not None for o in g.get_outputs()[:1]
+                            if o.name == "logits" and o.type in _LOGITS_DTYPES and isinstance(o.shape[-1], int)}
 
     @property
     def pinned(self) -> bool:
@@ -252,12 +251,13 @@ class OrtDecoderSession(DecoderSession):
                 bindings[key] = io
         for name, arr in feeds.items():
             self.bind_host_input(io, name, arr, staging)
-        out = self._logits_dtype.get(id(sess)) if self.has_logits_positions and bindings is not None else None
+        out = self._logits_out.get(id(sess)) if self.has_logits_positions and bindings is not None else None
         if out is None:
             io.bind_output("logits", "cpu")
             sess.run_with_iobinding(io)
             return self.select(io.get_outputs()[0].numpy(), positions)
-        logits = np.empty((rows, positions.shape[1], self.vocab_size), out)
+        dtype, vocab = out
+        logits = np.empty((rows, positions.shape[1], vocab), dtype)
         io.bind_output("logits", "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data)
         sess.run_with_iobinding(io)
         return logits
