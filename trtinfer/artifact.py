@@ -421,9 +421,7 @@ def read_manifest(engine_dir: Path) -> Manifest:
 # what the runtime reads, per engine kind: geometry ints and file roles
 _GEOMETRY_INTS = {"decoder": ("num_layers", "num_kv_heads", "head_dim", "vocab_size"),
                   "encoder": ("num_layers", "vocab_size")}
-_FILE_ROLES = {"decoder": ("decoder", "kv_select"), "encoder": ("encoder",)}
-#: a TensorRT decoder selects KV rows on its own device buffers: no kv_select graph
-_TRT_FILE_ROLES = {"decoder": ("decoder",), "encoder": ("encoder",)}
+_FILE_ROLES = {"decoder": ("decoder",), "encoder": ("encoder",)}
 
 
 def is_int(value: Any) -> bool:
@@ -487,8 +485,7 @@ class _ManifestCheck:
         files = self.get(raw, "files", "", _OBJECT)
         for role in files:
             self.get(files, role, "files", _NAME)
-        roles = _TRT_FILE_ROLES if raw.get("backend") == "tensorrt" else _FILE_ROLES
-        for role in roles[kind]:
+        for role in _FILE_ROLES[kind]:
             self.get(files, role, "files", _NAME)
         io = self.get(raw, "io", "", _OBJECT)
         for side in ("inputs", "outputs"):

@@ -38,13 +38,9 @@ def test_fp32_engine_greedy_equals_cpu(engines):
     trt32, _, cpu = engines
     with trtinfer.load(trt32) as eng, trtinfer.load(cpu) as ref:
         assert eng.manifest.raw["tensorrt"]["profiles"][0]["name"] == "prefill"
-        got = eng.generate(input_ids=PROMPTS, max_new_tokens=10, ignore_eos=True)  # device greedy ids
+        got = eng.generate(input_ids=PROMPTS, max_new_tokens=10, ignore_eos=True)
         want = ref.generate(input_ids=PROMPTS, max_new_tokens=10, ignore_eos=True)
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
-        # host logits (a sampling-style step) agree with the device argmax path
-        logits, _ = eng.session.prefill(PROMPTS, 64)
-        ids, _ = eng.session.prefill_greedy(PROMPTS, 64)
-        assert logits.argmax(-1).tolist() == ids.tolist()
 
 
 def test_fp32_engine_scores_equal_cpu(engines):

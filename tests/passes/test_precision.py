@@ -19,6 +19,7 @@ from trtinfer.errors import ConfigError
 from trtinfer.passes import PassConfig, optimize, optimize_model
 from trtinfer.passes.precision import convert_precision, emulate_low_precision, to_low
 from trtinfer.passes.trt_support import TENSORRT_ONNX_OPS
+from trtinfer.runtime.slots import SlotCache
 
 F16, BF16, F32 = ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT
 
@@ -221,16 +222,12 @@ def test_fp16_engine_on_cpu(arch: str, tiny_engine) -> None:
         a = [r.token_ids for r in e32.generate(prompts, max_new_tokens=8)]
         b = [r.token_ids for r in e16.generate(prompts, max_new_tokens=8)]
     assert a == b
-    with trtinfer.load(eng16) as e16:  # finished rows leave the batch: the fp16 KV row-selection graph
-        s = e16.session
-        logits, kv = s.prefill([[5, 6, 7, 8], [9, 10]], 8)
-        kept = s.select_rows(kv, [1])
-        alone, _ = s.prefill([[9, 10]], 8)
+    with trtinfer.load(eng16) as e16:  # fp16 KV rows: a ragged batch's row = that sequence in a cache of its own
+        rows, alone = SlotCache(e16.session, 2, 8), SlotCache(e16.session, 1, 8)
+        logits = rows.prefill_rows(0, [[5, 6, 7, 8], [9, 10]])
+        np.testing.assert_allclose(alone.prefill(0, [9, 10]), logits[1], atol=1e-2)
         nxt = int(np.argmax(logits[1]))
-        step, _ = s.decode(np.array([nxt]), kept)
-        ref, _ = s.decode(np.array([nxt]), s.prefill([[9, 10]], 8)[1])
-    np.testing.assert_allclose(alone[0], logits[1], atol=1e-2)
-    np.testing.assert_allclose(step, ref, atol=1e-2)
+        np.testing.assert_allclose(rows.decode({1: nxt})[1], alone.decode({0: nxt})[0], atol=1e-2)
 
 
 def test_fp16_engine_keep_io_types(tiny_engine) -> None:

@@ -152,13 +152,13 @@ def test_assistant_cache_is_reused_and_released(target, tiny_engine, monkeypatch
     draft token to continue from); its KV buffers go when the generation ends."""
     with trtinfer.load(tiny_engine("llama", precision="int4")) as eng:
         fed: list[int] = []
-        run_chunk = eng.session.run_chunk
+        run_rows = eng.session.run_rows  # every pass of the assistant's context
 
-        def counting(tokens, *a, **kw):
-            fed.append(len(tokens))
-            return run_chunk(tokens, *a, **kw)
+        def counting(feeds, *a, **kw):
+            fed.append(feeds["input_ids"].shape[1])
+            return run_rows(feeds, *a, **kw)
 
-        monkeypatch.setattr(eng.session, "run_chunk", counting)
+        monkeypatch.setattr(eng.session, "run_rows", counting)
         prompt = eng.tokenizer.encode(PROMPTS[0])
         (r,) = target.generate(input_ids=[prompt], max_new_tokens=30, do_sample=False, ignore_eos=True, assistant=eng,
                                num_assistant_tokens=4, num_assistant_tokens_schedule="constant")

@@ -196,7 +196,7 @@ def _drop(*keys):
     (_drop("geometry", "num_kv_heads"), "lacks 'geometry.num_kv_heads'"),
     (_set("files", ["model.onnx"]), "files should be a JSON object"),
     (_set("files", "decoder", 3), "files.decoder should be a non-empty string, found 3"),
-    (_drop("files", "kv_select"), "lacks 'files.kv_select'"),
+    (_drop("files", "decoder"), "lacks 'files.decoder'"),
     (_drop("io", "outputs"), "lacks 'io.outputs' (a JSON list)"),
     (_set("io", "inputs", {"input_ids": 1}), "io.inputs should be a JSON list"),
     (_set("io", "inputs", 0, "x"), "io.inputs[0] should be a JSON object with name, dtype and shape, found 'x'"),
@@ -273,7 +273,7 @@ def _fake_encoder_engine(small_engine, out):
 
 def test_encoder_manifest_is_checked_per_kind(small_engine, tmp_path):
     enc = _fake_encoder_engine(small_engine, tmp_path / "enc")
-    with trtinfer.load(enc) as eng:  # no num_kv_heads/head_dim, no kv_select: fine for an encoder
+    with trtinfer.load(enc) as eng:  # no num_kv_heads/head_dim: fine for an encoder
         assert eng.embed(["a b", "c"]).shape == (2, 1)
         with pytest.raises(InputError, match=r"text 1 is not valid UTF-8 text"):
             eng.embed(["fine", "bad \udcff bytes"])
@@ -321,7 +321,7 @@ def test_a_closed_engine_refuses_work_and_frees_its_session(tiny_engine):
     eng = trtinfer.load(tiny_engine("llama"))
     assert eng.generate(input_ids=[[5, 6, 7]], max_new_tokens=2)[0].token_ids
     eng.close()
-    assert eng.session.sess is None and eng.session.select_sess is None  # the ONNX Runtime sessions are dropped
+    assert eng.session.sess is None and eng.session.prefill_sess is None  # the ONNX Runtime sessions are dropped
     for call in (lambda: eng.generate(input_ids=[[5, 6, 7]], max_new_tokens=2),
                  lambda: eng.score(input_ids=[[5, 6, 7]]), lambda: eng.perplexity(input_ids=[5, 6, 7])):
         with pytest.raises(EngineLoadError, match="is closed; load it again"):

@@ -117,24 +117,18 @@ def test_misuse_is_one_clear_error(engine):
 
 
 def test_contexts_of_one_batch_run_as_one_step(engine):
-    """engine.contexts(n): ragged prefills and one-token decodes of several contexts run as one batched call each and
-    give what each context gives alone; a released context leaves the batch; other passes run one by one."""
+    """engine.contexts(n): ragged prefills and one-token decodes of several contexts run as one batched pass each and
+    give what each context gives alone; a released context leaves the batch; other passes run one by one, each on its
+    own row."""
     prompts = [IDS[:5], IDS[:9], IDS[2:5]]
-    calls: list[str] = []
+    calls: list[tuple[str, int]] = []  # (what, rows) of each pass the session runs
     session = engine.session
-    real = {n: getattr(session, n) for n in ("prefill", "decode", "prefill_greedy", "decode_greedy", "run_chunk")}
+    real = {n: getattr(session, n) for n in ("run_rows", "run_bound")}
 
-    depth = [0]
-
-    def counted(name):  # records the session's outermost calls (prefill_greedy runs prefill inside)
-        def run(*a, **k):
-            if depth[0] == 0:
-                calls.append(name)
-            depth[0] += 1
-            try:
-                return real[name](*a, **k)
-            finally:
-                depth[0] -= 1
+    def counted(name):
+        def run(feeds, *a, **k):
+            calls.append((name, feeds["input_ids"].shape[0]))
+            return real[name](feeds, *a, **k)
         return run
 
     for n in real:
@@ -144,7 +138,7 @@ def test_contexts_of_one_batch_run_as_one_step(engine):
         passes = [c.forward().input(p) for c, p in zip(ctxs, prompts)]
         hs = [f.sample(-1, Argmax())[0] for f in passes]
         outs = engine.execute(passes)
-        assert calls == ["prefill_greedy"]  # one call for the three ragged prompts, argmax from the backend
+        assert [rows for _, rows in calls] == [3]  # one pass for the three ragged prompts
         toks = [o.token(h) for o, h in zip(outs, hs)]
         seqs = [p + [t] for p, t in zip(prompts, toks)]
         for step in range(3):
@@ -152,7 +146,7 @@ def test_contexts_of_one_batch_run_as_one_step(engine):
             passes = [c.forward().input([s[-1]]) for c, s in zip(ctxs, seqs)]
             hl = [f.probe(-1, Logits()) for f in passes]
             outs = engine.execute(passes)
-            assert calls == ["decode"]  # one batched decode step
+            assert len(calls) == 1  # one batched decode step
             for s, o, h in zip(seqs, outs, hl):
                 s.append(int(o.logits(h).argmax()))
             if step == 0:
@@ -162,8 +156,8 @@ def test_contexts_of_one_batch_run_as_one_step(engine):
         f0 = ctxs[0].forward().input([seqs[0][-1], 5])  # two tokens: not a decode step, so one by one
         f1 = ctxs[1].forward().input([seqs[1][-1]])
         engine.execute([f0, f1])
-        assert calls.count("run_chunk") == 2 and ctxs[0].group is None and ctxs[1].group is None
-        # a row taken out of a (left-padded, for concat) batch truncates and continues like a fresh context
+        assert [rows for _, rows in calls] == [1, 1]
+        # a row of a batch truncates and continues like a fresh context
         keep = prompts[0] + seqs[0][len(prompts[0]):len(prompts[0]) + 2]
         ctxs[0].truncate(len(keep))
         f = ctxs[0].forward().input([7, 8])
@@ -172,8 +166,8 @@ def test_contexts_of_one_batch_run_as_one_step(engine):
         hf = fresh.probe(-1, Logits())
         np.testing.assert_allclose(f.execute().logits(h), fresh.execute().logits(hf), atol=1e-5)
     finally:
-        for n, fn in real.items():
-            setattr(session, n, fn)
+        for n in real:
+            delattr(session, n)
     for p, s in zip([prompts[0], prompts[2]], seqs):  # each equals greedy generation of its prompt alone
         assert s[len(p):] == engine.generate(input_ids=[p], max_new_tokens=4, ignore_eos=True)[0].token_ids
     with pytest.raises(InputError, match="one pass per context"):

@@ -1,14 +1,12 @@
 """Batched ragged generation on tiny engines equals transformers' generate per prompt; sampling features."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from tiny_models import ARCHS, stage_engine, whole_stage
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trtinfer
-from trtinfer.runtime.session import KVCache
 
 PROMPTS = ["The history of the city", "Hello", "A quick brown fox jumps over the lazy dog while the cat"]
 
@@ -185,15 +183,6 @@ SHORT_MAX_SEQ = 24
 LONG_ROW, SHORT_ROW = list(range(5, 25)), [7, 8, 9]  # 20 and 3 tokens: the long row has room for 4 new tokens
 
 
-def _numpy_select_rows(kv, rows):
-    """``select_rows`` through numpy, for a stage's session (it has no row-selection graph)."""
-    import onnxruntime as ort
-
-    idx = list(rows)
-    values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[idx])) for v in kv.values]
-    return KVCache(values, kv.lengths[idx], None if kv.mask is None else kv.mask[idx], kv.capacity, kv.staging)
-
-
 def _generate_ids(layout, tiny_model_dir, tiny_engine, monkeypatch, rows, **kw):
     """Greedy results of ``rows`` on a tiny Llama of max_seq_len 24 whose session has KV layout ``layout``."""
     if layout != "scatter_buffer":
@@ -215,7 +204,6 @@ def _generate_ids(layout, tiny_model_dir, tiny_engine, monkeypatch, rows, **kw):
                             PassConfig(target="tensorrt", max_seq_len=SHORT_MAX_SEQ))
     with open_stage_session(whole_stage(stage)) as session:
         assert session.kv_layout == layout
-        monkeypatch.setattr(session, "select_rows", _numpy_select_rows)
         tok = EngineTokenizer(stage.path, stage.info.get("tokenizer", {}))
         gen = Generation(stage_engine(session, tok, 2, SHORT_MAX_SEQ), rows, GenerationConfig(**kw))
         list(gen.events())

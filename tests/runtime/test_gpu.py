@@ -18,6 +18,7 @@ from concurrency import assert_concurrent_equals_sequential
 
 import trtinfer
 import trtinfer.errors
+from trtinfer.runtime.slots import SlotCache
 
 pytestmark = pytest.mark.gpu
 
@@ -72,18 +73,25 @@ def test_cuda_batch_matches_rows_alone(precision, tiny_engine):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_cuda_select_rows_keeps_rows(precision, tiny_engine):
-    """Rows leaving the batch (kv_select on the device) leave the others' next logits as if run without them."""
+def test_cuda_slot_rows_equal_each_sequence_alone(precision, tiny_engine):
+    """Rows of one slot cache on the device: a ragged prefill, then decode steps of rows 0 and 2 (row 1 idle), give
+    what each sequence gives in a cache of its own; a row copied on the device into another cache goes on alike."""
     with _cuda(tiny_engine, "llama", precision) as eng:
         s = eng.session
         ids = [eng.tokenizer.encode(p) for p in PROMPTS]
-        logits, kv = s.prefill(ids, 64)
-        kv = s.select_rows(kv, [0, 2])
-        tokens = logits[[0, 2]].argmax(-1)
-        got, _ = s.decode(tokens, kv)
-        ref_logits, ref_kv = s.prefill([ids[0], ids[2]], 64)
-        want, _ = s.decode(ref_logits.argmax(-1), ref_kv)
-    np.testing.assert_allclose(got, want, atol=1e-3 if precision == "fp32" else 0.05)
+        rows = SlotCache(s, 3, 64)
+        logits = rows.prefill_rows(0, ids)
+        tokens = {r: int(logits[r].argmax()) for r in (0, 2)}
+        got = rows.decode(tokens)
+        copy = SlotCache(s, 1, 64)
+        rows.copy_prefix(2, 0, rows.length(2), into=copy)
+        for r in (0, 2):
+            alone = SlotCache(s, 1, 64)
+            alone.prefill(0, ids[r])
+            want = alone.decode({0: tokens[r]})[0]
+            np.testing.assert_allclose(got[r], want, atol=1e-3 if precision == "fp32" else 0.05)
+        np.testing.assert_allclose(copy.decode({0: 7})[0], rows.decode({2: 7})[2],
+                                   atol=1e-3 if precision == "fp32" else 0.05)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
@@ -99,20 +107,21 @@ def test_cuda_score_matches_cpu(precision, tiny_engine):
 @pytest.mark.parametrize(("precision", "arch_kw"), [("fp32", {}), ("bf16", {}), ("fp32", {"disable_passes": ("attention",)})],
                          ids=["fp32-shared_buffer", "bf16-shared_buffer", "fp32-concat"])
 def test_cuda_inputs_staged_in_pinned_memory(precision, arch_kw, tiny_engine):
-    """A generation's host inputs reach the GPU from its own page-locked buffers; its decode steps reuse them where
+    """A slot cache's host inputs reach the GPU from its own page-locked buffers; its decode steps reuse them where
     shapes stay; the buffers hold what the last step wrote."""
     eng_dir = tiny_engine("llama", target="cuda", precision=precision, **arch_kw)
     with trtinfer.load(eng_dir, provider="cuda") as eng:
         s = eng.session
         assert s.pinned, "this onnxruntime-gpu gave no pinned allocator"
-        logits, kv = s.prefill([eng.tokenizer.encode(p) for p in PROMPTS], 64)
-        staging = kv.staging
+        cache = SlotCache(s, len(PROMPTS), 64)
+        logits = cache.prefill_rows(0, [eng.tokenizer.encode(p) for p in PROMPTS])
+        staging = cache.staging
         assert staging is not None and staging.pinned
         made = []
         for _ in range(6):
             before = staging.allocations
-            logits, kv = s.decode(logits.argmax(-1), kv)
-            assert kv.staging is staging
+            out = cache.decode({r: int(lg.argmax()) for r, lg in enumerate(logits)})
+            logits = [out[r] for r in range(len(PROMPTS))]
             made.append(staging.allocations - before)
         assert "input_ids" in staging.buffers
         assert len(staging.buffers) <= len(s.input_names)
@@ -127,21 +136,22 @@ def test_cuda_inputs_staged_in_pinned_memory(precision, arch_kw, tiny_engine):
 
 
 def test_cuda_finished_generation_releases_pinned_buffers(tiny_engine):
-    """Pinned buffers belong to a generation: none outlive it, however many generations ran."""
+    """Pinned buffers belong to a slot cache: none outlive it, however many generations ran."""
     with _cuda(tiny_engine, "llama") as eng:
         s = eng.session
         for _ in range(5):
             eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
             gc.collect()
             assert s.live_stagings() == []
-        _, kv = s.prefill([eng.tokenizer.encode(p) for p in PROMPTS], 64)
-        _, kv2 = s.prefill([eng.tokenizer.encode("Hello")], 64)
-        assert len(s.live_stagings()) == 2 and kv.staging is not kv2.staging
-        del kv2
+        a, b = SlotCache(s, 3, 64), SlotCache(s, 1, 64)
+        a.prefill_rows(0, [eng.tokenizer.encode(p) for p in PROMPTS])
+        b.prefill(0, eng.tokenizer.encode("Hello"))
+        assert len(s.live_stagings()) == 2 and a.staging is not b.staging
+        del b
         gc.collect()
-        assert s.live_stagings() == [kv.staging]
+        assert s.live_stagings() == [a.staging]
         eng.close()
-        assert kv.staging.buffers == {}, "close gives live generations' buffers back"
+        assert a.staging.buffers == {}, "close gives live caches' buffers back"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

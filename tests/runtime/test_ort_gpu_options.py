@@ -25,6 +25,7 @@ from trtinfer.errors import BackendUnavailableError, ConfigError
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.ort_env import PinnedInputs, ort_providers, trt_cache_paths
 from trtinfer.runtime.ort_session import OrtDecoderSession
+from trtinfer.runtime.slots import SlotCache
 
 PROMPTS = ["The history of the city", "Hello", "A quick brown fox jumps over the lazy dog while the cat"]
 OTHER = ["Once upon a time", "What is the capital of"]
@@ -162,53 +163,54 @@ def _ids(eng, prompts):
     return [eng.tokenizer.encode(p) for p in prompts]
 
 
-def test_cpu_generations_have_no_staging(engine):
+def test_cpu_caches_have_no_staging(engine):
     """The CPU path binds numpy arrays: no staging object, nothing tracked; two caches share no state."""
     with trtinfer.load(engine) as eng:
         s = eng.session
         assert not s.pinned
-        logits_a, kv_a = s.prefill(_ids(eng, PROMPTS), 96)
-        want, _ = s.decode(logits_a.argmax(-1), kv_a)
-        logits_b, kv_b = s.prefill(_ids(eng, OTHER), 96)
-        assert kv_a.staging is None and kv_b.staging is None
+        a, b = SlotCache(s, 3, 96), SlotCache(s, 3, 96)
+        logits_a = a.prefill_rows(0, _ids(eng, PROMPTS))
+        want = a.decode({r: int(lg.argmax()) for r, lg in enumerate(logits_a)})
+        a.keep(0, len(_ids(eng, PROMPTS)[0]))  # row 0 back to its prompt: its next step again gives want[0]
+        logits_b = b.prefill_rows(0, _ids(eng, OTHER))
+        assert a.staging is None and b.staging is None
         assert s.live_stagings() == []
-        assert not {id(v) for v in kv_a.values} & {id(v) for v in kv_b.values}
-        _, kv_b = s.decode(logits_b.argmax(-1), kv_b)  # B's step leaves A's cache as it was
-        got, _ = s.decode(logits_a.argmax(-1), kv_a)
-    np.testing.assert_array_equal(got, want)
+        assert not {id(v) for v in a.values} & {id(v) for v in b.values}
+        b.decode({r: int(lg.argmax()) for r, lg in enumerate(logits_b)})  # B's step leaves A's rows as they were
+        got = a.decode({0: int(logits_a[0].argmax())})
+    np.testing.assert_array_equal(got[0], want[0])
 
 
 @pytest.mark.parametrize("which", ["engine", "concat_engine"])
-def test_each_generation_owns_its_staging(which, request):
-    """Two prefills get two staging objects; decode and select_rows hand theirs on; buffers are never shared; the
-    tokens are those of the unstaged run; a dropped generation's buffers are freed."""
+def test_each_slot_cache_owns_its_staging(which, request):
+    """Two slot caches get two staging objects, kept pass to pass; buffers are never shared; the tokens are those of
+    the unstaged run; a dropped cache's buffers are freed."""
     path = request.getfixturevalue(which)
     with trtinfer.load(path) as eng:
         want = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
         s = eng.session
         _cpu_staging(s)
         assert s.pinned
-        logits_a, kv_a = s.prefill(_ids(eng, PROMPTS), 96)
-        _, kv_b = s.prefill(_ids(eng, OTHER), 96)
-        a, b = kv_a.staging, kv_b.staging
+        ca, cb = SlotCache(s, 3, 96), SlotCache(s, 3, 96)
+        logits_a = ca.prefill_rows(0, _ids(eng, PROMPTS))
+        cb.prefill_rows(0, _ids(eng, OTHER))
+        a, b = ca.staging, cb.staging
         assert isinstance(a, PinnedInputs) and isinstance(b, PinnedInputs) and a is not b
         assert {id(x) for x in s.live_stagings()} == {id(a), id(b)}
         pointers = {name: val.data_ptr() for name, (_, val, _) in a.buffers.items()}
         assert not set(pointers.values()) & {val.data_ptr() for _, val, _ in b.buffers.values()}
         made = a.allocations
-        _, kv_a = s.decode(logits_a.argmax(-1), kv_a)
-        assert kv_a.staging is a
-        kv_a = s.select_rows(kv_a, [0, 2])
-        assert kv_a.staging is a and "rows" in a.buffers
+        ca.decode({r: int(lg.argmax()) for r, lg in enumerate(logits_a)})
+        assert ca.staging is a
         if s.kv_layout == "shared_buffer":  # decode inputs keep their shapes from step to step
-            _, kv_a = s.decode(np.array([1, 2]), kv_a)
+            ca.decode({0: 1, 2: 2})
             before = a.allocations
-            _, kv_a = s.decode(np.array([3, 4]), kv_a)
+            ca.decode({0: 3, 2: 4})
             assert a.allocations == before
         assert a.allocations > made and len(a.buffers) <= len(s.input_names) + 1  # one buffer per input at most
-        del kv_a, a
+        del ca, a
         gc.collect()
-        assert [id(x) for x in s.live_stagings()] == [id(b)], "A's caches are gone: so is its staging"
+        assert [id(x) for x in s.live_stagings()] == [id(b)], "A's cache is gone: so is its staging"
         got = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
         assert got == want
         gc.collect()

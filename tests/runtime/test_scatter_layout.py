@@ -19,6 +19,7 @@ from trtinfer.passes.optimizer import optimize_cached
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.offline import Generation
 from trtinfer.runtime.scoring import open_stage_session, score_ids
+from trtinfer.runtime.slots import SlotCache
 from trtinfer.runtime.tokenizer import EngineTokenizer
 
 MAX_SEQ = 48
@@ -43,12 +44,16 @@ def test_generation_matches_the_cpu_engine(pair):
         list(gen.events())
         want = ref.generate(input_ids=PROMPTS, max_new_tokens=8, ignore_eos=True)
         assert [r.token_ids for r in gen.results] == [r.token_ids for r in want]
-        # the KV buffers were written in place: every cache of the generation is the one prefill allocated
-        logits, kv = session.prefill(PROMPTS, MAX_SEQ)
-        before = [v.data_ptr() for v in kv.values]
-        _, kv2 = session.decode(logits.argmax(-1), kv)
-        assert [v.data_ptr() for v in kv2.values] == before
-        assert kv2.values[0].shape()[2] == MAX_SEQ  # static slot count, as TensorRT needs
+        # the graph writes the KV buffers it is given, in place: a prefill fills each row's first positions (a short
+        # row's padding too, overwritten later) and a decode step the next one, nothing after them
+        cache = SlotCache(session, len(PROMPTS), MAX_SEQ)
+        assert cache.values[0].shape()[2] == MAX_SEQ  # static slot count, as TensorRT needs
+        logits = cache.prefill_rows(0, PROMPTS)
+        cache.decode({r: int(lg.argmax()) for r, lg in enumerate(logits)})
+        kv = cache.values[0].numpy()
+        width = max(len(p) for p in PROMPTS)
+        for r, p in enumerate(PROMPTS):
+            assert kv[r, :, :len(p) + 1].any(axis=-1).all() and not kv[r, :, width + 1:].any()
 
 
 def test_scores_match_the_cpu_engine(pair):
@@ -64,8 +69,8 @@ def test_a_sequence_longer_than_the_buffers_is_an_input_error(pair):
     stage, _ = pair
     from trtinfer.errors import InputError
 
-    with open_stage_session(stage) as session, pytest.raises(InputError, match="KV buffers"):
-        session.prefill([list(range(3, 3 + MAX_SEQ + 1))], MAX_SEQ)
+    with open_stage_session(stage) as session, pytest.raises(InputError, match="do not fit"):
+        SlotCache(session, 1, MAX_SEQ).prefill(0, list(range(3, 3 + MAX_SEQ + 1)))
 
 
 def test_served_by_the_scheduler_with_prefix_caching(pair):

@@ -64,26 +64,25 @@ def llama(tiny_engine):
 
 # --- the slot cache ---------------------------------------------------------------------------------------------
 def test_slot_cache_chunked_prefill_and_batched_decode_equal_one_shot(engine):
-    """Chunks into row 2 of a slot cache = one-shot prefill; a decode over rows 0..2 (row 1 free) = each alone
-    (gemma3's sliding window of 5 is crossed by the 15-token prompt)."""
+    """Chunks into row 2 of a slot cache = a one-shot prefill in a cache of its own; a decode over rows 0..2 (row 1
+    free) = each alone (gemma3's sliding window of 5 is crossed by the 15-token prompt)."""
     session = engine.session
     p, q = prompts((15, 3))
     cache = SlotCache(session, 4, engine.manifest.max_seq_len)
     cache.prefill(0, q)
     for i in range(0, len(p), 4):
         last = cache.prefill(2, p[i:i + 4])
-    ref_p, kv_p = session.prefill([p], 64)
-    ref_q, kv_q = session.prefill([q], 64)
-    np.testing.assert_allclose(last, ref_p[0], atol=1e-5)
+    alone_p, alone_q = SlotCache(session, 1, 64), SlotCache(session, 1, 64)  # each sequence in a cache of its own
+    np.testing.assert_allclose(last, alone_p.prefill(0, p), atol=1e-5)
+    alone_q.prefill(0, q)
     assert cache.lengths.tolist() == [3, 0, 15, 0]
     for t in (7, 8, 9):
         got = cache.decode({0: t + 1, 2: t})
-        ref_p, kv_p = session.decode(np.array([t]), kv_p)
-        ref_q, kv_q = session.decode(np.array([t + 1]), kv_q)
-        np.testing.assert_allclose(got[2], ref_p[0], atol=1e-5)
-        np.testing.assert_allclose(got[0], ref_q[0], atol=1e-5)
+        np.testing.assert_allclose(got[2], alone_p.decode({0: t})[0], atol=1e-5)
+        np.testing.assert_allclose(got[0], alone_q.decode({0: t + 1})[0], atol=1e-5)
     assert cache.lengths.tolist() == [6, 0, 18, 0]
-    cache.close()
+    for c in (cache, alone_p, alone_q):
+        c.close()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

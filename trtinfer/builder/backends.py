@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtinfer.artifact import DATA_NAME, ONNX_NAME, StageDir, kv_dtype
+from trtinfer.artifact import DATA_NAME, ONNX_NAME, StageDir
 from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BackendUnavailableError, BuildError, ConfigError
 from trtinfer.runtime.memory import PREPACK_OFF
-from trtinfer.stages import ONNX_DTYPES, graph_io
 
 log = logging.getLogger(__name__)
 
@@ -63,24 +62,6 @@ def get_build_backend(name: str) -> BuildBackend:
     return _BACKENDS[name]
 
 
-def write_kv_select(path: Path, n_tensors: int, dtype: str = "float32") -> None:
-    """Write the tiny graph that keeps chosen batch rows of every KV tensor: ``out.i = Gather(kv.i, rows, axis=0)``."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    elem = {name: code for code, name in ONNX_DTYPES.items()}[dtype]
-    inputs = [helper.make_tensor_value_info("rows", TensorProto.INT64, ["rows"])]
-    outputs, nodes = [], []
-    for i in range(n_tensors):
-        inputs.append(helper.make_tensor_value_info(f"kv.{i}", elem, ["batch", "heads", "len", "dim"]))
-        outputs.append(helper.make_tensor_value_info(f"out.{i}", elem, ["rows", "heads", "len", "dim"]))
-        nodes.append(helper.make_node("Gather", [f"kv.{i}", "rows"], [f"out.{i}"], axis=0, name=f"select_{i}"))
-    graph = helper.make_graph(nodes, "kv_select", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="trtinfer", ir_version=9)
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
-
-
 def _check_onnxruntime(config: BuildConfig) -> None:
     """``--target cuda`` needs onnxruntime-gpu's CUDA provider on the build machine (its libraries preloaded first)."""
     if config.target != "cuda":
@@ -122,9 +103,7 @@ def build_onnxruntime(stage: StageDir, out: Path, config: BuildConfig) -> dict[s
         from trtinfer.builder.weight_views import one_name_per_reader
 
         one_name_per_reader(out / ONNX_NAME)
-    n_kv = 2 * stage.geometry["num_layers"]
-    write_kv_select(out / "kv_select.onnx", n_kv, kv_dtype(graph_io(out / ONNX_NAME)))
-    return {"decoder": ONNX_NAME, "decoder_data": DATA_NAME, "kv_select": "kv_select.onnx"}
+    return {"decoder": ONNX_NAME, "decoder_data": DATA_NAME}
 
 
 def op_histogram(path: Path) -> dict[str, int]:

@@ -69,13 +69,22 @@ class EngineCheck:
 
 
 def _runtime_logits(sess: Any, prompts: list[np.ndarray], tokens: np.ndarray) -> np.ndarray:
-    """The reference protocol through a runtime session: ragged prefill, then the given tokens; ``[rows, steps+1, V]``."""
-    steps = tokens.shape[1]
-    logits, kv = sess.prefill([p.tolist() for p in prompts], max(len(p) for p in prompts) + steps + 1)
-    got = [logits.astype(np.float32)]
-    for t in range(steps):
-        logits, kv = sess.decode(tokens[:, t], kv)
-        got.append(logits.astype(np.float32))
+    """The reference protocol through a runtime session's slot cache: the ragged prompts (one call where the graph
+    reads each row's own last position), then the given tokens as batched decode steps; ``[rows, steps+1, V]``."""
+    from trtinfer.runtime.slots import SlotCache
+
+    rows, steps = len(prompts), tokens.shape[1]
+    cache = SlotCache(sess, rows, max(len(p) for p in prompts) + steps + 1, reserve=False)
+    try:
+        ids = [p.tolist() for p in prompts]
+        first = cache.prefill_rows(0, ids) if cache.batched_prefill else [cache.prefill(r, p) for r, p in
+                                                                          enumerate(ids)]
+        got = [np.stack(first).astype(np.float32)]
+        for t in range(steps):
+            out = cache.decode({r: int(tokens[r, t]) for r in range(rows)})
+            got.append(np.stack([out[r] for r in range(rows)]).astype(np.float32))
+    finally:
+        cache.close()
     return np.stack(got, axis=1)
 
 

@@ -215,12 +215,11 @@ class Engine:
         if not (isinstance(n, int) and 1 <= n <= self.manifest.max_batch_size):
             raise InputError(f"contexts(n): n must be within 1..{self.manifest.max_batch_size} (the engine's max "
                              f"batch size), got {n!r}")
-        group = Group(self.session, capacity or self.manifest.max_seq_len)
-        return [Context(self.session, group.capacity, group) for _ in range(n)]
+        return Group(self.session, n, capacity or self.manifest.max_seq_len).contexts
 
     def execute(self, passes: Sequence[Forward]) -> list[Output]:
-        """Run several contexts' passes: one batched step for the live contexts of one :meth:`contexts` batch that
-        all start or all feed one token; one after another otherwise."""
+        """Run several contexts' passes: one batched step for contexts of one :meth:`contexts` batch that all start
+        (in neighbouring rows) or all feed one token; one after another otherwise."""
         self._check_open()
         return execute_passes(passes)
 

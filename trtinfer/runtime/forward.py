@@ -15,12 +15,12 @@ Positions index this pass's input tokens (0 = the first token fed in this pass; 
 computes the LM head only at the positions some probe or sampler reads. Sampled tokens are not fed back by
 themselves: the next pass's ``.input`` does that, so a caller can verify drafts, branch or stop.
 
-Several sequences batch: ``engine.contexts(n)`` makes ``n`` contexts whose caches are the rows of one batched KV
-cache, and ``engine.execute([f1, f2, ...])`` runs their passes as ONE batched pass when they are all of a group's
-live contexts and either all start their sequence (one prefill; probes at each pass's last token) or all feed one
-token (one decode step). Other combinations run one after another, each context first taking its row out of the
-batch (a gather on the device). :meth:`Context.release` ends a context: its row leaves the batch at the next step.
-``generate`` is this loop.
+A context is a row of a slot cache (:mod:`trtinfer.runtime.slots`, the KV cache the scheduler runs on): its own
+one-row cache, or a row of a batch. ``engine.contexts(n)`` makes ``n`` contexts that are the rows of one cache, and
+``engine.execute([f1, f2, ...])`` runs their passes as ONE batched pass when they are contexts of that batch and
+either all start their sequence in neighbouring rows (one prefill; asks at each pass's last token) or all feed one
+token (one decode step). Other combinations run one after another, each on its own row.
+:meth:`Context.release` ends a context.
 
 Limits of the engines' KV layouts, said plainly: tokens always take the next positions (``input_at`` accepts only
 those), and the causal mask is built inside the graph, so ``attention_mask`` is refused.
@@ -35,7 +35,8 @@ import numpy as np
 
 from trtinfer.errors import InputError
 from trtinfer.runtime.probes import Argmax, Distribution, Entropy, Logits, Logprob, Logprobs, Sampler
-from trtinfer.runtime.session import DecoderSession, KVCache
+from trtinfer.runtime.session import DecoderSession
+from trtinfer.runtime.slots import SlotCache
 
 _READERS = {"token": "token", "logits": "logits", "distribution": "distribution", "logprobs": "logprobs",
             "entropy": "entropy"}
@@ -155,7 +156,6 @@ class Forward:
     def execute(self) -> Output:
         """Run the pass: the context takes the tokens; the asked values are computed from their positions' logits."""
         self._check_runnable()
-        self.ctx._own()  # a row of a batch runs alone: it takes its row out first
         logits = self.ctx._run(self.tokens, sorted({h.position for h, _ in self._asks}))
         self._done = True
         return self._output(logits)
@@ -163,89 +163,44 @@ class Forward:
     def _output(self, logits: dict[int, np.ndarray]) -> Output:
         return Output([what.compute(logits[h.position]) for h, what in self._asks], [h for h, _ in self._asks])
 
-    def _greedy_only(self) -> bool:
-        """Every ask is an Argmax at the last token (the backend may pick tokens where the logits are)."""
-        last = len(self.tokens) - 1
-        return bool(self._asks) and all(isinstance(w, Argmax) and h.position == last for h, w in self._asks)
-
 
 class Group:
-    """Contexts whose KV caches are the rows of one batched cache (``engine.contexts(n)``); ``rows`` lists the
-    contexts in row order, None for a row whose context left (dropped from the cache at the next batched step)."""
+    """The contexts of ``engine.contexts(n)``: rows ``0..n-1`` of one slot cache (:mod:`trtinfer.runtime.slots`)."""
 
-    def __init__(self, session: DecoderSession, capacity: int) -> None:
-        self.session = session
+    def __init__(self, session: DecoderSession, n: int, capacity: int) -> None:
+        self.cache = SlotCache(session, n, capacity, reserve=False)
         self.capacity = capacity
-        self.kv: KVCache | None = None
-        self.rows: list[Context | None] = []
-
-    def live(self) -> list[Context]:
-        """Member contexts, in row order."""
-        return [c for c in self.rows if c is not None]
-
-    def _compact(self) -> None:
-        """Drop the rows of contexts that left (one gather), so rows = live contexts."""
-        keep = [i for i, c in enumerate(self.rows) if c is not None]
-        if len(keep) == len(self.rows):
-            return
-        self.kv = None if self.kv is None or not keep else self.session.select_rows(self.kv, keep)
-        self.rows = [self.rows[i] for i in keep]
-
-    def leave(self, ctx: Context, take_row: bool) -> KVCache | None:
-        """``ctx`` leaves the group; with ``take_row`` its row of the cache comes with it (a one-row cache)."""
-        i = self.rows.index(ctx)
-        row = None
-        if take_row and self.kv is not None:
-            row = self.kv if len(self.rows) == 1 else self.session.select_rows(self.kv, [i])
-        self.rows[i] = None
-        if not self.live():
-            self.kv, self.rows = None, []
-        return row
+        self.contexts = [Context(session, capacity, self, slot) for slot in range(n)]
 
     def run(self, passes: list[Forward]) -> list[Output] | None:
-        """The passes as one batched step, or None when they do not make one (then they run one by one)."""
-        live = self.live()
-        if len(passes) != len(live) or {id(f.ctx) for f in passes} != {id(c) for c in live}:
+        """The passes as one batched call, or None when they do not make one (then they run one by one): prompts
+        into empty neighbouring rows (asks at each last token), or one token into each row (a decode step)."""
+        ctxs = [f.ctx for f in passes]
+        if any(c.group is not self for c in ctxs) or any(h.position != len(f.tokens) - 1
+                                                        for f in passes for h, _ in f._asks):
             return None
-        by_ctx = {id(f.ctx): f for f in passes}
-        ordered = [by_ctx[id(c)] for c in live]
-        fresh = self.kv is None and all(not c.tokens for c in live)
-        last_only = all(h.position == len(f.tokens) - 1 for f in ordered for h, _ in f._asks)
-        if fresh and last_only:
-            too_long = [len(f.tokens) for f in ordered if len(f.tokens) > self.capacity]
+        slots = sorted(c.slot for c in ctxs)
+        cache = self.cache
+        if (all(not c.tokens for c in ctxs) and cache.batched_prefill
+                and slots == list(range(slots[0], slots[0] + len(slots)))):
+            too_long = [len(f.tokens) for f in passes if len(f.tokens) > self.capacity]
             if too_long:
                 raise InputError(f"a prompt of {too_long[0]} tokens does not fit the contexts' capacity of "
                                  f"{self.capacity} (engine.contexts(n, capacity=...), up to the engine's max sequence "
-                                 f"length {self.session.manifest.max_seq_len})")
-            self.rows = list(live)
-            tokens = [f.tokens for f in ordered]
-            greedy = all(f._greedy_only() for f in ordered)
-            if greedy:
-                values, self.kv = self.session.prefill_greedy(tokens, self.capacity)
-            else:
-                values, self.kv = self.session.prefill(tokens, self.capacity)
-        elif self.kv is not None and all(len(f.tokens) == 1 for f in ordered) and all(c.tokens for c in live):
-            self._compact()
-            col = np.array([f.tokens[0] for f in ordered], dtype=np.int64)
-            if any(len(c.tokens) + 1 > self.capacity for c in live):
-                raise InputError(f"a context of this batch would hold more than its capacity of {self.capacity} "
-                                 "tokens (engine.contexts(n, capacity=...))")
-            greedy = all(f._greedy_only() for f in ordered)
-            if greedy:
-                values, self.kv = self.session.decode_greedy(col, self.kv)
-            else:
-                values, self.kv = self.session.decode(col, self.kv)
+                                 f"length {cache.session.manifest.max_seq_len})")
+            by_slot = {f.ctx.slot: f.tokens for f in passes}
+            rows = cache.prefill_rows(slots[0], [by_slot[s] for s in slots])
+            values = dict(zip(slots, rows))
+        elif all(len(f.tokens) == 1 and c.tokens for f, c in zip(passes, ctxs)):
+            # every row up to the last fed one runs (rows not fed get a dummy token at their length): each must fit
+            if int(cache.lengths[:slots[-1] + 1].max()) + 1 > self.capacity:
+                return None
+            values = cache.decode({f.ctx.slot: f.tokens[0] for f in passes})
         else:
             return None
-        outs = {}
-        for r, f in enumerate(ordered):
-            f.ctx.tokens.extend(f.tokens)
+        for f in passes:
             f._done = True
-            if greedy:
-                outs[id(f)] = Output([int(values[r])] * len(f._asks), [h for h, _ in f._asks])
-            else:
-                outs[id(f)] = f._output({len(f.tokens) - 1: values[r]})
-        return [outs[id(f)] for f in passes]
+        return [f._output({len(f.tokens) - 1: values[f.ctx.slot]}) for f in passes]
 
 
 def execute(passes: Sequence[Forward]) -> list[Output]:
@@ -257,44 +212,42 @@ def execute(passes: Sequence[Forward]) -> list[Output]:
         raise InputError("execute() takes one pass per context; run a context's second pass after the first")
     for f in passes:
         f._check_runnable()
-    groups = {id(f.ctx.group) for f in passes}
-    if passes and len(groups) == 1 and passes[0].ctx.group is not None:
-        outs = passes[0].ctx.group.run(passes)
+    group = passes[0].ctx.group if passes else None
+    if group is not None and len(passes) > 1:
+        outs = group.run(passes)
         if outs is not None:
             return outs
     return [f.execute() for f in passes]
 
 
 class Context:
-    """One sequence on an engine: its tokens and its KV cache (the engine's own buffers, on its device), held alone
-    or as a row of a :class:`Group`'s batched cache."""
+    """One sequence on an engine: its tokens and its KV cache, a row of a slot cache (the engine's own buffers, on its
+    device): a cache of its own, or a row of a :class:`Group`'s."""
 
-    def __init__(self, session: DecoderSession, capacity: int, group: Group | None = None) -> None:
+    def __init__(self, session: DecoderSession, capacity: int, group: Group | None = None, slot: int = 0) -> None:
         max_len = session.manifest.max_seq_len
         if not 2 <= capacity <= max_len:
             raise InputError(f"capacity must be between 2 and the engine's max sequence length {max_len}, "
                              f"got {capacity}")
         self.session = session
         self.capacity = capacity
-        self.tokens: list[int] = []
-        self.kv: KVCache | None = None
         self.group = group
+        self.slot = slot
+        self.cache = SlotCache(session, 1, capacity, reserve=False) if group is None else group.cache
         self.released = False
-        if group is not None:
-            group.rows.append(self)
 
-    def _own(self) -> None:
-        """Leave the group (if any), taking this context's row of its cache along."""
-        if self.group is not None:
-            self.kv = self.group.leave(self, take_row=True)
-            self.group = None
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens whose KV this context holds."""
+        return self.cache.index.tokens[self.slot]
 
     def release(self) -> None:
-        """End this context: its KV row leaves the batch (at the group's next step) or its buffers are freed."""
-        if self.group is not None:
-            self.group.leave(self, take_row=False)
-            self.group = None
-        self.kv = None
+        """End this context: its row is free for nothing else (a group's) or its buffers are freed."""
+        if not self.released:
+            if self.group is None:
+                self.cache.close()
+            else:
+                self.cache.free(self.slot)
         self.released = True
 
     def __len__(self) -> int:
@@ -305,28 +258,25 @@ class Context:
         return Forward(self)
 
     def _run(self, tokens: list[int], positions: list[int]) -> dict[int, np.ndarray]:
-        self.session.check_can_score()  # a pass alone needs logits at chosen positions
+        want = positions or [len(tokens) - 1]  # a pass nobody reads still fills the cache
+        if want != [len(tokens) - 1]:
+            self.session.check_can_score()  # logits at chosen positions
         if len(self.tokens) + len(tokens) > self.capacity:
             raise InputError(f"the context holds {len(self.tokens)} tokens and room for {self.capacity}; "
                              f"{len(tokens)} more do not fit (engine.context(capacity=...) up to the max sequence "
                              f"length {self.session.manifest.max_seq_len})")
-        want = positions or [len(tokens) - 1]  # a pass nobody reads still fills the cache
-        logits, self.kv = self.session.run_chunk(tokens, self.kv, self.capacity, positions=want)
-        self.tokens.extend(tokens)
+        logits = self.cache.feed(self.slot, tokens, want)
         return {p: logits[i] for i, p in enumerate(want)}
 
     def fork(self) -> Context:
         """A copy of this context (tokens and KV cache, copied on the backend); the two then go their own ways."""
-        self._own()
         other = Context(self.session, self.capacity)
-        other.tokens = list(self.tokens)
-        other.kv = None if self.kv is None else self.session.copy_cache(self.kv)
+        if self.tokens:
+            self.cache.copy_prefix(self.slot, 0, len(self.tokens), into=other.cache)
         return other
 
     def truncate(self, n: int) -> None:
         """Roll back to the first ``n`` tokens (e.g. rejected draft tokens); later passes continue from there."""
         if not 0 <= n <= len(self.tokens):
             raise InputError(f"truncate({n}): the context holds {len(self.tokens)} tokens")
-        self._own()
-        self.tokens = self.tokens[:n]
-        self.kv = None if n == 0 or self.kv is None else self.session.truncate_cache(self.kv, n)
+        self.cache.keep(self.slot, n)

@@ -83,14 +83,13 @@ def staging_memory_info(ort: Any, device_id: int) -> Any:
 
 
 class PinnedInputs:
-    """One generation's host inputs of CUDA runs, staged in page-locked OrtValues from ONNX Runtime's CUDA pinned
+    """One slot cache's host inputs of CUDA runs, staged in page-locked OrtValues from ONNX Runtime's CUDA pinned
     allocator (numpy and OrtValues only: no torch).
 
-    Owned by one generation, never by the session: :meth:`OrtDecoderSession.prefill` (or a first ``run_chunk``) makes
-    one and puts it in the :attr:`KVCache.staging` of the caches it and its successors return, so generations running
-    on one session at once from different threads each write their own buffers, and the pinned memory held is a few
-    small buffers per live generation: it goes back to ONNX Runtime's allocator when the generation's last cache is
-    dropped (or at :meth:`release`). Not thread-safe itself: the steps of one generation run one after another.
+    Owned by one slot cache (:mod:`trtinfer.runtime.slots`), never by the session, so caches running on one session
+    at once from different threads each write their own buffers, and the pinned memory held is a few small buffers
+    per live cache: it goes back to ONNX Runtime's allocator when the cache closes (or at :meth:`release`). Not
+    thread-safe itself: the passes of one cache run one after another.
 
     One buffer per input, kept while the input's shape and dtype stay the same: decode steps of a shared-buffer
     engine reuse theirs (ids, positions and lengths keep their shape); an input whose shape changes (the growing

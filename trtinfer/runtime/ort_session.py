@@ -10,25 +10,23 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from trtinfer.artifact import Manifest
-from trtinfer.errors import EngineLoadError, InputError
+from trtinfer.errors import EngineLoadError
 from trtinfer.runtime.config import GPU_PROVIDERS, RuntimeConfig
-from trtinfer.runtime.kv_feeds import LOGITS_POSITIONS
 from trtinfer.runtime.kv_layouts import kv_layout
 from trtinfer.runtime.ort_env import (
     PinnedInputs,
     open_ort_session,
-    ort_providers,
     staging_memory_info,
     this_cpu_u8s8_exact,
 )
-from trtinfer.runtime.session import DecoderSession, KVCache, register_backend
+from trtinfer.runtime.session import LOGITS_POSITIONS, DecoderSession, register_backend
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +40,10 @@ _LOGITS_DTYPES: dict[str, np.dtype[Any]] = {"tensor(float)": np.dtype(np.float32
 class OrtDecoderSession(DecoderSession):
     """ONNX Runtime with IOBinding: KV stays in OrtValues (on the device for CUDA and TensorRT) from step to step.
 
-    Thread safety: one session may run several generations at once, one per thread. Each call makes its own
-    IOBinding and ONNX Runtime's ``run_with_iobinding`` is thread-safe with separate IOBinding objects; everything a
-    generation writes between steps lives in its :class:`KVCache` (device KV values, lengths, mask and, on CUDA, its
-    own :class:`PinnedInputs`), never on the session. One generation's caches must be used from one thread at a time.
-    :meth:`close` only after every generation has finished.
+    Thread safety: one session may run several slot caches at once, one per thread. ONNX Runtime's
+    ``run_with_iobinding`` is thread-safe with separate IOBinding objects, and everything a cache writes between
+    passes is its own (its KV buffers, its bindings and, on CUDA, its :class:`PinnedInputs`), never the session's.
+    :meth:`close` only after every cache has closed.
     """
 
     def __init__(self, engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> None:
@@ -68,14 +65,9 @@ class OrtDecoderSession(DecoderSession):
         self.sess = open_ort_session(model, engine_dir, manifest, config, stop_spinning=two)
         self.prefill_sess = None if prefill is None else open_ort_session(engine_dir / prefill, engine_dir, manifest,
                                                                            config, stop_spinning=True, graph="prefill")
-        so, providers = self.sess.get_session_options(), ort_providers(config, manifest, engine_dir)
         got = [i.name for i in self.sess.get_inputs()]
         if got != self.input_names:
             raise EngineLoadError(f"{model} inputs {got[:4]}... differ from the manifest's; rebuild the engine")
-        # a graph opened without an engine directory (scoring a stage) has no row-selection graph: batch 1 needs none
-        select = manifest.files.get("kv_select")
-        self.select_sess = (None if select is None else
-                            ort.InferenceSession(str(engine_dir / select), so, providers=providers))
         geo = manifest.geometry
         self.kv_shape: tuple[int, int] = (int(geo["num_kv_heads"]), int(geo["head_dim"]))
         self.kv_dtype = manifest.io.kv_dtype  # float16/bfloat16 in fp16/bf16 engines
@@ -83,10 +75,10 @@ class OrtDecoderSession(DecoderSession):
         past = manifest.io.past
         # scatter_buffer graphs fix their KV slot count (TensorRT needs it static): every buffer has exactly that many
         self.scatter_capacity = int(past[0].shape[2]) if past and isinstance(past[0].shape[2], int) else 0
-        # host inputs of CUDA runs go through a per-generation PinnedInputs; the CPU binds numpy arrays directly
+        # host inputs of CUDA runs go through a slot cache's own PinnedInputs; the CPU binds numpy arrays directly
         self._stage_inputs = self.device == "cuda"
         self._staging_info = staging_memory_info(ort, config.device_id) if self._stage_inputs else None
-        self._stagings: weakref.WeakSet[PinnedInputs] = weakref.WeakSet()  # live generations' (for close, stats)
+        self._stagings: weakref.WeakSet[PinnedInputs] = weakref.WeakSet()  # live caches' (for close, stats)
         self._stagings_lock = threading.Lock()
         self.layout = kv_layout(self.kv_layout, self)
         # per graph: the numpy dtype and last dimension of its logits where that dimension is fixed (bound to a host
@@ -101,22 +93,21 @@ class OrtDecoderSession(DecoderSession):
         return self._staging_info is not None
 
     def live_stagings(self) -> list[PinnedInputs]:
-        """The host staging of each generation whose caches are still alive (empty on the CPU)."""
+        """The host staging of each slot cache still alive (empty on the CPU)."""
         with self._stagings_lock:
             return list(self._stagings)
 
     def close(self) -> None:
-        """Give the pinned input buffers of live generations back to ONNX Runtime's allocator and drop the ONNX
+        """Give the pinned input buffers of live caches back to ONNX Runtime's allocator and drop the ONNX
         Runtime sessions (their weights and arenas are freed once nothing else holds them)."""
         for staging in self.live_stagings():
             staging.release()
         self.sess = None
         self.prefill_sess = None
-        self.select_sess = None
 
     # --- host buffers -------------------------------------------------------------------------------------
     def new_staging(self) -> PinnedInputs | None:
-        """The host staging of a new generation: a fresh :class:`PinnedInputs` on CUDA, None on the CPU."""
+        """The host staging of a new slot cache: a fresh :class:`PinnedInputs` on CUDA, None on the CPU."""
         if not self._stage_inputs:
             return None
         staging = PinnedInputs(self._ort, self._staging_info)
@@ -169,18 +160,10 @@ class OrtDecoderSession(DecoderSession):
         """A KV tensor on this session's device holding a copy of ``host``."""
         return self._ort.OrtValue.ortvalue_from_numpy(host, self.device, self.config.device_id)
 
-    def new_kv(self, rows: int, positions: int) -> list[Any]:
-        """One zeroed ``[rows, kv_heads, positions, head_dim]`` value per past input."""
-        kvh, hd = self.kv_shape
-        return [self.kv_value((rows, kvh, positions, hd)) for _ in self.past_names]
-
-    def run_bound(self, feeds: dict[str, np.ndarray], kv_in: list[Any], kv_out: list[Any] | None,
-                  positions: np.ndarray, staging: PinnedInputs | None) -> tuple[np.ndarray, list[Any]]:
-        """One forward pass; logits ``[B,K,V]`` at ``positions [B,K]`` of each row.
-
-        ``kv_out`` None: presents are new values (concat); else bound in place (shared). Host inputs go through the
-        generation's ``staging`` (None: bound from numpy). The IOBinding is this call's own (thread safety).
-        """
+    def run_bound(self, feeds: dict[str, np.ndarray], kv_in: list[Any], positions: np.ndarray,
+                  staging: PinnedInputs | None) -> tuple[np.ndarray, list[Any]]:
+        """One pass of a layout that returns new KV (concat): logits ``[B,K,V]`` at ``positions [B,K]`` and the
+        presents as new values. Host inputs go through ``staging`` (None: bound from numpy)."""
         if self.has_logits_positions:
             feeds = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
         sess = self.session_for(feeds)
@@ -190,14 +173,11 @@ class OrtDecoderSession(DecoderSession):
         for name, val in zip(self.past_names, kv_in):
             io.bind_ortvalue_input(name, val)
         io.bind_output("logits", "cpu")
-        for i, name in enumerate(self.present_names):
-            if kv_out is None:
-                io.bind_output(name, self.device, self.config.device_id)
-            else:
-                io.bind_ortvalue_output(name, kv_out[i])
+        for name in self.present_names:
+            io.bind_output(name, self.device, self.config.device_id)
         sess.run_with_iobinding(io)
         outs = io.get_outputs()
-        return self.select(outs[0].numpy(), positions), (list(outs[1:]) if kv_out is None else kv_out)
+        return self.select(outs[0].numpy(), positions), list(outs[1:])
 
     # --- slot rows ------------------------------------------------------------------------------------------
     def slot_values(self, slots: int, capacity: int) -> list[Any]:
@@ -208,20 +188,19 @@ class OrtDecoderSession(DecoderSession):
         kvh, hd = self.kv_shape
         return kvh * capacity * hd * (4 if self.kv_dtype == "float32" else 2)
 
-    def copy_rows(self, values: list[Any], src: int, dst: int, n: int, capacity: int) -> None:
+    def copy_rows(self, values: list[Any], src: int, into: list[Any], dst: int, n: int, capacity: int) -> None:
         """CUDA: one 2-D device-to-device copy per buffer (``kv_heads`` runs of ``n`` positions), complete before the
         next pass runs (rows in host memory are copied by the slot cache itself)."""
         if self.device == "cpu":
-            return super().copy_rows(values, src, dst, n, capacity)  # refused: no device copy to make
+            raise EngineLoadError("the CPU provider's rows are host memory: the slot cache copies them")
         from trtinfer.runtime import cuda  # cuda-python: the GPU extra's, never imported on the CPU path
 
         row = self.kv_row_bytes(capacity)
         pitch = row // self.kv_shape[0]
         cuda.set_device(self.config.device_id)
-        for val in values:
-            base = val.data_ptr()
-            cuda.copy_2d_on_device(base + dst * row, pitch, base + src * row, pitch, n * (pitch // capacity),
-                                   self.kv_shape[0])
+        for val, out in zip(values, into):
+            cuda.copy_2d_on_device(out.data_ptr() + dst * row, pitch, val.data_ptr() + src * row, pitch,
+                                   n * (pitch // capacity), self.kv_shape[0])
 
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
                  positions: np.ndarray, staging: Any, bindings: dict[Any, Any] | None = None) -> np.ndarray:
@@ -261,59 +240,3 @@ class OrtDecoderSession(DecoderSession):
         io.bind_output("logits", "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data)
         sess.run_with_iobinding(io)
         return logits
-
-    # --- interface ------------------------------------------------------------------------------------------
-    def prefill(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:
-        # this generation's own host buffers, handed on through its caches
-        return self.layout.prefill(prompts, capacity, self.new_staging())
-
-    def decode(self, tokens: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
-        if tokens.shape[0] != kv.batch:
-            raise InputError(f"decode got {tokens.shape[0]} tokens for a cache of {kv.batch} rows")
-        return self.layout.decode(tokens, kv)
-
-    def run_chunk(self, tokens: Sequence[int], kv: KVCache | None, capacity: int,
-                  positions: Sequence[int] | None = None) -> tuple[np.ndarray, KVCache]:
-        self.check_can_score()
-        n = len(tokens)
-        if kv is not None and kv.batch != 1:
-            raise InputError(f"run_chunk continues one sequence; the cache holds {kv.batch} rows")
-        want = (np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, np.int64))[None, :]
-        if n == 0 or want.size == 0 or want.min() < 0 or want.max() >= n:
-            raise InputError(f"run_chunk needs at least one token and positions inside the chunk of {n}, "
-                             f"got {want[0].tolist()[:8]}")
-        staging = self.new_staging() if kv is None else kv.staging  # one sequence = one generation
-        return self.layout.chunk([int(t) for t in tokens], kv, capacity, want, staging)
-
-    def copy_cache(self, kv: KVCache) -> KVCache:
-        """A copy through the row-selection graph (a Gather on the device), or, for a stage's graph on the CPU
-        (no such graph), a numpy copy; the copy gets its own host staging."""
-        if self.select_sess is not None:
-            copied = self.select_rows(kv, list(range(kv.batch)))
-        elif self.device == "cpu":
-            copied = KVCache([self.kv_value_from(v.numpy().copy()) for v in kv.values], kv.lengths, kv.mask,
-                             kv.capacity)
-        else:
-            raise EngineLoadError(f"{self.engine_dir} has no kv_select graph to copy a cache on the device; "
-                                  "use an engine directory (trtinfer build)")
-        return KVCache(copied.values, kv.lengths.copy(), None if kv.mask is None else kv.mask.copy(), kv.capacity,
-                       staging=self.new_staging())
-
-    def truncate_cache(self, kv: KVCache, n: int) -> KVCache:
-        if kv.batch != 1 or not 0 < n <= int(kv.lengths[0]):
-            raise InputError(f"truncate_cache: a one-row cache of {int(kv.lengths[0])} tokens cannot keep {n}")
-        return self.layout.truncate(kv, n)
-
-    def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
-        if self.select_sess is None:
-            raise EngineLoadError(f"{self.engine_dir} has no kv_select graph: it runs one sequence at a time")
-        io = self.select_sess.io_binding()
-        self.bind_host_input(io, "rows", np.asarray(rows, dtype=np.int64), kv.staging)
-        for i, val in enumerate(kv.values):
-            io.bind_ortvalue_input(f"kv.{i}", val)
-            io.bind_output(f"out.{i}", self.device, self.config.device_id)
-        self.select_sess.run_with_iobinding(io)
-        idx = list(rows)
-        return KVCache(list(io.get_outputs()), kv.lengths[idx], None if kv.mask is None else kv.mask[idx],
-                       kv.capacity, staging=kv.staging)

@@ -21,6 +21,7 @@ from trtinfer.errors import InputError
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.probes import log_softmax
 from trtinfer.runtime.session import DecoderSession
+from trtinfer.runtime.slots import SlotCache
 
 log = logging.getLogger(__name__)
 
@@ -105,19 +106,22 @@ def sequence_logprobs(session: DecoderSession, ids: Sequence[int], first: int = 
     n = len(ids)
     chunk = chunk or chunk_tokens(int(session.manifest.geometry["vocab_size"]))
     logprobs, argmax = np.empty(n - first, np.float32), np.empty(n - first, np.int64)
-    kv = None
     fed = n - 1  # the last token's logits would predict nothing
-    for c0 in range(0, fed, chunk):
-        c1 = min(c0 + chunk, fed)
-        wanted = range(max(c0, first - 1), c1)  # logits at position p predict token p + 1
-        positions = [p - c0 for p in wanted] or [c1 - c0 - 1]  # a context-only chunk still returns one row
-        logits, kv = session.run_chunk(ids[c0:c1], kv, fed, positions)
-        if not wanted:
-            continue
-        targets = np.asarray(ids[wanted.start + 1:wanted.stop + 1], dtype=np.int64)
-        lp, top = log_softmax_at(logits, targets)
-        logprobs[wanted.start + 1 - first:wanted.stop + 1 - first] = lp
-        argmax[wanted.start + 1 - first:wanted.stop + 1 - first] = top
+    cache = SlotCache(session, 1, fed, reserve=False)
+    try:
+        for c0 in range(0, fed, chunk):
+            c1 = min(c0 + chunk, fed)
+            wanted = range(max(c0, first - 1), c1)  # logits at position p predict token p + 1
+            positions = [p - c0 for p in wanted] or [c1 - c0 - 1]  # a context-only chunk still returns one row
+            logits = cache.feed(0, ids[c0:c1], positions)
+            if not wanted:
+                continue
+            targets = np.asarray(ids[wanted.start + 1:wanted.stop + 1], dtype=np.int64)
+            lp, top = log_softmax_at(logits, targets)
+            logprobs[wanted.start + 1 - first:wanted.stop + 1 - first] = lp
+            argmax[wanted.start + 1 - first:wanted.stop + 1 - first] = top
+    finally:
+        cache.close()
     return logprobs, argmax
 
 

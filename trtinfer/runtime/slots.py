@@ -18,7 +18,6 @@ lands in the position its next write overwrites, and its logits are ignored.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 from collections.abc import Sequence
 from typing import Any
@@ -68,8 +67,8 @@ class SlotCache:
             for val in self.values:
                 ctypes.memset(session.row_pointer(val), 0, self._row_bytes * slots)
         self.index = PrefixIndex(slots)  # the tokens each row's KV holds: the one record of each row's length
-        self._staging = session.new_staging()  # this cache's host input buffers (CUDA), reused step to step
-        self._bindings: dict[Any, Any] = {}  # the session's bindings of this cache's row ranges, reused step to step
+        self.staging = session.new_staging()  # this cache's host input buffers (CUDA), reused pass to pass
+        self._bindings: dict[Any, Any] = {}  # the session's bindings of this cache's row ranges, reused pass to pass
 
     @property
     def lengths(self) -> np.ndarray:
@@ -106,7 +105,7 @@ class SlotCache:
                 st = int(starts[r])
                 host[r, :, past - st:] = v[r, :, :st]
             kv_in.append(s.kv_value_from(host.view(kv)))
-        logits, present = s.run_bound(feeds, kv_in, None, positions, self._staging)
+        logits, present = s.run_bound(feeds, kv_in, positions, self.staging)
         real = feeds["attention_mask"][:, past:].sum(axis=1)
         for view, val in zip(views, present):
             new = val.numpy().view(np.uint8)[:, :, past:]
@@ -120,21 +119,28 @@ class SlotCache:
         if not self.layout.in_place:
             return self._run_gathered(feeds, first_row, rows, positions)
         return self.session.run_rows(feeds, self.values, first_row, rows, self.capacity,  # type: ignore[no-any-return]
-                                     positions, self._staging, self._bindings)
+                                     positions, self.staging, self._bindings)
 
-    def prefill(self, slot: int, tokens: Sequence[int], every: bool = False) -> np.ndarray:
-        """Feed the next ``tokens`` of slot ``slot``'s sequence (one batch-1 call); logits ``[V]`` after the last,
-        or with ``every`` ``[len(tokens), V]`` after each (a draft's verification)."""
+    def feed(self, slot: int, tokens: Sequence[int], want: Sequence[int]) -> np.ndarray:
+        """The next ``tokens`` of slot ``slot``'s sequence (one batch-1 call bound to its row); logits
+        ``[len(want), V]`` at the chunk's positions ``want`` (position ``j`` predicts the token after
+        ``tokens[j]``)."""
         start, n = self.length(slot), len(tokens)
         if n == 0 or start + n > self.capacity:
             raise InputError(f"slot {slot} holds {start} of {self.capacity} positions; {n} more tokens do not fit")
         feeds = self.layout.buffer_feeds(np.asarray(tokens, dtype=np.int64)[None, :], np.array([start], np.int64),
                                          np.array([n], np.int64))
-        want = np.arange(n, dtype=np.int64)[None, :] if every else np.array([[n - 1]], dtype=np.int64)
-        with self.session.decoder_graph() if every else contextlib.nullcontext():  # a draft scores as decode steps
-            logits = self._run(feeds, slot, 1, want)
+        logits = self._run(feeds, slot, 1, np.asarray(want, dtype=np.int64)[None, :])
         self.index.extend(slot, tokens)
-        return logits[0] if every else logits[0, -1]
+        return logits[0]  # type: ignore[no-any-return]
+
+    def prefill(self, slot: int, tokens: Sequence[int], every: bool = False) -> np.ndarray:
+        """:meth:`feed`: logits ``[V]`` after the last token, or with ``every`` ``[len(tokens), V]`` after each (a
+        draft's verification, scored on the decoder graph as the decode steps it stands for)."""
+        if not every:
+            return self.feed(slot, tokens, [len(tokens) - 1])[-1]
+        with self.session.decoder_graph():
+            return self.feed(slot, tokens, range(len(tokens)))
 
     def prefill_rows(self, first: int, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Prompts into the empty rows ``first .. first + len(prompts) - 1`` as ONE call (right-padded); each row's
@@ -159,7 +165,7 @@ class SlotCache:
         """
         rows = max(tokens) + 1
         lengths = self.lengths[:rows]
-        if any(int(lengths[s]) + 1 > self.capacity for s in tokens):
+        if int(lengths.max()) + 1 > self.capacity:  # a row not fed gets a dummy token at its length: it must fit too
             raise InputError(f"a slot would hold more than its {self.capacity} positions")
         ids = np.zeros((rows, 1), dtype=np.int64)
         for s, t in tokens.items():
@@ -192,25 +198,25 @@ class SlotCache:
         (a last-position-only graph reads the padded call's last column, so its rows prefill one by one)."""
         return bool(self.session.logits_every_position)
 
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Slot ``dst`` gets the KV of slot ``src``'s first ``n`` tokens (and holds nothing after them): in host
-        memory where the rows are there (the CPU provider, or rows kept on the host), else by the session on its
-        device."""
+    def copy_prefix(self, src: int, dst: int, n: int, into: SlotCache | None = None) -> None:
+        """Slot ``dst`` (of ``into``, default this cache; same session and capacity) gets the KV of slot ``src``'s
+        first ``n`` tokens and holds nothing after them: in host memory where the rows are there (the CPU provider, or
+        rows kept on the host), else by the session on its device."""
+        target = self if into is None else into
         held = self.length(src)
-        if src == dst or not 0 < n <= held:
+        if (target is self and src == dst) or not 0 < n <= held or target.capacity != self.capacity:
             raise InputError(f"cannot copy {n} tokens of slot {src} (holding {held}) to slot {dst}")
         if self.host_rows or self.session.device == "cpu":
-            for val in self.values:  # the bytes, copied as they are
-                rows = self._rows(val)
-                rows[dst, :, :n] = rows[src, :, :n]
+            for val, out in zip(self.values, target.values):  # the bytes, copied as they are
+                target._rows(out)[dst, :, :n] = self._rows(val)[src, :, :n]
         else:
-            self.session.copy_rows(self.values, src, dst, n, self.capacity)
-        self.index.cut(dst, 0)
-        self.index.extend(dst, self.index.tokens[src][:n])
+            self.session.copy_rows(self.values, src, target.values, dst, n, self.capacity)
+        target.index.cut(dst, 0)
+        target.index.extend(dst, self.index.tokens[src][:n])
 
     def close(self) -> None:
         """Drop the buffers (and the host staging)."""
         self.values = []
         self._bindings.clear()
-        if self._staging is not None:
-            self._staging.release()
+        if self.staging is not None:
+            self.staging.release()

@@ -1,21 +1,21 @@
 """The TensorRT session: a serialized engine driven through execution contexts, device buffers and one CUDA stream.
 
-Behind the same :class:`~trtinfer.runtime.session.DecoderSession` interface as ONNX Runtime, so the generator does
-not change. Each TensorRT call names the documented Python API method (TensorRT 10 Python API reference)::
+Behind the same :class:`~trtinfer.runtime.session.DecoderSession` interface as ONNX Runtime, so the slot cache (and
+everything on it) does not change. Each TensorRT call names the documented Python API method (TensorRT 10 Python API reference)::
 
     load      Runtime(logger).deserialize_cuda_engine(plan); engine.num_optimization_profiles;
               create_execution_context() per profile + set_optimization_profile_async(i, stream)
     a step    set_input_shape(name, shape) and set_tensor_address(name, ptr) for every I/O tensor;
-              execute_async_v3(stream) after host-to-device copies from pinned buffers; device-to-host copies of
-              greedy ids (and logits only when asked) into pinned buffers; one stream synchronize
-    KV        ``scatter_buffer`` layout: per generation one zeroed device buffer [B,KV,max_seq,D] per past tensor,
+              execute_async_v3(stream) after host-to-device copies from pinned buffers; the logits' device-to-host
+              copy into a pinned buffer; one stream synchronize
+    KV        ``scatter_buffer`` layout: per slot cache one zeroed device buffer [S,KV,max_seq,D] per past tensor,
               bound as both ``past_key_values.*`` and its ``present.*`` (TensorRT's KV-cache update layer writes in
               place and requires that aliasing: ``ICudaEngine.get_aliased_input_tensor``); never copied to the host
     graphs    optional CUDA graph of a decode step (RuntimeConfig.cuda_graphs): captured after one ordinary step of
               the same shapes, replayed with one launch while batch and buffers stay the same
 
-Each generation's host/device I/O buffers live in its :class:`_Staging` (carried by its KVCache), so generations
-never share them. One stream per session: steps of concurrent generations on one session are serialized by a lock.
+Each slot cache's host/device I/O buffers live in its own :class:`_Staging`, so caches never share them. One stream
+per session: passes of concurrent caches on one session are serialized by a lock.
 
 Not executed in this repository (TensorRT cannot be installed on our machines; README "what is verified where"):
 type-checked against tensorrt-stubs, feed planning shared with tests on CPU.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +33,8 @@ from trtinfer.artifact import Manifest
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, InputError
 from trtinfer.runtime import cuda
 from trtinfer.runtime.config import RuntimeConfig
-from trtinfer.runtime.kv_feeds import chunk_feeds, decode_feeds, prefill_feeds
 from trtinfer.runtime.kv_layouts import kv_layout
-from trtinfer.runtime.session import LOGITS_POSITIONS, DecoderSession, KVCache, register_backend
+from trtinfer.runtime.session import LOGITS_POSITIONS, DecoderSession, register_backend
 from trtinfer.runtime.trt_plan import DTYPE_BYTES, ProfilePlan, check_compatible, select_profile
 
 if TYPE_CHECKING:
@@ -74,8 +72,8 @@ def import_tensorrt(who: str = "this TensorRT engine") -> Any:
 
 
 class _Staging:
-    """One generation's I/O buffers: a pinned host buffer and a device buffer per input, device buffers per output,
-    pinned buffers for what comes back; grown on demand, reused by every step of the generation (fixed addresses,
+    """One slot cache's I/O buffers: a pinned host buffer and a device buffer per input, device buffers per output,
+    pinned buffers for what comes back; grown on demand, reused by every pass of the cache (fixed addresses,
     which CUDA graph replay needs)."""
 
     def __init__(self, stream: cuda.Stream) -> None:
@@ -124,7 +122,7 @@ class _Staging:
         self.close()
 
     def close(self) -> None:
-        """Free every buffer of this generation."""
+        """Free every buffer of this cache."""
         self.drop_graph()
         for h in self.host.values():
             h.free()
@@ -132,13 +130,6 @@ class _Staging:
             d.free()
         self.host.clear()
         self.device.clear()
-
-
-class _Rows:
-    """Rows of a slot buffer, from ``ptr``: what :meth:`TrtDecoderSession._run` binds (it reads ``.ptr`` only)."""
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
 
 
 @register_backend("tensorrt")
@@ -190,8 +181,7 @@ class TrtDecoderSession(DecoderSession):
         self._lock = threading.Lock()
         self.device = "cuda"
         self.scatter_capacity = self.capacity  # the graph's fixed KV slot count
-        # the scheduler's slot cache takes the scatter layout's feeds for rows kept in buffers (buffer_feeds); this
-        # session's own prefill/decode/chunk make theirs with kv_feeds
+        # a slot cache takes the scatter layout's feeds for its rows (buffer_feeds)
         self.layout = kv_layout("scatter_buffer", self)  # type: ignore[arg-type]
 
     def _check_aliases(self) -> None:
@@ -206,19 +196,19 @@ class TrtDecoderSession(DecoderSession):
                                       "rebuild it with the current trtinfer")
 
     def close(self) -> None:
-        """Release the contexts and the stream (generations free their own buffers; the engine goes with the object)."""
+        """Release the contexts and the stream (slot caches free their own buffers; the engine goes with the object)."""
         self.contexts.clear()
         self.stream.close()
 
-    # --- one step ---------------------------------------------------------------------------------------------
-    def _run(self, feeds: dict[str, np.ndarray], kv: KVCache, want_logits: bool) -> tuple[np.ndarray | None, np.ndarray]:
-        """One forward pass on the KV buffers of ``kv``; returns (logits [B,K,V] or None, greedy ids [B,K])."""
-        st: _Staging = kv.staging
+    # --- one pass --------------------------------------------------------------------------------------------
+    def _run(self, feeds: dict[str, np.ndarray], rows: list[int], st: _Staging) -> np.ndarray:
+        """One forward pass on the KV rows starting at device addresses ``rows`` (one per past tensor); logits
+        ``[B,K,V]`` as float32. Call under the session's lock."""
         cuda.set_device(self.config.device_id)  # the CUDA runtime's current device is per thread
         b, k = feeds[LOGITS_POSITIONS].shape
         shapes = {n: tuple(a.shape) for n, a in feeds.items()}
         ctx = self.contexts[select_profile(self.plan, shapes)]
-        key = (id(ctx), b, k, want_logits, tuple(v.ptr for v in kv.values))
+        key = (id(ctx), b, k, tuple(rows))
         graphable = self.config.cuda_graphs and k == 1 and shapes["input_ids"][1] == 1  # decode steps only
         replay = graphable and st.graph_key == key and st.graph is not None
         if replay:
@@ -228,105 +218,43 @@ class TrtDecoderSession(DecoderSession):
             st.graph.launch()
         else:
             capture = graphable and st.graph_key == key  # the second step of these shapes: the first warmed up
-            self._bind(ctx, feeds, kv, st, b, k, want_logits)
+            self._bind(ctx, feeds, rows, st, b, k)
             if capture:
                 st.drop_graph()  # a graph of other shapes captured before: freed, not leaked
                 st.graph = cuda.CudaGraph(self.stream)
                 st.graph.begin()
-            self._enqueue(ctx, feeds, st, b, k, want_logits)
+            self._enqueue(ctx, feeds, st, b, k)
             if capture:
                 assert st.graph is not None
                 st.graph.end()
                 st.graph.launch()
             st.graph_key = key
-        ids = st.host[GREEDY].view((b, k, 1), np.int32)
-        logits = st.host["logits"].view((b, k, self._vocab), self._logits_dtype) if want_logits else None
+        logits = st.host["logits"].view((b, k, self._vocab), self._logits_dtype)
         self.stream.synchronize()
-        return (None if logits is None else logits.astype(np.float32)), ids[:, :, 0].astype(np.int64)
+        return logits.astype(np.float32)
 
-    def _bind(self, ctx: trt.IExecutionContext, feeds: dict[str, np.ndarray], kv: KVCache, st: _Staging, b: int, k: int,
-              want_logits: bool) -> None:
+    def _bind(self, ctx: trt.IExecutionContext, feeds: dict[str, np.ndarray], rows: list[int], st: _Staging, b: int,
+              k: int) -> None:
         """set_input_shape / set_tensor_address for every I/O tensor of this step."""
         for name, arr in feeds.items():
             st.out(name, arr.nbytes, host=True)
             ctx.set_input_shape(name, arr.shape)
             ctx.set_tensor_address(name, st.device[name].ptr)
-        for past, present, buf in zip(self.past_names, self.present_names, kv.values):
+        for past, present, ptr in zip(self.past_names, self.present_names, rows):
             ctx.set_input_shape(past, (b, *self._kv_shape))
-            ctx.set_tensor_address(past, buf.ptr)
-            ctx.set_tensor_address(present, buf.ptr)  # aliased: the update layer writes in place
+            ctx.set_tensor_address(past, ptr)
+            ctx.set_tensor_address(present, ptr)  # aliased: the update layer writes in place
         logits_bytes = b * k * self._vocab * np.dtype(self._logits_dtype).itemsize
-        ctx.set_tensor_address("logits", st.out("logits", logits_bytes, host=want_logits))
-        ctx.set_tensor_address(GREEDY, st.out(GREEDY, b * k * 4, host=True))
+        ctx.set_tensor_address("logits", st.out("logits", logits_bytes, host=True))
+        ctx.set_tensor_address(GREEDY, st.out(GREEDY, b * k * 4, host=False))  # the graph's output, unread here
 
-    def _enqueue(self, ctx: trt.IExecutionContext, feeds: dict[str, np.ndarray], st: _Staging, b: int, k: int,
-                 want_logits: bool) -> None:
-        """Copies in, execute_async_v3, copies out: all queued on the session's stream."""
+    def _enqueue(self, ctx: trt.IExecutionContext, feeds: dict[str, np.ndarray], st: _Staging, b: int, k: int) -> None:
+        """Copies in, execute_async_v3, the logits copied out: all queued on the session's stream."""
         for name, arr in feeds.items():
             st.put(name, arr)
         if not ctx.execute_async_v3(self.stream.handle):
             raise cuda.CudaError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
-        st.fetch(GREEDY, (b, k, 1), np.int32)
-        if want_logits:
-            st.fetch("logits", (b, k, self._vocab), self._logits_dtype)
-
-    # --- the session interface --------------------------------------------------------------------------------
-    def _new_cache(self, batch: int, lengths: np.ndarray) -> KVCache:
-        cuda.set_device(self.config.device_id)
-        bufs = [cuda.DeviceBuffer(batch * self._kv_bytes_per_row) for _ in self.past_names]
-        for buf in bufs:  # zeros: masked slots are multiplied by 0 in attention, never NaN * 0
-            buf.zero(self.stream)
-        return KVCache(bufs, lengths, capacity=self.capacity, staging=_Staging(self.stream))
-
-    def _prefill(self, prompts: Sequence[Sequence[int]], logits: bool) -> tuple[np.ndarray | None, np.ndarray, KVCache]:
-        feeds, lengths = prefill_feeds(prompts, self.pad_token_id, self.capacity)
-        with self._lock:
-            kv = self._new_cache(len(prompts), lengths)
-            out, ids = self._run(feeds, kv, logits)
-        return (None if out is None else out[:, -1, :]), ids[:, -1], kv
-
-    def _decode(self, tokens: np.ndarray, kv: KVCache, logits: bool) -> tuple[np.ndarray | None, np.ndarray, KVCache]:
-        feeds = decode_feeds(tokens, kv.lengths, self.capacity)
-        with self._lock:
-            out, ids = self._run(feeds, kv, logits)
-        new = KVCache(kv.values, kv.lengths + 1, capacity=self.capacity, staging=kv.staging)
-        return (None if out is None else out[:, -1, :]), ids[:, -1], new
-
-    def prefill(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:
-        out, _, kv = self._prefill(prompts, logits=True)
-        assert out is not None
-        return out, kv
-
-    def decode(self, tokens: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
-        out, _, new = self._decode(tokens, kv, logits=True)
-        assert out is not None
-        return out, new
-
-    def prefill_greedy(self, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[np.ndarray, KVCache]:
-        """Greedy ids picked on the device (the engine's ``greedy_ids`` output); the logits stay there."""
-        _, ids, kv = self._prefill(prompts, logits=False)
-        return ids, kv
-
-    def decode_greedy(self, tokens: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
-        """Greedy ids picked on the device; only ``B`` token ids are copied back."""
-        _, ids, new = self._decode(tokens, kv, logits=False)
-        return ids, new
-
-    def run_chunk(self, tokens: Sequence[int], kv: KVCache | None, capacity: int,
-                  positions: Sequence[int] | None = None) -> tuple[np.ndarray, KVCache]:
-        if kv is not None and kv.batch != 1:
-            raise InputError(f"run_chunk continues one sequence; the cache holds {kv.batch} rows")
-        start = 0 if kv is None else int(kv.lengths[0])
-        n = len(tokens)
-        want = np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, np.int64)
-        feeds = chunk_feeds(tokens, start, want, self.capacity)
-        with self._lock:
-            if kv is None:
-                kv = self._new_cache(1, np.zeros(1, np.int64))
-            out, _ = self._run(feeds, kv, True)
-        assert out is not None
-        return out[0], KVCache(kv.values, np.array([start + n], np.int64), capacity=self.capacity,
-                               staging=kv.staging)
+        st.fetch("logits", (b, k, self._vocab), self._logits_dtype)
 
     # --- slot rows (the scheduler's KV cache): statically checked only, TensorRT cannot run here --------------
     def new_staging(self) -> _Staging:
@@ -351,15 +279,15 @@ class TrtDecoderSession(DecoderSession):
     def row_pointer(value: Any) -> int:
         return int(value.ptr)
 
-    def copy_rows(self, values: list[Any], src: int, dst: int, n: int, capacity: int) -> None:
+    def copy_rows(self, values: list[Any], src: int, into: list[Any], dst: int, n: int, capacity: int) -> None:
         """One 2-D device copy per buffer (``kv_heads`` runs of ``n`` positions) on the session's stream."""
         kvh, cap, _ = self._kv_shape
         row = self._kv_bytes_per_row
         pitch = row // kvh
         with self._lock:
             cuda.set_device(self.config.device_id)
-            for val in values:
-                cuda.copy_2d_on_device(int(val.ptr) + dst * row, pitch, int(val.ptr) + src * row, pitch,
+            for val, out in zip(values, into):
+                cuda.copy_2d_on_device(int(out.ptr) + dst * row, pitch, int(val.ptr) + src * row, pitch,
                                        n * (pitch // cap), kvh, self.stream)
             self.stream.synchronize()
 
@@ -367,46 +295,8 @@ class TrtDecoderSession(DecoderSession):
                  positions: np.ndarray, staging: Any,
                  bindings: dict[Any, Any] | None = None) -> np.ndarray:
         """Rows ``first_row..`` of the slot buffers bound by address (a row's ``[KV, capacity, D]`` block is
-        contiguous), as the generation's own buffers are; a decode step of the same rows replays its CUDA graph."""
-        views = [_Rows(int(v.ptr) + first_row * self._kv_bytes_per_row) for v in values]
-        kv = KVCache(views, np.zeros(rows, np.int64), capacity=self.capacity, staging=staging)
+        contiguous); a decode step of the same rows replays its CUDA graph."""
+        ptrs = [int(v.ptr) + first_row * self._kv_bytes_per_row for v in values]
         want = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
         with self._lock:
-            logits, _ = self._run(want, kv, True)
-        assert logits is not None
-        return logits
-
-    def copy_cache(self, kv: KVCache) -> KVCache:
-        """Device-to-device copies of the KV buffers; the copy gets its own staging."""
-        with self._lock:
-            cuda.set_device(self.config.device_id)
-            bufs = []
-            for old in kv.values:
-                new = cuda.DeviceBuffer(old.nbytes)
-                cuda.copy_on_device(new.ptr, old.ptr, old.nbytes, self.stream)
-                bufs.append(new)
-            self.stream.synchronize()
-        return KVCache(bufs, kv.lengths.copy(), capacity=self.capacity, staging=_Staging(self.stream))
-
-    def truncate_cache(self, kv: KVCache, n: int) -> KVCache:
-        """Only the length changes: slots past ``n`` are masked by position, then overwritten."""
-        if kv.batch != 1 or not 0 < n <= int(kv.lengths[0]):
-            raise InputError(f"truncate_cache: a one-row cache of {int(kv.lengths[0])} tokens cannot keep {n}")
-        return KVCache(kv.values, np.array([n], np.int64), capacity=self.capacity, staging=kv.staging)
-
-    def select_rows(self, kv: KVCache, rows: Sequence[int]) -> KVCache:
-        with self._lock:
-            cuda.set_device(self.config.device_id)
-            bufs = []
-            for old in kv.values:
-                new = cuda.DeviceBuffer(len(rows) * self._kv_bytes_per_row)
-                for dst, src in enumerate(rows):  # a row's [KV, max_seq, D] block is contiguous
-                    cuda.copy_on_device(new.ptr + dst * self._kv_bytes_per_row,
-                                        old.ptr + int(src) * self._kv_bytes_per_row, self._kv_bytes_per_row,
-                                        self.stream)
-                bufs.append(new)
-            self.stream.synchronize()
-            for old in kv.values:
-                old.free()
-        kv.staging.drop_graph()  # the batch changed: the captured decode graph no longer fits
-        return KVCache(bufs, kv.lengths[list(rows)], capacity=self.capacity, staging=kv.staging)
+            return self._run(want, ptrs, staging)
