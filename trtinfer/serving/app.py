@@ -20,7 +20,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trtinfer.errors import InputError, QueueFullError, TrtInferError
 from trtinfer.runtime.engine import Engine
@@ -44,11 +45,6 @@ from trtinfer.serving.handler import Handler, status_of
 from trtinfer.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 #: routes open without the API key (a load balancer's probe carries no key)
 OPEN_PATHS = frozenset({"/health"})
@@ -84,7 +80,7 @@ class Service:
         self.model_name = config.model_name or path.resolve().name
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
-        self._token_text: Callable[[int], str] = str
+        self.token_text: Callable[[int], str] = str  # a token's text alone (special tokens shown), for logprobs
         self.error: BaseException | None = None
         self.created = P.now()
         self.on_failure: list[Callable[[BaseException], None]] = []
@@ -132,7 +128,7 @@ class Service:
                 fn(e)
             return
         tok = engine.tokenizer
-        self._token_text = lru_cache(maxsize=1 << 16)(lambda i: tok.decode([i], skip_special_tokens=False))
+        self.token_text = lru_cache(maxsize=1 << 16)(lambda i: tok.decode([i], skip_special_tokens=False))
         with self._lock:
             self.engine, self.scheduler = engine, scheduler
             closing = self._closing
@@ -161,10 +157,6 @@ class Service:
     def _finished(self, req: Submitted, last: Event) -> None:
         for fn in self.on_finish:
             fn(req, last)
-
-    def token_text(self, token_id: int) -> str:
-        """A token's text alone (special tokens shown), as logprobs name tokens."""
-        return self._token_text(token_id)
 
     def stats(self) -> dict[str, Any] | None:
         """The scheduler's stats, or None while loading."""
@@ -209,7 +201,7 @@ class _Gate:
     as well as one that declares its size.
     """
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], api_key: str | None,
+    def __init__(self, app: ASGIApp, api_key: str | None,
                  max_body: int) -> None:
         self.app, self.max_body = app, max_body
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()

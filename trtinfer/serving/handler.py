@@ -8,7 +8,7 @@ import dataclasses
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
@@ -98,7 +98,7 @@ async def _first_or_gone(work: asyncio.Future[Any], request: Request) -> bool:
 class _EventStream(StreamingResponse):
     """Server-sent events that cancel their requests however the response ends (done, error, client gone)."""
 
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, body: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._body, self._on_close = body, on_close
@@ -108,9 +108,7 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-            aclose = getattr(self._body, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await self._body.aclose()
 
 
 class Handler:
@@ -136,8 +134,8 @@ class Handler:
             raise P.BadRequest("this tool_choice makes the answer a tool call; drop response_format (or use "
                                "tool_choice auto)", param="response_format")
         prompts = await run_in_threadpool(_encode, engine, req, self.service.chat_template, tool_plan.tools)
-        max_seq_len = self.service.scheduler.max_seq_len if self.service.scheduler else engine.manifest.max_seq_len
-        cfgs = [P.generation_config(req, engine.generation_defaults, prompt_len=len(ids), max_seq_len=max_seq_len,
+        cfgs = [P.generation_config(req, engine.generation_defaults, prompt_len=len(ids),
+                                    max_seq_len=scheduler.max_seq_len,
                                     default_max_tokens=None if chat else 16,
                                     defaults_set=engine.generation_defaults_set) for ids in prompts]
         if tool_plan.response_format is not None:  # a call is required: the output is one, by grammar
@@ -159,7 +157,6 @@ class Handler:
             for r in submitted:
                 r.cancel()
             raise
-        rid = P.new_id("chatcmpl" if chat else "cmpl")
         prompt_tokens = sum(len(ids) for ids in prompts)
         text_of = self.service.token_text
         if req.stream:
@@ -167,7 +164,8 @@ class Handler:
             usage: Literal["last", "continuous"] | None = None
             if opts is not None and opts.include_usage:  # vLLM: continuous_usage_stats only with include_usage
                 usage = "continuous" if opts.continuous_usage_stats else "last"
-            body = self._events(submitted, rid, chat, prompt_tokens, usage, text_of, tool_plan.parse)
+            body = self._events(submitted, P.new_id("chatcmpl" if chat else "cmpl"), chat, prompt_tokens, usage,
+                                text_of, tool_plan.parse)
             return _EventStream(body, lambda: self._cancel(submitted))
         collect = asyncio.ensure_future(self._collect(submitted))
         try:
@@ -187,8 +185,7 @@ class Handler:
                 parsed = T.parse(c.text)
                 if parsed.calls:
                     c.text, c.tool_calls, c.finish_reason = parsed.content or "", parsed.calls, "tool_calls"
-        build = P.chat_response if chat else P.completion_response
-        return JSONResponse(build(rid, self.service.model_name, choices, prompt_tokens, text_of))
+        return JSONResponse(P.response(chat, self.service.model_name, choices, prompt_tokens, text_of))
 
     async def _beams(self, scheduler: Scheduler, prompts: list[list[int]], cfgs: list[GenerationConfig], chat: bool,
                      request: Request) -> Response:
@@ -215,10 +212,8 @@ class Handler:
             return Response(status_code=499)
         results = work.result()
         choices = [P.Choice(i, r.text, r.finish_reason, r.stop_reason, r.token_ids, None) for i, r in enumerate(results)]
-        build = P.chat_response if chat else P.completion_response
-        rid = P.new_id("chatcmpl" if chat else "cmpl")
-        return JSONResponse(build(rid, self.service.model_name, choices, sum(map(len, prompts)),
-                                  self.service.token_text))
+        return JSONResponse(P.response(chat, self.service.model_name, choices, sum(map(len, prompts)),
+                                       self.service.token_text))
 
     async def _collect(self, requests: list[Submitted]) -> list[_Streamed]:
         out = [_Streamed() for _ in requests]
@@ -247,7 +242,7 @@ class Handler:
 
     async def _events(self, requests: list[Submitted], rid: str, chat: bool, prompt_tokens: int,
                       usage: Literal["last", "continuous"] | None,
-                      text_of: Callable[[int], str], tools: bool = False) -> AsyncIterator[str]:
+                      text_of: Callable[[int], str], tools: bool = False) -> AsyncGenerator[str, None]:
         """The SSE body: a chunk per event that carries something, the usage chunk if asked, then ``[DONE]``.
 
         ``usage``: None, none; ``"last"``: a last chunk with the usage (``include_usage``); ``"continuous"``: that,
@@ -263,8 +258,9 @@ class Handler:
         states = [_Streamed() for _ in requests]
         filters = [T.StreamFilter() for _ in requests] if tools else None
 
-        def sse(choices: list[dict[str, Any]]) -> str:
-            so_far = P.usage(prompt_tokens, sum(len(s.token_ids) for s in states)) if usage == "continuous" else None
+        def sse(choices: list[dict[str, Any]], last: bool = False) -> str:
+            so_far = P.usage(prompt_tokens, sum(len(s.token_ids) for s in states)) \
+                if usage == "continuous" or last else None
             data = P.chunk(kind, rid, model, created, choices, so_far, usage is not None)
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -300,9 +296,7 @@ class Handler:
                     choice["stop_reason"] = s.stop_reason
                 yield sse([choice])
             if usage is not None:
-                used = P.usage(prompt_tokens, sum(len(s.token_ids) for s in states))
-                data = P.chunk(kind, rid, model, created, [], used, True)
-                yield f"data: {json.dumps(data)}\n\n"
+                yield sse([], last=True)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the stream has begun: the error goes as an event, then the end

@@ -43,32 +43,26 @@ class _SchedulerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self.stats() or {}
         names, values = list(self.labels), list(self.labels.values())
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, value)
-            return c
-
         total = s.get("slots_total") or 0
-        yield gauge("trtinfer:num_requests_running", "Requests holding a batch slot.", s.get("running", 0))
-        yield gauge("trtinfer:num_requests_waiting", "Requests queued for a batch slot.", s.get("waiting", 0))
-        yield gauge("trtinfer:kv_cache_usage_perc", "Fraction of KV cache slots in use (1 = full).",
-                    (s.get("slots_used", 0) / total) if total else 0.0)
-        yield counter("trtinfer:prompt_tokens", "Prompt tokens processed (prefilled, or reused from the prefix cache).", s.get("prompt_tokens", 0))
-        yield counter("trtinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.get("prefix_cache_queries", 0))
-        yield counter("trtinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
-                      s.get("prefix_cache_hits", 0))
-        yield counter("trtinfer:spec_decode_num_draft_tokens", "Prompt-lookup draft tokens proposed.",
-                      s.get("spec_decode_draft_tokens", 0))
-        yield counter("trtinfer:spec_decode_num_accepted_tokens", "Prompt-lookup draft tokens accepted.",
-                      s.get("spec_decode_accepted_tokens", 0))
-        yield counter("trtinfer:generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        for cls, name, doc, value in (
+                (G, "num_requests_running", "Requests holding a batch slot.", s.get("running", 0)),
+                (G, "num_requests_waiting", "Requests queued for a batch slot.", s.get("waiting", 0)),
+                (G, "kv_cache_usage_perc", "Fraction of KV cache slots in use (1 = full).",
+                 (s.get("slots_used", 0) / total) if total else 0.0),
+                (C, "prompt_tokens", "Prompt tokens processed (prefilled, or reused from the prefix cache).",
+                 s.get("prompt_tokens", 0)),
+                (C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.get("prefix_cache_queries", 0)),
+                (C, "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
+                 s.get("prefix_cache_hits", 0)),
+                (C, "spec_decode_num_draft_tokens", "Prompt-lookup draft tokens proposed.",
+                 s.get("spec_decode_draft_tokens", 0)),
+                (C, "spec_decode_num_accepted_tokens", "Prompt-lookup draft tokens accepted.",
+                 s.get("spec_decode_accepted_tokens", 0)),
+                (C, "generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))):
+            family = cls(f"trtinfer:{name}", doc, labels=names)
+            family.add_metric(values, value)
+            yield family
         done = CounterMetricFamily("trtinfer:request_success", "Finished requests by finish reason (abort: cancelled, "
                                    "e.g. the client went away).", labels=[*names, "finished_reason"])
         for reason, count in sorted((s.get("requests_finished") or {}).items()):

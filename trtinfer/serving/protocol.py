@@ -362,24 +362,15 @@ class Choice:
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool_calls parsed out of ``text`` (chat with tools)
 
 
-def completion_response(rid: str, model: str, choices: Sequence[Choice], prompt_tokens: int,
-                        token_text: TokenText) -> dict[str, Any]:
-    """A whole ``text_completion``."""
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                         "stop_reason": c.stop_reason,
-                         "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, token_text)}
-                        for c in choices],
-            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
-
-
-def chat_response(rid: str, model: str, choices: Sequence[Choice], prompt_tokens: int,
-                  token_text: TokenText) -> dict[str, Any]:
-    """A whole ``chat.completion``."""
-    return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": c.index, "message": _message(c),
+def response(chat: bool, model: str, choices: Sequence[Choice], prompt_tokens: int,
+             token_text: TokenText) -> dict[str, Any]:
+    """A whole ``chat.completion`` or ``text_completion``."""
+    logprobs = chat_logprobs if chat else completion_logprobs
+    return {"id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else "text_completion",
+            "created": now(), "model": model,
+            "choices": [{"index": c.index, **({"message": _message(c)} if chat else {"text": c.text}),
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                         "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, token_text)}
+                         "logprobs": None if c.logprobs is None else logprobs(c.logprobs, token_text)}
                         for c in choices],
             "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
 

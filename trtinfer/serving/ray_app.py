@@ -27,7 +27,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,8 @@ except ModuleNotFoundError:  # the [ray] extra is optional; name "ray" lets the 
     raise ModuleNotFoundError('trtinfer.serving.ray_app needs Ray Serve: pip install "trtinfer[ray]"',
                               name="ray") from None
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from trtinfer.errors import ConfigError, EngineLoadError, InputError
 from trtinfer.runtime.config import describe, is_int
 from trtinfer.runtime.engine import Engine
@@ -46,11 +47,6 @@ from trtinfer.serving import app as app_module
 from trtinfer.serving.config import ServeConfig
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 #: the response header naming the replica that answered (Ray Serve's replica id)
 REPLICA_HEADER = "x-trtinfer-replica"
@@ -107,15 +103,10 @@ def max_ongoing(max_batch_size: int, max_queue: int) -> int:
     return max(1, min(2 * max_batch_size, max_batch_size + max_queue))
 
 
-def _threads(config: ServeConfig, ray_config: RayConfig) -> int:
-    """ONNX Runtime intra-op threads per replica: the config's, else one per reserved CPU (at least 1)."""
-    return config.intra_op_threads or max(1, math.floor(ray_config.replica_cpus))
-
-
 class _ReplicaHeader:
     """ASGI middleware: every HTTP response carries ``x-trtinfer-replica: <replica id>``."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], replica: str) -> None:
+    def __init__(self, app: ASGIApp, replica: str) -> None:
         self.app, self.header = app, (REPLICA_HEADER.encode(), replica.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -187,7 +178,9 @@ def build(engine_dir: str | Path, config: ServeConfig | None = None, ray_config:
     if manifest.kind != "decoder":
         raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
     ongoing = ray_config.max_ongoing_requests or max_ongoing(config.slots_for(manifest.max_batch_size), config.max_queue)
-    replica_config = dataclasses.replace(config, intra_op_threads=_threads(config, ray_config))
+    # ONNX Runtime intra-op threads per replica: the config's, else one per reserved CPU (at least 1)
+    threads = config.intra_op_threads or max(1, math.floor(ray_config.replica_cpus))
+    replica_config = dataclasses.replace(config, intra_op_threads=threads)
     return EngineReplica.options(  # type: ignore[attr-defined]  # a serve.Deployment, not the class
         name=ray_config.app_name,
         num_replicas=ray_config.replicas,
@@ -244,9 +237,8 @@ def start(engine_dir: str | Path, config: ServeConfig | None = None, ray_config:
     return f"http://{shown}:{port}"
 
 
-def stop(ray_config: RayConfig | None = None) -> None:
+def stop(ray_config: RayConfig) -> None:
     """Take the application down: a private local Ray instance stops whole; on a joined cluster only this app goes."""
-    ray_config = ray_config or RayConfig()
     if not ray.is_initialized():
         return
     try:

@@ -63,14 +63,11 @@ INPUT_NAMES = tuple(DECODER_INPUTS)
 DECODER_OUTPUTS: dict[str, tuple[str, list[int]]] = {"text_output": ("TYPE_STRING", [-1])}
 
 # request tensor -> GenerationConfig field (the tensors not listed need more than a rename)
-_TENSOR_FIELDS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "top_p": "top_p", "top_k": "top_k",
-                  "min_p": "min_p", "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                  "frequency_penalty": "frequency_penalty", "random_seed": "seed"}
+_SHARED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
+           **{k: k for k in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")}}
+_TENSOR_FIELDS = {**_SHARED, "random_seed": "seed"}
 # vLLM SamplingParams name -> GenerationConfig field
-_VLLM_FIELDS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "top_p": "top_p", "top_k": "top_k",
-                "min_p": "min_p", "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos",
-                "temperature": "temperature"}
+_VLLM_FIELDS = {**_SHARED, **{k: k for k in ("seed", "stop", "ignore_eos", "temperature")}}
 
 _TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "int8": "TYPE_INT8", "int16": "TYPE_INT16",
                  "int32": "TYPE_INT32", "int64": "TYPE_INT64", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16",
@@ -119,13 +116,6 @@ def _pb2() -> Any:
 
 
 # --- config.pbtxt -----------------------------------------------------------------------------------------------
-def _tensor(pb2: Any, cls: str, name: str, dtype: str, dims: list[int], optional: bool = False) -> Any:
-    msg = getattr(pb2, cls)(name=name, data_type=pb2.DataType.Value(dtype), dims=dims)
-    if optional:
-        msg.optional = True
-    return msg
-
-
 def _triton_type(dtype: str, where: str) -> str:
     if dtype not in _TRITON_TYPES:
         raise EngineLoadError(f"{where} has element type {dtype!r}, which has no Triton type; known: "
@@ -149,17 +139,14 @@ def decoder_config(manifest: Manifest, name: str, config: TritonConfig) -> Any:
     pb2 = _pb2()
     provider = _provider(manifest, config)
     gpu = provider != "cpu" or manifest.backend == "tensorrt"
-    msg = pb2.ModelConfig(name=name, backend="python", max_batch_size=0)
-    msg.model_transaction_policy.decoupled = True
+    msg = pb2.ModelConfig(name=name, backend="python", max_batch_size=0, model_transaction_policy={"decoupled": True},
+                          parameters={"provider": {"string_value": provider},
+                                      "engine_backend": {"string_value": manifest.backend}})
     for tname, (dtype, dims) in DECODER_INPUTS.items():
-        msg.input.append(_tensor(pb2, "ModelInput", tname, dtype, dims, optional=tname != "text_input"))
+        msg.input.add(name=tname, data_type=dtype, dims=dims, optional=tname != "text_input")
     for tname, (dtype, dims) in DECODER_OUTPUTS.items():
-        msg.output.append(_tensor(pb2, "ModelOutput", tname, dtype, dims))
-    group = pb2.ModelInstanceGroup(count=config.instances)
-    group.kind = pb2.ModelInstanceGroup.Kind.Value("KIND_GPU" if gpu else "KIND_CPU")
-    msg.instance_group.append(group)
-    msg.parameters["provider"].string_value = provider
-    msg.parameters["engine_backend"].string_value = manifest.backend
+        msg.output.add(name=tname, data_type=dtype, dims=dims)
+    msg.instance_group.add(count=config.instances, kind="KIND_GPU" if gpu else "KIND_CPU")
     return msg
 
 
@@ -176,17 +163,14 @@ def _encoder_config(manifest: Manifest, name: str, config: TritonConfig, platfor
     batched = _batched(io)
     msg = pb2.ModelConfig(name=name, platform=platform, default_model_filename=filename,
                           max_batch_size=manifest.max_batch_size if batched else 0)
-    for cls, key, specs in (("ModelInput", "inputs", io.inputs), ("ModelOutput", "outputs", io.outputs)):
+    for key, field, specs in (("input", msg.input, io.inputs), ("output", msg.output, io.outputs)):
         for spec in specs:
-            dims = _dims(list(spec.shape))[1:] if batched else _dims(list(spec.shape))
-            dtype = _triton_type(spec.dtype, f"the engine's {key[:-1]} {spec.name}")
-            getattr(msg, "input" if key == "inputs" else "output").append(_tensor(pb2, cls, spec.name, dtype, dims))
+            field.add(name=spec.name, data_type=_triton_type(spec.dtype, f"the engine's {key} {spec.name}"),
+                      dims=_dims(list(spec.shape))[1 if batched else 0:])
     if batched:
         msg.dynamic_batching.max_queue_delay_microseconds = config.max_queue_delay_us
-    group = pb2.ModelInstanceGroup(count=config.instances)
     gpu = platform == "tensorrt_plan" or manifest.target == "cuda"
-    group.kind = pb2.ModelInstanceGroup.Kind.Value("KIND_GPU" if gpu else "KIND_CPU")
-    msg.instance_group.append(group)
+    msg.instance_group.add(count=config.instances, kind="KIND_GPU" if gpu else "KIND_CPU")
     return msg
 
 
@@ -212,18 +196,14 @@ def _place(src: Path, dst: Path, link: bool) -> None:
         shutil.copy2(src, dst)
 
 
-def _python_model(engine_dir: Path, manifest: Manifest, name: str, config: TritonConfig, model_dir: Path) -> Any:
-    version = model_dir / str(config.version)
-    version.mkdir(parents=True)
+def _python_model(engine_dir: Path, manifest: Manifest, name: str, config: TritonConfig, version: Path) -> Any:
     shutil.copy2(MODEL_SOURCE, version / "model.py")
     _place(engine_dir, version / ENGINE_FOLDER, config.link)
     return decoder_config(manifest, name, config)
 
 
 def _graph_model(platform: str, filename: str, data_role: str | None) -> Callable[..., Any]:
-    def write(engine_dir: Path, manifest: Manifest, name: str, config: TritonConfig, model_dir: Path) -> Any:
-        version = model_dir / str(config.version)
-        version.mkdir(parents=True)
+    def write(engine_dir: Path, manifest: Manifest, name: str, config: TritonConfig, version: Path) -> Any:
         _place(engine_dir / manifest.files["encoder"], version / filename, config.link)
         data = manifest.files.get(data_role) if data_role else None
         if data:  # external weights: the graph refers to them by this file name, next to it
@@ -266,7 +246,8 @@ def write_repository(engine_dir: str | Path, repo_dir: str | Path, config: Trito
     name = config.model_name or default_model_name(engine_dir)
     repo = Path(repo_dir)
     with atomic_dir(repo, overwrite=overwrite) as tmp:
-        msg = MODEL_FORMS[form](engine_dir, manifest, name, config, tmp / name)
+        (tmp / name / str(config.version)).mkdir(parents=True)
+        msg = MODEL_FORMS[form](engine_dir, manifest, name, config, tmp / name / str(config.version))
         (tmp / name / CONFIG_NAME).write_text(config_text(msg))
     kind = "python backend, decoupled" if msg.backend == "python" else msg.platform
     log.debug("wrote Triton model %s (%s) to %s", name, kind, repo)

@@ -42,11 +42,8 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                inputs = {}
-                for name in INPUT_NAMES:
-                    tensor = pb_utils.get_input_tensor_by_name(request, name)
-                    if tensor is not None:
-                        inputs[name] = tensor.as_numpy()
+                tensors = {name: pb_utils.get_input_tensor_by_name(request, name) for name in INPUT_NAMES}
+                inputs = {name: t.as_numpy() for name, t in tensors.items() if t is not None}
                 parsed = parse_request(inputs, self.engine.generation_defaults,
                                        self.engine.generation_defaults_set)
                 queued = submit(self.scheduler, parsed)
