@@ -10,11 +10,8 @@ from trtinfer.runtime.trt_plan import (
     check_compatible,
     compatibility_problem,
     dim_ranges,
-    kv_cache_bytes,
-    kv_capacity,
     plan_profiles,
     select_profile,
-    tensor_bytes,
 )
 
 # the I/O of a tensorrt-target graph (scatter_buffer layout): 2 layers, 2 KV heads, head dim 16, 64 KV slots
@@ -76,16 +73,6 @@ def test_plan_survives_its_json_form():
     again = ProfilePlan.from_list(plan.to_list())
     assert again == plan
 
-
-def test_buffer_sizes():
-    logits = IO["outputs"][0]
-    assert tensor_bytes(logits, {"batch": 3, "positions": 1}) == 3 * 320 * 4
-    assert kv_cache_bytes(IO, batch=3) == 4 * 3 * 2 * 64 * 16 * 2  # 4 fp16 tensors
-    assert kv_capacity(IO) == 64
-    symbolic = {"inputs": [{"name": "past_key_values.0.key", "dtype": "float32",
-                            "shape": ["batch", 2, "past_sequence", 16]}]}
-    with pytest.raises(ConfigError, match="static slot count"):
-        kv_capacity(symbolic)
 
 
 def test_engine_compatibility():

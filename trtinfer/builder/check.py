@@ -77,7 +77,7 @@ def _runtime_logits(sess: Any, prompts: list[np.ndarray], tokens: np.ndarray) ->
     cache = SlotCache(sess, rows, max(len(p) for p in prompts) + steps + 1, reserve=False)
     try:
         ids = [p.tolist() for p in prompts]
-        first = cache.prefill_rows(0, ids) if cache.batched_prefill else [cache.prefill(r, p) for r, p in
+        first = cache.prefill_rows(0, ids) if cache.every_position else [cache.prefill(r, p) for r, p in
                                                                           enumerate(ids)]
         got = [np.stack(first).astype(np.float32)]
         for t in range(steps):

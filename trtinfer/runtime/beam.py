@@ -151,7 +151,7 @@ class BeamSearch:
             seen = [np.asarray(states[i].ids + beam, np.int64) for i in active for beam in states[i].running]
             scores = apply_processors(log_softmax(logits, np.float32), cfg, seen, step, self.eos)
             if self.logits_processor is not None:
-                scores = run_logits_processor(self.logits_processor, scores, seen)
+                scores = run_logits_processor(self.logits_processor, seen, scores)
             cancelled = self.should_stop is not None and bool(self.should_stop())
             parents: list[tuple[int, int]] = []  # each next beam's parent: (prompt, beam), its KV in a row
             for slot, i in enumerate(active):

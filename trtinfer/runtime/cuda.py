@@ -159,13 +159,6 @@ def copy_to_host(dst: PinnedBuffer, src: int, nbytes: int, stream: Stream) -> No
         "cudaMemcpyAsync(device to host)")
 
 
-def copy_on_device(dst: int, src: int, nbytes: int, stream: Stream) -> None:
-    """Queue a device-to-device copy (cudaMemcpyAsync)."""
-    rt = cudart()
-    _ok(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream.raw),
-        "cudaMemcpyAsync(device to device)")
-
-
 def copy_2d_on_device(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
                       stream: Stream | None = None) -> None:
     """Copy ``height`` runs of ``width`` bytes, ``src_pitch`` / ``dst_pitch`` bytes apart, device to device

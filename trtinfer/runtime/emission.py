@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from trtinfer.runtime.generator import row_finish, settle, token_logprobs, user_hook
+from trtinfer.runtime.generator import row_finish, run_logits_processor, settle, token_logprobs
 from trtinfer.runtime.proposers import trim_draft
 from trtinfer.runtime.request import Event, Request, wake_once
 from trtinfer.runtime.sampling import select_next
@@ -127,7 +127,7 @@ class Emission:
             [row if r.matcher is None else r.matcher.mask(row) for r, row in zip(reqs, logits)])
         seen = [r._seen for r in reqs]
         # the user's processor runs after the built-in ones, before the warpers (transformers' order)
-        hook = None if first.logits_processor is None else partial(user_hook, first.logits_processor, seen)
+        hook = None if first.logits_processor is None else partial(run_logits_processor, first.logits_processor, seen)
         rngs = [r._rng for r in reqs if r._rng is not None]
         return select_next(x, cfg, seen, len(first.generated), first.eos, rngs, hook=hook)
 

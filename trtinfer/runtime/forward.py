@@ -38,9 +38,6 @@ from trtinfer.runtime.probes import Argmax, Distribution, Entropy, Logits, Logpr
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.slots import SlotCache
 
-_READERS = {"token": "token", "logits": "logits", "distribution": "distribution", "logprobs": "logprobs",
-            "entropy": "entropy"}
-
 
 @dataclass(frozen=True)
 class Handle:
@@ -62,8 +59,7 @@ class Output:
         if not isinstance(h, Handle) or h.index >= len(self._values) or self._handles[h.index] != h:
             raise InputError("this handle does not belong to this pass's output")
         if h.kind != kind:
-            raise InputError(f"the handle is a {h.kind} handle; read it with out.{_READERS[h.kind]}(h), not "
-                             f"out.{_READERS[kind]}(h)")
+            raise InputError(f"the handle is a {h.kind} handle; read it with out.{h.kind}(h), not out.{kind}(h)")
         return self._values[h.index]
 
     def token(self, h: Handle) -> int:
@@ -181,7 +177,7 @@ class Group:
             return None
         slots = sorted(c.slot for c in ctxs)
         cache = self.cache
-        if (all(not c.tokens for c in ctxs) and cache.batched_prefill
+        if (all(not c.tokens for c in ctxs) and cache.every_position
                 and slots == list(range(slots[0], slots[0] + len(slots)))):
             too_long = [len(f.tokens) for f in passes if len(f.tokens) > self.capacity]
             if too_long:

@@ -11,7 +11,7 @@ import numpy as np
 
 from trtinfer.errors import ConfigError, EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig
-from trtinfer.runtime.probes import log_softmax
+from trtinfer.runtime.probes import log_softmax, top_sorted
 from trtinfer.runtime.tokenizer import EngineTokenizer, IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -72,9 +72,7 @@ def token_logprobs(logits: np.ndarray, tokens: np.ndarray, k: int) -> list[Token
     for r, t in enumerate(tokens):
         top: tuple[tuple[int, float], ...] = ()
         if k:
-            ids = np.argpartition(-lp[r], k - 1)[:k]
-            ids = ids[np.argsort(-lp[r, ids], kind="stable")]
-            top = tuple((int(i), float(lp[r, i])) for i in ids)
+            top = tuple((int(i), float(lp[r, i])) for i in top_sorted(lp[r], k))
         out.append(TokenLogprob(int(t), float(lp[r, int(t)]), top))
     return out
 
@@ -166,13 +164,9 @@ def check_hooks(logits_processor: LogitsProcessor | None, should_stop: Callable[
     return logits_processor, should_stop
 
 
-def user_hook(fn: LogitsProcessor, seen: list[np.ndarray], logits: np.ndarray) -> np.ndarray:
-    """:func:`run_logits_processor` with the arguments in ``partial``'s order (``select_next``'s ``hook``)."""
-    return run_logits_processor(fn, logits, seen)
-
-
-def run_logits_processor(fn: LogitsProcessor, logits: np.ndarray, seen: list[np.ndarray]) -> np.ndarray:
-    """The user's logits processor applied to a copy, its result checked (same shape, a float array)."""
+def run_logits_processor(fn: LogitsProcessor, seen: list[np.ndarray], logits: np.ndarray) -> np.ndarray:
+    """The user's logits processor applied to a copy, its result checked (same shape, a float array); the
+    arguments in ``partial``'s order (``select_next``'s ``hook``)."""
     out = np.asarray(fn([row.copy() for row in seen], logits.astype(np.float32, copy=True)))
     if out.shape != logits.shape or not np.issubdtype(out.dtype, np.floating):
         raise InputError(f"logits_processor must return float logits of shape {logits.shape}, got "

@@ -25,6 +25,13 @@ def log_softmax(logits: np.ndarray, dtype: type = np.float64) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))  # type: ignore[no-any-return]
 
 
+def top_sorted(row: np.ndarray, k: int) -> np.ndarray:
+    """The ids of ``row``'s ``k`` largest values, largest first (ties in id order)."""
+    k = min(k, row.shape[0])
+    top = np.argpartition(-row, k - 1)[:k]
+    return top[np.argsort(-row[top], kind="stable")].astype(np.int64)  # type: ignore[no-any-return]
+
+
 @dataclass(frozen=True)
 class Logits:
     """The raw logits at the position (float32 ``[V]``); read with ``out.logits(h)``."""
@@ -52,10 +59,8 @@ class Distribution:
     def compute(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(ids, probs) of the top ``k``."""
         lp = log_softmax(row / self.temperature)
-        k = min(self.k, lp.shape[0])
-        top = np.argpartition(-lp, k - 1)[:k]
-        top = top[np.argsort(-lp[top], kind="stable")]
-        return top.astype(np.int64), np.exp(lp[top])
+        top = top_sorted(lp, self.k)
+        return top, np.exp(lp[top])
 
 
 @dataclass(frozen=True)
@@ -128,9 +133,9 @@ class Sampler:
 
     def compute(self, row: np.ndarray) -> int:
         """One drawn token id."""
-        from trtinfer.runtime.sampling import softmax, top_k_top_p_filter
+        from trtinfer.runtime.sampling import filter_logits, softmax
 
-        logits = top_k_top_p_filter(row[None, :].astype(np.float32) / self.temperature, self.top_k, self.top_p)
+        logits = filter_logits(row[None, :].astype(np.float32) / self.temperature, self.top_k, self.top_p)
         probs = softmax(logits.astype(np.float64))[0]
         rng: Any = self._rng  # type: ignore[attr-defined]
         return int(rng.choice(probs.shape[0], p=probs))
@@ -141,6 +146,3 @@ def _check_ids(ids: Sequence[int], vocab: int) -> None:
     if bad:
         raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
-
-Probe = Logits | Distribution | Logprob | Logprobs | Entropy
-SamplerType = Argmax | Sampler

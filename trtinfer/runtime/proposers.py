@@ -28,6 +28,7 @@ import numpy as np
 from trtinfer.errors import InputError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.forward import Context
+from trtinfer.runtime.prefix_cache import common_prefix
 from trtinfer.runtime.probes import Argmax
 from trtinfer.runtime.sampling import banned_ngram_tokens
 from trtinfer.runtime.session import DecoderSession
@@ -148,9 +149,7 @@ class AssistantProposer:
         self._adapt(seq)
         ctx = self.ctx
         held = ctx.tokens
-        keep = 0  # the assistant's tokens still in the sequence
-        while keep < min(len(held), len(seq)) and held[keep] == seq[keep]:
-            keep += 1
+        keep = common_prefix(held, seq)  # the assistant's tokens still in the sequence
         keep = min(keep, len(seq) - 1)  # at least the last token is fed, to read the next one's logits
         if len(ctx) > keep:
             ctx.truncate(keep)

@@ -253,23 +253,16 @@ class Request:
             return self._error
 
     # --- writing (the scheduler) --------------------------------------------------------------------------------
-    def _push(self, event: Event, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+    def _push(self, event: Event | None, result: GenerationResult | None = None,
+              error: BaseException | None = None) -> None:
+        """Append ``event`` (None: none) and, with a result or an error, end the request; wake its readers."""
         with self._cond:
             if self._done:
                 return
-            self._events.append(event)
+            if event is not None:
+                self._events.append(event)
             if result is not None or error is not None:
                 self._result, self._error, self._done = result, error, True
-            self._cond.notify_all()
-            wakers = list(self._wakers)
-        for w in wakers:
-            w()
-
-    def _fail(self, error: BaseException) -> None:
-        with self._cond:
-            if self._done:
-                return
-            self._error, self._done = error, True
             self._cond.notify_all()
             wakers = list(self._wakers)
         for w in wakers:

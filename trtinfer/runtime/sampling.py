@@ -27,16 +27,6 @@ _NEAR, _NEAR_MAX_WIDTH, _NEAR_MAX_CANDIDATES = 8.0, 256, 8192  # top_ids' first 
 _BLOCK = 256  # inverse CDF over a whole row: find the block of the vocabulary first, then the token inside it
 
 
-def is_plain_greedy(cfg: GenerationConfig) -> bool:
-    """True when :func:`select_next` is the argmax of the raw logits (no processor changes them).
-
-    A session may then pick tokens where the logits are (on the device) and skip copying them to the host.
-    """
-    return (not cfg.do_sample and cfg.repetition_penalty == 1.0 and cfg.presence_penalty == 0.0
-            and cfg.frequency_penalty == 0.0 and cfg.no_repeat_ngram_size == 0 and cfg.min_new_tokens == 0
-            and not cfg.logprobs)  # log-probabilities need the logits on the host
-
-
 # --- processors (in place on float logits [B, V]) ----------------------------------------------------------------
 def _rows_cols(ids: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Row index and token id of every entry of the per-row id lists ``ids``, flattened."""
@@ -282,11 +272,6 @@ def filter_logits(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0, min_p:
     return out
 
 
-def top_k_top_p_filter(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """:func:`filter_logits` without min-p (the name callers used before it)."""
-    return filter_logits(logits, top_k, top_p)
-
-
 def softmax(x: np.ndarray) -> np.ndarray:
     """Row-wise softmax, stable for -inf entries."""
     z = x - x.max(axis=-1, keepdims=True)
@@ -337,22 +322,20 @@ def sample(logits: np.ndarray, u: np.ndarray, top_k: int = 0, top_p: float = 1.0
 
 
 def apply_processors(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[np.ndarray], n_generated: int,
-                     eos_ids: Sequence[int], generated: Sequence[np.ndarray] | None = None) -> np.ndarray:
+                     eos_ids: Sequence[int]) -> np.ndarray:
     """transformers' logits processors of ``cfg`` over ``logits [B, V]`` (a float32 copy when any applies).
 
     Repetition penalty, presence/frequency penalties, no-repeat n-grams, then ``min_new_tokens`` (EOS gets -inf while
-    fewer tokens were generated). ``seen[r]`` holds row r's prompt and generated tokens; ``generated[r]`` its generated
-    tokens alone, by default the last ``n_generated`` of ``seen[r]``. Beam search runs them on log-probabilities, as
-    transformers does.
+    fewer tokens were generated). ``seen[r]`` holds row r's prompt and generated tokens (the last ``n_generated``).
+    Beam search runs them on log-probabilities, as transformers does.
     """
     rewrite = (cfg.repetition_penalty != 1.0 or cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0
                or cfg.no_repeat_ngram_size > 0 or (n_generated < cfg.min_new_tokens and bool(eos_ids)))
     x = np.array(logits, dtype=np.float32) if rewrite else np.asarray(logits, dtype=np.float32)
     apply_repetition_penalty(x, seen, cfg.repetition_penalty)
     if cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0:
-        if generated is None:
-            generated = [np.asarray(s)[len(s) - n_generated:] for s in seen]
-        apply_presence_frequency_penalties(x, generated, cfg.presence_penalty, cfg.frequency_penalty)
+        apply_presence_frequency_penalties(x, [np.asarray(s)[len(s) - n_generated:] for s in seen],
+                                           cfg.presence_penalty, cfg.frequency_penalty)
     apply_no_repeat_ngram(x, seen, cfg.no_repeat_ngram_size)
     if n_generated < cfg.min_new_tokens and eos_ids:
         x[:, list(eos_ids)] = -np.inf
@@ -361,17 +344,15 @@ def apply_processors(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[n
 
 def select_next(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[np.ndarray], n_generated: int,
                 eos_ids: Sequence[int], rngs: Sequence[np.random.Generator], *,
-                generated: Sequence[np.ndarray] | None = None,
                 hook: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Pick one token per row of ``logits [B, V]``; ``rngs`` holds one generator per row (sampling only).
 
-    ``seen[r]`` holds row r's prompt and generated tokens (repetition penalty, no-repeat n-grams);
-    ``generated[r]`` its generated tokens alone (presence/frequency penalties), by default the last ``n_generated``
-    of ``seen[r]``. ``hook`` (the user's logits processor) runs after the built-in processors and before
+    ``seen[r]`` holds row r's prompt and generated tokens (the last ``n_generated``: presence/frequency penalties).
+    ``hook`` (the user's logits processor) runs after the built-in processors and before
     temperature, top-k, top-p and min-p: transformers' order. Sampling takes exactly one uniform from each row's
     generator per call.
     """
-    x = apply_processors(logits, cfg, seen, n_generated, eos_ids, generated)
+    x = apply_processors(logits, cfg, seen, n_generated, eos_ids)
     if hook is not None:
         x = np.asarray(hook(x), dtype=np.float32)
     if not cfg.do_sample:

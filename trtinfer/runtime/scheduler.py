@@ -208,7 +208,7 @@ class Scheduler(Emission):
             raise InputError("assistant and prompt_lookup_num_tokens are two ways of drafting; give one of them")
         drafting = ("assistant" if assistant is not None else
                     "prompt_lookup_num_tokens" if cfg.prompt_lookup_num_tokens is not None else None)
-        if drafting and not self.cache.can_verify:
+        if drafting and not self.cache.every_position:
             raise InputError(f"{drafting} needs logits at several positions per pass, but this engine's graph computes "
                              "them at the last position only (no logits_positions input: an older trtinfer build or "
                              f"that pass disabled); rebuild the engine, or generate without {drafting}")
@@ -373,7 +373,7 @@ class Scheduler(Emission):
     def _fresh_runs(self, budget: int) -> list[list[Request]]:
         """Groups of >= 2 requests with nothing in their rows yet, in neighbouring slots, whose whole prompts fit
         ``budget`` together (counted as the call computes them: rows x the longest prompt)."""
-        if not self.cache.batched_prefill:
+        if not self.cache.every_position:
             return []
         fresh = sorted((r for r in self._running() if r.num_computed == 0 and r.slot is not None
                         and not self.cache.length(r.slot)), key=lambda r: r.slot or 0)
@@ -483,7 +483,7 @@ class Scheduler(Emission):
 
     def _fail(self, req: Request, error: BaseException) -> None:
         self._count("error")
-        req._fail(error)
+        req._push(None, error=error)
 
     def _error(self, req: Request, e: Exception) -> None:
         log.warning("request %s failed: %s", req.id, e)

@@ -50,7 +50,6 @@ class DecoderSession(ABC):
         self.past_names = [t.name for t in io.past]
         self.present_names = [n for n in self.output_names if n.startswith(PRESENT_PREFIX)]
         self.kv_layout = manifest.kv_layout
-        self.pad_token_id = manifest.pad_token_id
         self.has_logits_positions = LOGITS_POSITIONS in self.input_names
         logits = io.output("logits")
         # graphs exported with logits="all" return every position too (no logits_positions input needed)

@@ -188,14 +188,10 @@ class SlotCache:
         self.index.cut(slot, n)
 
     @property
-    def can_verify(self) -> bool:
-        """Whether a pass returns logits at every position asked for (a draft's verification needs them)."""
-        return bool(self.session.logits_every_position)
-
-    @property
-    def batched_prefill(self) -> bool:
-        """Whether right-padded rows can prefill in one call: each row's logits are read at its own last token
-        (a last-position-only graph reads the padded call's last column, so its rows prefill one by one)."""
+    def every_position(self) -> bool:
+        """Whether a pass returns logits at any positions asked for: a draft's verification needs them, and so does
+        a prefill of right-padded rows in one call (each row's logits at its own last token; a last-position-only
+        graph reads the padded call's last column, so its rows prefill one by one)."""
         return bool(self.session.logits_every_position)
 
     def copy_prefix(self, src: int, dst: int, n: int, into: SlotCache | None = None) -> None:

@@ -2,8 +2,7 @@
 
 Nothing here imports TensorRT or CUDA, so every rule is unit-tested on a CPU. The builder
 (:mod:`trtinfer.builder.trt_backend`) turns a :class:`ProfilePlan` into ``IOptimizationProfile.set_shape`` calls; the
-runtime (:mod:`trtinfer.runtime.trt_session`) picks a profile for each step with :func:`select_profile` and sizes its
-device buffers with :func:`tensor_bytes`.
+runtime (:mod:`trtinfer.runtime.trt_session`) picks a profile for each step with :func:`select_profile`.
 
 Two profiles, because prefill and decode want different kernels (TensorRT tunes each profile at its ``opt`` shape)::
 
@@ -45,9 +44,6 @@ class DimRange:
     def __post_init__(self) -> None:
         if not 1 <= self.min <= self.opt <= self.max:
             raise ConfigError(f"a shape range needs 1 <= min <= opt <= max, got {self.min}, {self.opt}, {self.max}")
-
-    def __contains__(self, n: object) -> bool:
-        return isinstance(n, int) and self.min <= n <= self.max
 
 
 @dataclass(frozen=True)
@@ -162,34 +158,6 @@ def select_profile(plan: ProfilePlan, shapes: Mapping[str, Shape]) -> int:
         if plan.profiles[i].accepts(shapes):
             return i
     raise ValueError(f"no optimization profile accepts shapes {dict(shapes)}")
-
-
-def resolve_shape(shape: Sequence[Any], dims: Mapping[str, int]) -> Shape:
-    """A graph I/O shape with its symbolic dimensions filled in from ``dims`` (KeyError names a missing one)."""
-    return tuple(d if isinstance(d, int) else int(dims[d]) for d in shape)
-
-
-def tensor_bytes(spec: Mapping[str, Any], dims: Mapping[str, int]) -> int:
-    """Bytes of the I/O tensor ``spec`` (``graph_io`` entry) at the dimension values ``dims``."""
-    n = 1
-    for d in resolve_shape(spec["shape"], dims):
-        n *= d
-    return n * DTYPE_BYTES[str(spec["dtype"])]
-
-
-def kv_cache_bytes(io: Mapping[str, Sequence[Mapping[str, Any]]], batch: int) -> int:
-    """Device bytes of one generation's KV buffers (every ``past_key_values.*`` input) for ``batch`` rows."""
-    return sum(tensor_bytes(t, {BATCH: batch}) for t in io["inputs"] if t["name"].startswith("past_key_values."))
-
-
-def kv_capacity(io: Mapping[str, Sequence[Mapping[str, Any]]]) -> int:
-    """The static slot count of the KV buffers (axis 2 of ``past_key_values.*``); ConfigError when it is not static
-    (TensorRT's KV-cache update layer needs it static: build from a ``tensorrt``-target graph)."""
-    past = [t for t in io["inputs"] if t["name"].startswith("past_key_values.")]
-    if not past or not all(isinstance(t["shape"][2], int) for t in past):
-        raise ConfigError("the graph's KV inputs have no static slot count (layout scatter_buffer); build from a graph "
-                          "optimized for the tensorrt target (trtinfer optimize --target tensorrt)")
-    return int(past[0]["shape"][2])
 
 
 def compatibility_problem(built: Mapping[str, Any], here: Mapping[str, Any]) -> str | None:

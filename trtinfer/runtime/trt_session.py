@@ -118,11 +118,7 @@ class _Staging:
         self.graph, self.graph_key = None, None
 
     def release(self) -> None:
-        """:meth:`close`, under the name the slot cache gives its staging back with (as ONNX Runtime's)."""
-        self.close()
-
-    def close(self) -> None:
-        """Free every buffer of this cache."""
+        """Free every buffer of this cache (the slot cache gives its staging back by this name, as ONNX Runtime's)."""
         self.drop_graph()
         for h in self.host.values():
             h.free()
