@@ -17,10 +17,9 @@ batched decode call. Every prompt is independent of the others, as in transforme
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,8 +39,6 @@ from trtinfer.runtime.probes import log_softmax
 from trtinfer.runtime.request import Request
 from trtinfer.runtime.sampling import apply_processors, top_ids
 
-log = logging.getLogger(__name__)
-
 _NEG = -1.0e9  # transformers' "impossible" score: added, never compared for equality
 
 
@@ -52,22 +49,16 @@ class _Prompt:
     ids: list[int]
     num_beams: int
     limit: int  # most tokens this prompt may generate (max_new_tokens, or up to the engine's max_seq_len)
-    running: list[list[int]] = field(default_factory=list)
-    running_scores: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    finished: list[list[int]] = field(default_factory=list)
-    finished_scores: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    is_finished: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
     done: bool = False
     cancelled: bool = False
 
     def __post_init__(self) -> None:
         nb = self.num_beams
-        self.running = [[] for _ in range(nb)]
+        self.running: list[list[int]] = [[] for _ in range(nb)]
         # only the first beam's continuations count at the first step (all beams hold the same prompt)
-        self.running_scores = np.full(nb, _NEG, np.float32)
-        self.running_scores[0] = 0.0
-        self.finished = [[] for _ in range(nb)]
+        self.running_scores = np.array([0.0] + [_NEG] * (nb - 1), np.float32)
+        self.finished: list[list[int]] = [[] for _ in range(nb)]
         self.finished_scores = np.full(nb, _NEG, np.float32)
         self.is_finished = np.zeros(nb, bool)
 
@@ -97,8 +88,7 @@ class BeamSearch:
         if cfg.num_beams * 2 > vocab:
             raise InputError(f"num_beams={cfg.num_beams} needs at least {2 * cfg.num_beams} tokens in the vocabulary")
         self.sched, self.cfg, self.drive = scheduler, cfg, drive
-        self.tok = scheduler.tokenizer
-        self.max_seq_len = scheduler.max_seq_len
+        self.tok, self.max_seq_len = scheduler.tokenizer, scheduler.max_seq_len
         self.prompts = check_prompts(prompts, vocab, self.max_seq_len)
         self.per_group = max(1, slots // cfg.num_beams)
         self.eos = eos_ids(cfg, self.tok, vocab)
@@ -108,7 +98,6 @@ class BeamSearch:
         self.results: list[GenerationResult] = []
 
     def run(self) -> list[GenerationResult]:
-        """Search every prompt; fills and returns :attr:`results`."""
         self.results = []
         for start in range(0, len(self.prompts), self.per_group):
             self.results.extend(self._search(self.prompts[start:start + self.per_group]))
@@ -143,8 +132,7 @@ class BeamSearch:
         timings = [Timings(prompt_tokens=len(p), batch_size=len(prompts) * nb) for p in prompts]
         keep_k = max(2, 1 + len(self.eos)) * nb  # candidates kept per prompt (transformers' beams_to_keep)
         t0 = time.perf_counter()
-        first = self._logits(prompts, continuations=False)
-        logits = first[[i for i in range(len(prompts)) for _ in range(nb)]]  # every beam starts as its prompt
+        logits = np.repeat(self._logits(prompts, continuations=False), nb, axis=0)  # every beam starts as its prompt
         active = list(range(len(prompts)))  # prompts whose beams run, in order
         step = 0
         while True:
@@ -155,9 +143,8 @@ class BeamSearch:
             cancelled = self.should_stop is not None and bool(self.should_stop())
             parents: list[tuple[int, int]] = []  # each next beam's parent: (prompt, beam), its KV in a row
             for slot, i in enumerate(active):
-                st = states[i]
-                src = self._step(st, scores[slot * nb:(slot + 1) * nb], step, keep_k, cancelled)
-                if not st.done:
+                src = self._step(states[i], scores[slot * nb:(slot + 1) * nb], step, keep_k, cancelled)
+                if not states[i].done:
                     parents.extend((i, b) for b in src)
             elapsed = (time.perf_counter() - t0) * 1000.0
             for i in active:
@@ -171,9 +158,7 @@ class BeamSearch:
             # each parent's first child first: it takes the parent's row in place before a sibling's copy evicts
             # anything (the rows of beams that died are the ones reused)
             order = sorted(range(len(seqs)), key=lambda j: parents.index(parents[j]) != j)
-            got = self._logits([seqs[j] for j in order])
-            logits = np.empty_like(got)
-            logits[order] = got
+            logits = self._logits([seqs[j] for j in order])[np.argsort(order)]  # back in the beams' order
         return [r for st, t in zip(states, timings) for r in self._results(st, t)]
 
     def _step(self, st: _Prompt, scores: np.ndarray, step: int, keep_k: int,
@@ -181,8 +166,7 @@ class BeamSearch:
         """One step of one prompt (transformers' ``_beam_search`` body); returns the next running beams' parents
         (indices into the previous running beams).
         ``scores [num_beams, V]``: processed log-probabilities of each running beam's continuations."""
-        nb, lp = st.num_beams, self.cfg.length_penalty
-        vocab = scores.shape[-1]
+        nb, lp, vocab = st.num_beams, self.cfg.length_penalty, scores.shape[-1]
         total = scores + st.running_scores[:, None]
         # the best keep_k of all beams' continuations are among each beam's own best keep_k (a partial selection per
         # row, not over num_beams * V), then ordered best first (equal scores: lower beam, then lower token first)
@@ -210,17 +194,11 @@ class BeamSearch:
         best = np.argsort(-merged, kind="stable")[:nb]
         pool = st.finished + candidates
         flags = np.concatenate([st.is_finished, just_ended])
-        st.finished = [pool[j] for j in best]
-        st.finished_scores = merged[best]
-        st.is_finished = flags[best]
-        st.running = [candidates[j] for j in nxt]
-        st.running_scores = go_on[nxt]
+        st.finished, st.finished_scores, st.is_finished = [pool[j] for j in best], merged[best], flags[best]
+        st.running, st.running_scores = [candidates[j] for j in nxt], go_on[nxt]
         st.cancelled = st.cancelled or cancelled
         # transformers' stopping rules, at the new length
-        if self.cfg.early_stopping == "never" and lp > 0.0:
-            best_len = st.limit
-        else:
-            best_len = gen_len
+        best_len = st.limit if self.cfg.early_stopping == "never" and lp > 0.0 else gen_len
         best_running = st.running_scores[0] / np.float32(best_len ** lp)
         worst = np.where(st.is_finished, st.finished_scores.min(), np.float32(_NEG))
         st.improvable = st.improvable and bool((best_running > worst).any())
@@ -229,10 +207,9 @@ class BeamSearch:
         return [int(beam[j]) for j in nxt]
 
     def _results(self, st: _Prompt, timings: Timings) -> list[GenerationResult]:
-        eos = set(self.eos)
         out = []
         for tokens, score in list(zip(st.finished, st.finished_scores))[:self.cfg.num_return_sequences]:
-            ended = bool(tokens) and tokens[-1] in eos
+            ended = bool(tokens) and tokens[-1] in self.eos
             reason = "stop" if ended else ("cancelled" if st.cancelled else "length")
             out.append(GenerationResult(list(tokens), self.tok.decode(tokens), reason, list(st.ids), timings,
                                         tokens[-1] if ended else None, score=float(score)))

@@ -34,8 +34,7 @@ def _check_types(obj: Any, kinds: dict[str, str]) -> None:
              "bool": (lambda v: isinstance(v, bool), "True or False")}
     for name, kind in kinds.items():
         ok, expected = tests[kind]
-        value = getattr(obj, name)
-        if not ok(value):
+        if not ok(value := getattr(obj, name)):
             raise ConfigError(f"{name} must be {expected}, got {describe(value)}", field=name)
 
 
@@ -80,14 +79,10 @@ class RuntimeConfig:
             raise ConfigError(f"provider must be one of {PROVIDERS}, got {describe(self.provider)}", field="provider")
         _check_types(self, {"device_id": "int", "intra_op_threads": "int", "trt_timing_cache": "bool",
                             "trt_max_workspace_size": "int", "cuda_graphs": "bool", "prefill_graph": "bool"})
-        if self.device_id < 0:
-            raise ConfigError(f"device_id must be >= 0, got {self.device_id}", field="device_id")
-        if self.intra_op_threads < 0:
-            raise ConfigError(f"intra_op_threads must be >= 0 (0: one per core), got {self.intra_op_threads}",
-                              field="intra_op_threads")
-        if self.trt_max_workspace_size < 0:
-            raise ConfigError(f"trt_max_workspace_size must be >= 0 bytes (0: ONNX Runtime's default), got "
-                              f"{self.trt_max_workspace_size}", field="trt_max_workspace_size")
+        for name, note in (("device_id", ""), ("intra_op_threads", " (0: one per core)"),
+                           ("trt_max_workspace_size", " bytes (0: ONNX Runtime's default)")):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0{note}, got {getattr(self, name)}", field=name)
         if self.trt_cache_dir is not None:
             folder = os.fspath(self.trt_cache_dir) if isinstance(self.trt_cache_dir, os.PathLike) else self.trt_cache_dir
             if not (isinstance(folder, str) and folder):
@@ -160,7 +155,17 @@ class GenerationConfig:
     response_format: str | None = None
 
     def __post_init__(self) -> None:
-        self._normalize_sequences()
+        # frozen: object.__setattr__ is the dataclass way to normalize in __post_init__
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError(f"stop must be a list of non-empty strings, got {describe(self.stop)}", field="stop")
+        object.__setattr__(self, "stop", tuple(stop))
+        eos = self.eos_token_ids
+        if eos is not None:
+            if not isinstance(eos, (list, tuple)) or not all(is_int(t) and t >= 0 for t in eos):
+                raise ConfigError(f"eos_token_ids must be a list of non-negative token ids or None, got {describe(eos)}",
+                                  field="eos_token_ids")
+            object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in eos))
         if self.response_format is not None:  # a dict (or its JSON) -> canonical JSON text: hashable, comparable
             from trtinfer.runtime.structured import normalize_format
 
@@ -175,22 +180,20 @@ class GenerationConfig:
                             "logprobs": "bool", "top_logprobs": "int", "num_beams": "int",
                             "length_penalty": "number", "num_return_sequences": "int",
                             "max_matching_ngram_size": "int", "num_assistant_tokens": "int"})
-        if self.num_assistant_tokens_schedule not in ("heuristic", "heuristic_transient", "constant"):
-            raise ConfigError("num_assistant_tokens_schedule must be \"heuristic\", \"heuristic_transient\" or "
-                              "\"constant\", got "
-                              f"{describe(self.num_assistant_tokens_schedule)}", field="num_assistant_tokens_schedule")
+        schedule = self.num_assistant_tokens_schedule
+        if schedule not in ("heuristic", "heuristic_transient", "constant"):
+            raise ConfigError('num_assistant_tokens_schedule must be "heuristic", "heuristic_transient" or "constant", '
+                              f"got {describe(schedule)}", field="num_assistant_tokens_schedule")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ConfigError(f"early_stopping must be True, False or \"never\", got {describe(self.early_stopping)}",
                               field="early_stopping")
-        lookup = self.prompt_lookup_num_tokens
-        if lookup is not None and not (is_int(lookup) and lookup >= 1):
-            raise ConfigError(f"prompt_lookup_num_tokens must be a positive integer or None, got {describe(lookup)}",
-                              field="prompt_lookup_num_tokens")
-        if self.max_time is not None and not (_is_number(self.max_time) and self.max_time > 0):
-            raise ConfigError(f"max_time must be a positive number of seconds or None, got {describe(self.max_time)}",
-                              field="max_time")
-        if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
-            raise ConfigError(f"seed must be a non-negative integer or None, got {describe(self.seed)}", field="seed")
+        for name, valid, expected in (
+                ("prompt_lookup_num_tokens", lambda v: is_int(v) and v >= 1, "a positive integer"),
+                ("max_time", lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
+                ("seed", lambda v: is_int(v) and v >= 0, "a non-negative integer")):
+            value = getattr(self, name)
+            if value is not None and not valid(value):
+                raise ConfigError(f"{name} must be {expected} or None, got {describe(value)}", field=name)
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
             ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,
@@ -221,13 +224,7 @@ class GenerationConfig:
             ("num_assistant_tokens", self.num_assistant_tokens >= 1,
              f"num_assistant_tokens must be >= 1, got {self.num_assistant_tokens}"),
         ]
-        self._check_combinations()
-        for name, ok, msg in checks:
-            if not ok:
-                raise ConfigError(msg, field=name)
-
-    def _check_combinations(self) -> None:
-        """What beam search and prompt lookup do not combine with, said in one line each."""
+        # what beam search and prompt lookup do not combine with, said in one line each
         if self.num_beams > 1:
             unsupported = [name for name, on in (
                 ("do_sample", self.do_sample), ("stop", bool(self.stop)), ("logprobs", self.logprobs),
@@ -239,16 +236,6 @@ class GenerationConfig:
         if self.prompt_lookup_num_tokens is not None and self.num_return_sequences > 1:
             raise ConfigError("prompt_lookup_num_tokens does not combine with num_return_sequences > 1",
                               field="num_return_sequences")
-
-    def _normalize_sequences(self) -> None:
-        # frozen: object.__setattr__ is the dataclass way to normalize in __post_init__
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ConfigError(f"stop must be a list of non-empty strings, got {describe(self.stop)}", field="stop")
-        object.__setattr__(self, "stop", tuple(stop))
-        eos = self.eos_token_ids
-        if eos is not None:
-            if not isinstance(eos, (list, tuple)) or not all(is_int(t) and t >= 0 for t in eos):
-                raise ConfigError(f"eos_token_ids must be a list of non-negative token ids or None, got {describe(eos)}",
-                                  field="eos_token_ids")
-            object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in eos))
+        for name, ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg, field=name)

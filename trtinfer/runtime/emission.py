@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -30,11 +31,8 @@ class Emission:
     _drafted: int
     _accepted: int
 
-    def _finish(self, req: Request, finish: str, stop: str | int | None, last: Event) -> None:
-        raise NotImplementedError
-
-    def _error(self, req: Request, e: Exception) -> None:
-        raise NotImplementedError
+    _finish: Callable[[Request, str, str | int | None, Event], None]
+    _error: Callable[[Request, Exception], None]
 
     def _draft(self, req: Request) -> list[int]:
         """The request's next draft (none without a proposer), within what the request may still generate and its
@@ -46,8 +44,7 @@ class Emission:
                    self.cache.capacity - len(seq)) - 1  # the model adds a token of its own after the draft
         if room <= 0:
             return []
-        draft = req.proposer.propose(seq, room)[:room]
-        return trim_draft(draft, seq, req.eos, req.cfg.no_repeat_ngram_size)
+        return trim_draft(req.proposer.propose(seq, room)[:room], seq, req.eos, req.cfg.no_repeat_ngram_size)
 
     def _speculate(self, req: Request, draft: list[int]) -> None:
         """Feed the request's token and ``draft`` in one pass; keep the draft while the model's own choices (made
@@ -81,41 +78,32 @@ class Emission:
         if req.slot is not None:  # still running: its row keeps the fed token and the kept draft
             self.cache.keep(req.slot, start + 1 + kept)
 
-    def _emit(self, req: Request, logits: np.ndarray) -> int:
-        """Choose one request's next token from its logits ``[V]`` and record it (:meth:`_record`); the token."""
-        tok = int(self._choose([req], logits[None, :])[0])
-        self._record(req, tok, logits)
-        return tok
-
     def _emit_all(self, rows: list[tuple[Request, np.ndarray]]) -> None:
         """Choose and record the next token of each ``(request, logits [V])``: one batched selection per group of
         requests with the same settings object, hook and step (the rows of one ``engine.generate``), so a greedy
-        batch is one argmax and the user's ``logits_processor`` sees the batch, as transformers' does."""
+        batch is one argmax and the user's ``logits_processor`` sees the batch, as transformers' does. A failure
+        ends its group's requests only."""
         groups: dict[tuple[Any, ...], list[tuple[Request, np.ndarray]]] = {}
         for req, lg in rows:
             key = (id(req.cfg), id(req.logits_processor), len(req.generated), req.eos)
             groups.setdefault(key, []).append((req, lg))
         with wake_once():  # the readers' event loops: one wake-up each for all these tokens
-            self._select_and_record(groups)
-
-    def _select_and_record(self, groups: dict[tuple[Any, ...], list[tuple[Request, np.ndarray]]]) -> None:
-        """:meth:`_emit_all`'s selection and recording, group by group; a failure ends its group's requests only."""
-        for members in groups.values():
-            reqs = [m[0] for m in members]
-            try:
-                # one request (the server's rows: each its own settings): its row as it is (selection copies what
-                # it rewrites)
-                batch = members[0][1][None, :] if len(members) == 1 else np.stack([m[1] for m in members])
-                tokens = self._choose(reqs, batch)
-            except Exception as e:  # noqa: BLE001  the group's selection failed (a user's hook): it ends
-                for req in reqs:
-                    self._error(req, e)
-                continue
-            for (req, lg), tok in zip(members, tokens):
+            for members in groups.values():
+                reqs = [m[0] for m in members]
                 try:
-                    self._record(req, int(tok), lg)
-                except Exception as e:  # noqa: BLE001
-                    self._error(req, e)
+                    # one request (the server's rows: each its own settings): its row as it is (selection copies
+                    # what it rewrites)
+                    batch = members[0][1][None, :] if len(members) == 1 else np.stack([m[1] for m in members])
+                    tokens = self._choose(reqs, batch)
+                except Exception as e:  # noqa: BLE001  the group's selection failed (a user's hook): it ends
+                    for req in reqs:
+                        self._error(req, e)
+                    continue
+                for (req, lg), tok in zip(members, tokens):
+                    try:
+                        self._record(req, int(tok), lg)
+                    except Exception as e:  # noqa: BLE001
+                        self._error(req, e)
 
     @staticmethod
     def _choose(reqs: list[Request], logits: np.ndarray) -> np.ndarray:

@@ -26,10 +26,9 @@ class EncoderEngine:
         self.config = config or RuntimeConfig()
         self.pooling: dict[str, Any] = self.manifest.pooling
         self.max_seq_len = self.manifest.max_seq_len
-        tok = read_tokenizer(self.path)
-        tok.enable_truncation(self.max_seq_len)
-        tok.enable_padding(pad_id=self.manifest.pad_token_id)
-        self._tok = tok
+        self._tok = read_tokenizer(self.path)
+        self._tok.enable_truncation(self.max_seq_len)
+        self._tok.enable_padding(pad_id=self.manifest.pad_token_id)
         from trtinfer.runtime.ort_env import open_ort_session
 
         # the provider the config names (CPU, CUDA, TensorRT), with the same checks as decoder engines
@@ -60,11 +59,9 @@ class EncoderEngine:
             check_text(t, f"text {i}")
         if batch_size < 1:
             raise InputError(f"batch_size must be >= 1, got {batch_size}")
-        norm = self.pooling.get("normalize", False) if normalize is None else normalize
-        out = []
-        for i in range(0, len(texts), batch_size):
-            out.append(self._embed_batch(list(texts[i:i + batch_size]), bool(norm)))
-        return np.concatenate(out, axis=0)
+        norm = bool(self.pooling.get("normalize", False) if normalize is None else normalize)
+        return np.concatenate([self._embed_batch(list(texts[i:i + batch_size]), norm)
+                               for i in range(0, len(texts), batch_size)], axis=0)
 
     def _embed_batch(self, texts: list[str], normalize: bool) -> np.ndarray:
         enc = self._tok.encode_batch(texts)

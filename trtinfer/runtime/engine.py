@@ -38,10 +38,8 @@ class Engine:
         self.config = config or RuntimeConfig()
         self.tokenizer = EngineTokenizer(self.path, self.manifest.tokenizer_info)
         self.session: DecoderSession = open_session(self.path, self.manifest, self.config)
-        #: defaults of every generate/stream call: the model's generation_config.json over transformers' defaults
-        self.generation_defaults: GenerationConfig
-        #: the fields the engine's generation_config.json itself set (the rest are transformers' defaults)
-        self.generation_defaults_set: frozenset[str]
+        #: defaults of every generate/stream call (the model's generation_config.json over transformers' defaults),
+        #: and the fields that file itself set (the rest are transformers' defaults)
         self.generation_defaults, self.generation_defaults_set = read_generation_defaults_and_keys(self.path)
         self.closed = False
 
@@ -187,13 +185,12 @@ class Engine:
         self._check_open()
         if (text is None) == (input_ids is None):
             raise InputError("give exactly one of text (a string) or input_ids (a list of token ids)")
-        if text is not None:
+        if input_ids is None:
             if not isinstance(text, str):
                 raise InputError(f"text must be a string, got {type(text).__name__}; pass token ids through input_ids=")
             check_text(text, "the text")
             ids = self.tokenizer.encode(text)
         else:
-            assert input_ids is not None
             ids = [int(t) for t in input_ids]
         if max_tokens is not None:
             if max_tokens < 2:

@@ -34,9 +34,7 @@ def read_generation_defaults_and_keys(engine_dir: Path) -> tuple[GenerationConfi
     except (OSError, ValueError) as e:
         log.warning("ignoring %s (%s); generation uses transformers' defaults", path, e)
         raw = {}
-    if not isinstance(raw, dict):
-        raw = {}
-    chosen = {k: raw[k] for k in FIELDS if raw.get(k) is not None}
+    chosen = {k: raw[k] for k in FIELDS if raw.get(k) is not None} if isinstance(raw, dict) else {}
     cfg = GenerationConfig()
     taken = set()
     for name, value in chosen.items():  # one at a time: a bad field costs only itself

@@ -68,13 +68,9 @@ class TokenLogprob:
 def token_logprobs(logits: np.ndarray, tokens: np.ndarray, k: int) -> list[TokenLogprob]:
     """Per row of ``logits [B,V]``: the chosen token's log-softmax and the top ``k`` (float64 math)."""
     lp = log_softmax(logits)
-    out = []
-    for r, t in enumerate(tokens):
-        top: tuple[tuple[int, float], ...] = ()
-        if k:
-            top = tuple((int(i), float(lp[r, i])) for i in top_sorted(lp[r], k))
-        out.append(TokenLogprob(int(t), float(lp[r, int(t)]), top))
-    return out
+    return [TokenLogprob(int(t), float(lp[r, int(t)]),
+                         tuple((int(i), float(lp[r, i])) for i in top_sorted(lp[r], k)) if k else ())
+            for r, t in enumerate(tokens)]
 
 
 @dataclass

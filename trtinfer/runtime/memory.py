@@ -26,12 +26,10 @@ def proc_kib(path: str, key: str) -> int | None:
     """The kB figure of line ``key:`` in a /proc file (``/proc/meminfo``, ``/proc/self/status``...), or None where
     the file or the line is absent (not Linux)."""
     try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
+        lines = Path(path).read_text().splitlines()
     except OSError:
-        pass
-    return None
+        return None
+    return next((int(line.split()[1]) for line in lines if line.startswith(key + ":")), None)
 
 
 def available_memory() -> int | None:
@@ -50,11 +48,11 @@ def peak_rss_mib() -> float:
     """This process's peak resident memory so far, MiB. VmHWM belongs to the process image; ``ru_maxrss`` (the
     fallback off Linux) would carry a parent's peak over across fork+exec."""
     kib = proc_kib("/proc/self/status", "VmHWM")
-    if kib is not None:
-        return kib / 1024.0
-    import resource
+    if kib is None:
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024.0
 
 
 def children_peak_rss_mib() -> float:
@@ -77,18 +75,15 @@ def return_freed_memory() -> None:
     import gc
 
     gc.collect()
-
-    name = ctypes.util.find_library("c")
     try:
-        ctypes.CDLL(name).malloc_trim(0)
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     except (OSError, AttributeError, TypeError):  # not glibc
         log.debug("malloc_trim is not available here")
 
 
 def weight_bytes(model: Path) -> int:
     """Bytes of the graph file plus the external-data files beside it (``<name>.data``, ``*.data``)."""
-    model = Path(model)
-    files = {model} | set(model.parent.glob("*.data"))
+    files = {Path(model)} | set(Path(model).parent.glob("*.data"))
     return sum(f.stat().st_size for f in files if f.is_file())
 
 

@@ -75,12 +75,10 @@ class Generation:
                           prefix_caching=False, reserve=False)
         try:
             stopper = None if self.should_stop is None else _Stopper(self.should_stop)
-            reqs: list[Request] = []
-            for p, seed in zip(prompts, seeds):
-                req = sched.submit(p, cfg, clip=True, seed=seed, logits_processor=self.logits_processor,
-                                   assistant=self.assistant, text=text)
+            reqs = [sched.submit(p, cfg, clip=True, seed=seed, logits_processor=self.logits_processor,
+                                 assistant=self.assistant, text=text) for p, seed in zip(prompts, seeds)]
+            for req in reqs:
                 req.should_stop = stopper
-                reqs.append(req)
             read = [0] * len(reqs)
             while sched.step():
                 yield from self._drain(reqs, read, text)
@@ -96,8 +94,7 @@ class Generation:
             new = req.events_since(read[i])
             read[i] += len(new)
             if text:
-                for ev in new:
-                    yield StreamEvent(i, ev.text, ev.token_id, ev.finish_reason)
+                yield from (StreamEvent(i, ev.text, ev.token_id, ev.finish_reason) for ev in new)
             err = req.error
             if err is not None:  # the scheduler wraps a request's failure: the cause is the caller's (their hook's)
                 raise err.__cause__ or err

@@ -76,10 +76,7 @@ class _LoopWaker:
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopWaker:
         with cls._loops_lock:
-            waker = cls._loops.get(loop)
-            if waker is None:
-                waker = cls._loops[loop] = cls(loop)
-            return waker
+            return cls._loops.setdefault(loop, cls(loop))
 
     def wake(self, event: asyncio.Event) -> None:
         """From any thread: ``event`` is set on the loop with the others pending, by one callback (already scheduled
@@ -87,12 +84,11 @@ class _LoopWaker:
         with self.lock:
             first = not self.pending
             self.pending.add(event)
-        if first:
-            held = getattr(_held, "loops", None)
-            if held is not None:
-                held.add(self)
-            else:
-                self.schedule()
+        held = getattr(_held, "loops", None)
+        if first and held is not None:
+            held.add(self)
+        elif first:
+            self.schedule()
 
     def schedule(self) -> None:
         try:
@@ -122,9 +118,7 @@ class Request:
                  decoder: IncrementalDecoder | None, matcher: Matcher | None = None, *,
                  seed: np.random.SeedSequence | None = None, proposer: Proposer | None = None,
                  logits_processor: LogitsProcessor | None = None, keep_logits: bool = False) -> None:
-        self.id = rid
-        self.prompt_ids = prompt_ids
-        self.cfg = cfg
+        self.id, self.prompt_ids, self.cfg = rid, prompt_ids, cfg
         self.t_submit = time.perf_counter()
         self.t_admit: float | None = None
         self.t_first_token: float | None = None
@@ -160,8 +154,7 @@ class Request:
         self._cond = threading.Condition()
         self._events: list[Event] = []
         self._wakers: list[Callable[[], None]] = []
-        self._done = False
-        self._cancelled = False
+        self._done = self._cancelled = False
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
 
@@ -206,7 +199,6 @@ class Request:
         request's error after its last event, if it failed."""
         wake = asyncio.Event()
         waker = partial(_LoopWaker.of(asyncio.get_running_loop()).wake, wake)
-
         with self._cond:
             self._wakers.append(waker)
         i = 0

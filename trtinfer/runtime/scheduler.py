@@ -58,7 +58,6 @@ from trtinfer.runtime.tokenizer import IncrementalDecoder
 log = logging.getLogger(__name__)
 
 
-
 class Scheduler(Emission):
     """Continuous batching over an engine: :meth:`submit` requests from any thread; a background thread
     (:meth:`start`) or the caller (:meth:`step`) runs them. Use as a context manager (starts and closes).
@@ -88,8 +87,7 @@ class Scheduler(Emission):
                              f"{max_model_len}")
         if max_queue < 0 or prefill_chunk < 1:
             raise InputError(f"max_queue must be >= 0 and prefill_chunk >= 1, got {max_queue} and {prefill_chunk}")
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+        self.engine, self.tokenizer = engine, engine.tokenizer
         self.max_seq_len = engine_len if max_model_len is None else max_model_len  # a slot's positions
         self.vocab = int(engine.manifest.geometry["vocab_size"])
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
@@ -105,8 +103,7 @@ class Scheduler(Emission):
         self._thread: threading.Thread | None = None
         self._prompt_tokens = self._generation_tokens = self._steps = 0
         self._finished: dict[str, int] = {}
-        self._on_finish = on_finish
-        self.prefix_caching = prefix_caching
+        self._on_finish, self.prefix_caching = on_finish, prefix_caching
         self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up / found in a row's KV
         self._drafted = self._accepted = 0  # prompt-lookup draft tokens proposed / kept
 
@@ -141,10 +138,7 @@ class Scheduler(Emission):
                 left = [r for r in self._slots if r is not None] + list(self._waiting)
                 self._waiting.clear()
             for req in left:
-                self._release(req)
-                err = ServingError(f"request {req.id} did not finish: the scheduler was closed")
-                err.status = 503
-                self._fail(req, err)
+                self._fail(req, 503, "did not finish: the scheduler was closed")
             self.cache.close()
 
     def _loop(self) -> None:
@@ -221,12 +215,9 @@ class Scheduler(Emission):
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue {self.max_queue}) and "
                                      f"all {len(self._slots)} slots are busy; retry later")
-            proposer: Proposer | None = None
-            if assistant is not None:
-                limit = min(self.cache.capacity, len(ids) + cfg.max_new_tokens + 1)
-                proposer = AssistantProposer(assistant, cfg, eos, limit)
-            elif cfg.prompt_lookup_num_tokens is not None:
-                proposer = NgramProposer(cfg)
+            proposer: Proposer | None = (
+                AssistantProposer(assistant, cfg, eos, min(self.cache.capacity, len(ids) + cfg.max_new_tokens + 1))
+                if assistant is not None else NgramProposer(cfg) if cfg.prompt_lookup_num_tokens is not None else None)
             req = Request(next(self._ids), ids, cfg, eos, decoder, matcher, seed=seed, proposer=proposer,
                           logits_processor=logits_processor, keep_logits=keep_logits)
             req.min_reuse, req.decode_tail = min_reuse, decode_tail
@@ -237,10 +228,11 @@ class Scheduler(Emission):
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (thread-safe): ``running`` (requests holding a slot, prefilling or decoding),
         ``waiting`` (queued for a slot), ``slots_used``, ``slots_total``, ``queue_capacity``, the counters
-        ``prompt_tokens`` (prompt tokens in the KV: prefilled or reused) and ``generation_tokens`` (generated), ``requests_finished`` (by finish reason,
-        ``"error"`` included), ``steps``, and the prefix cache's ``prefix_cache_queries`` (prompt tokens looked up) and
-        ``prefix_cache_hits`` (of those, found in a row's KV and not prefilled), and prompt lookup's
-        ``spec_decode_draft_tokens`` (proposed) and ``spec_decode_accepted_tokens`` (kept)."""
+        ``prompt_tokens`` (prompt tokens in the KV: prefilled or reused) and ``generation_tokens`` (generated),
+        ``requests_finished`` (by finish reason, ``"error"`` included), ``steps``, and the prefix cache's
+        ``prefix_cache_queries`` (prompt tokens looked up) and ``prefix_cache_hits`` (of those, found in a row's KV and
+        not prefilled), and prompt lookup's ``spec_decode_draft_tokens`` (proposed) and ``spec_decode_accepted_tokens``
+        (kept)."""
         with self._cond:
             used = sum(r is not None for r in self._slots)
             return {"running": used, "waiting": len(self._waiting), "slots_used": used, "slots_total": len(self._slots),
@@ -298,31 +290,23 @@ class Scheduler(Emission):
     def _await_prefix(self, req: Request) -> bool:
         """Whether ``req`` waits for a running request still prefilling the same prefix (the ``n`` choices of one
         prompt, clients sharing a system prompt): once that prefix is in a row it is copied, not computed twice."""
-        if not self.prefix_caching:
-            return False
-        for other in self._slots:
-            if other is None or other.num_computed >= len(other.prompt_ids):
-                continue
-            common = common_prefix(req.prompt_ids[:-self._after_prefix(req)], other.prompt_ids)
-            if common >= req.min_reuse and common > other.num_computed:
-                return True
-        return False
+        return self.prefix_caching and any(
+            other is not None and other.num_computed < len(other.prompt_ids)
+            and (common := common_prefix(self._head(req), other.prompt_ids)) >= req.min_reuse
+            and common > other.num_computed
+            for other in self._slots)
 
     def _place(self, req: Request, free: list[int]) -> int:
         """The free row a request takes, holding the longest reusable prefix of its prompt (its ``num_computed``)."""
         busy = [s for s, r in enumerate(self._slots) if r is not None]
-        # the prompt's end is always prefilled (its logits choose the first new token): 2 tokens, 1 for a tail
-        row, n = self.cache.index.longest(req.prompt_ids[:-self._after_prefix(req)], free + busy)
+        row, n = self.cache.index.longest(self._head(req), free + busy)
         if n < req.min_reuse:
             row, n = None, 0
-        if row is not None and row in free:
-            slot = row
-            self.cache.keep(slot, n)
-        else:
-            slot = self.cache.index.least_recent(free)
-            self.cache.keep(slot, 0)
-            if row is not None:
-                self.cache.copy_prefix(row, slot, n)
+        # a free row holding the prefix is taken as it is; else the least recently used one, the prefix copied in
+        slot = row if row in free else self.cache.index.least_recent(free)
+        self.cache.keep(slot, n if slot == row else 0)
+        if row is not None and slot != row:
+            self.cache.copy_prefix(row, slot, n)
         req.num_computed = n
         with self._cond:
             self._prefix_queries += len(req.prompt_ids)
@@ -366,7 +350,7 @@ class Scheduler(Emission):
                 logits = self.cache.prefill(req.slot, req.prompt_ids[req.num_computed:req.num_computed + n])
                 budget -= n
                 if self._prefilled(req, n):
-                    self._emit(req, logits)
+                    self._emit_all([(req, logits)])
             except Exception as e:  # noqa: BLE001  one request's failure ends that request only
                 self._error(req, e)
 
@@ -406,9 +390,10 @@ class Scheduler(Emission):
         return True
 
     @staticmethod
-    def _after_prefix(req: Request) -> int:
-        """Prompt tokens a reused prefix leaves to compute, at least: 1 for a ``decode_tail`` request, else 2."""
-        return 1 if req.decode_tail else 2
+    def _head(req: Request) -> list[int]:
+        """The part of the prompt a reused prefix may cover: its end is always prefilled (its logits choose the first
+        new token), 2 tokens, 1 for a ``decode_tail`` request."""
+        return req.prompt_ids[:-1 if req.decode_tail else -2]
 
     @staticmethod
     def _tail(req: Request) -> bool:
@@ -436,9 +421,9 @@ class Scheduler(Emission):
         batch += tails
         if not batch:
             return
-        feed = {r.slot: r.prompt_ids[-1] if r.next_token is None else r.next_token for r in batch}
         try:
-            logits = self.cache.decode({s: t for s, t in feed.items() if s is not None})
+            logits = self.cache.decode({r.slot: r.prompt_ids[-1] if r.next_token is None else r.next_token
+                                        for r in batch if r.slot is not None})
         except Exception as e:  # noqa: BLE001  the whole batch failed: each of its requests ends with the error
             for req in batch:
                 self._error(req, e)
@@ -449,7 +434,6 @@ class Scheduler(Emission):
 
     # --- endings ------------------------------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
-        """Free the request's slot (if it holds one)."""
         if req.slot is not None:
             if not self.prefix_caching:  # else the row keeps its KV for later requests until it is evicted
                 self.cache.free(req.slot)
@@ -481,14 +465,14 @@ class Scheduler(Emission):
                                   draft_tokens=req.drafted, accepted_tokens=req.accepted)
         req._push(last, result=result)
 
-    def _fail(self, req: Request, error: BaseException) -> None:
+    def _fail(self, req: Request, status: int, why: str, cause: Exception | None = None) -> None:
+        """End ``req`` with a ServingError of HTTP ``status``: ``request <id> <why>``."""
+        self._release(req)
+        err = ServingError(f"request {req.id} {why}")
+        err.status, err.__cause__ = status, cause
         self._count("error")
-        req._push(None, error=error)
+        req._push(None, error=err)
 
     def _error(self, req: Request, e: Exception) -> None:
         log.warning("request %s failed: %s", req.id, e)
-        self._release(req)
-        err = ServingError(f"request {req.id} failed: {type(e).__name__}: {e}")
-        err.status = 500
-        err.__cause__ = e
-        self._fail(req, err)
+        self._fail(req, 500, f"failed: {type(e).__name__}: {e}", e)

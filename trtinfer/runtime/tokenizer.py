@@ -27,33 +27,26 @@ def read_tokenizer(engine_dir: Path) -> Any:
         raise EngineLoadError(f"{path} is not a readable tokenizer ({e}); rebuild the engine") from e
 
 
-def utf8_problem(text: str) -> str | None:
-    """Where ``text`` stops being valid UTF-8 (``"byte 0xff at position 0"``), or None when it is valid.
+def check_text(text: str, what: str,
+               fix: str = "pass UTF-8 text (decode bytes with errors='replace' to keep the rest)") -> None:
+    """Raise InputError naming ``what`` (``"prompt 0"``) and saying ``fix`` when ``text`` is not valid UTF-8.
 
     Undecodable bytes reach Python as lone surrogates (command-line arguments are decoded with
     ``surrogateescape``); they are reported as the original bytes where that round-trips.
     """
     try:
         text.encode("utf-8")
-        return None
+        return
     except UnicodeEncodeError as e:
-        first = e.start
+        problem = f"lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
     try:
         raw = text.encode("utf-8", "surrogateescape")
         raw.decode("utf-8")
     except UnicodeEncodeError:
         pass
     except UnicodeDecodeError as e:
-        return f"byte 0x{raw[e.start]:02x} at position {e.start}"
-    return f"lone surrogate U+{ord(text[first]):04X} at character {first}"
-
-
-def check_text(text: str, what: str,
-               fix: str = "pass UTF-8 text (decode bytes with errors='replace' to keep the rest)") -> None:
-    """Raise InputError naming ``what`` (``"prompt 0"``) and saying ``fix`` when ``text`` is not valid UTF-8."""
-    problem = utf8_problem(text)
-    if problem is not None:
-        raise InputError(f"{what} is not valid UTF-8 text ({problem}); {fix}")
+        problem = f"byte 0x{raw[e.start]:02x} at position {e.start}"
+    raise InputError(f"{what} is not valid UTF-8 text ({problem}); {fix}")
 
 
 class EngineTokenizer:
@@ -68,16 +61,12 @@ class EngineTokenizer:
         self.info = info
         self._grammars: dict[int, Any] = {}
         self.eos_token_ids: tuple[int, ...] = tuple(info.get("eos_token_ids") or ())
-        pad = info.get("pad_token_id")
-        self.pad_token_id: int = int(pad) if pad is not None else 0
         self.vocab_size = self._tok.get_vocab_size()
-        tpl = engine_dir / "chat_template.jinja"
-        self.chat_template: str | None = None
-        if tpl.is_file():
-            try:
-                self.chat_template = tpl.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise EngineLoadError(f"{tpl} is not readable UTF-8 text ({e}); rebuild the engine") from e
+        tpl = self.engine_dir / "chat_template.jinja"
+        try:
+            self.chat_template: str | None = tpl.read_text(encoding="utf-8") if tpl.is_file() else None
+        except (OSError, UnicodeDecodeError) as e:
+            raise EngineLoadError(f"{tpl} is not readable UTF-8 text ({e}); rebuild the engine") from e
 
     def grammars(self, vocab_size: int) -> Any:
         """The structured-output compiler of this tokenizer for ``vocab_size`` logits (made once, on first use)."""
@@ -98,7 +87,6 @@ class EngineTokenizer:
         return self._tok
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, Any]] | str, add_generation_prompt: bool = True,
@@ -222,33 +210,28 @@ class IncrementalDecoder:
         self.ids.append(int(token_id))
         if self.stopped:
             return ""
-        self._pending += self._step(int(token_id))
-        if self.stop:
-            # a stop string can only start inside the held-back text: every earlier possible start was held back
-            found = [(at, s) for s in self.stop if (at := self._pending.find(s)) >= 0]
-            if found:
-                at, self.stop_string = min(found)
-                self._pending, self.stopped = self._pending[:at], True
-                return self._release(len(self._pending))
-        return self._release(len(self._pending) - self._held())
+        # a stop string can only start inside the held-back text: every earlier possible start was held back
+        self._pending = self._cut(self._pending + self._step(int(token_id)))
+        return self._release(len(self._pending) - (0 if self.stopped else self._held()))
 
     def finish(self) -> str:
         """Settle the text with one full decode (and its stop-string cut); return what was not returned yet."""
-        full = self.tokenizer.decode(self.ids)
-        found = [(at, s) for s in self.stop if (at := full.find(s)) >= 0]
-        if found:
-            at, self.stop_string = min(found)
-            full, self.stopped = full[:at], True
+        full = self._cut(self.tokenizer.decode(self.ids))
         emitted = "".join(self._emitted)
-        if full.startswith(emitted):
-            delta = full[len(emitted):]
-        else:  # an invalid byte run of a byte-fallback decoder (see the class docstring): the full decode wins
+        ok = full.startswith(emitted)
+        if not ok:  # an invalid byte run of a byte-fallback decoder (see the class docstring): the full decode wins
             log.debug("streamed text %r is not a prefix of the full decode %r", emitted[-40:], full[-40:])
-            delta = ""
-        self._final, self._pending = full, ""
-        if delta:
-            self._emitted.append(delta)
-        return delta
+        self._final, self._pending = full, full[len(emitted):] if ok else ""
+        return self._release(len(self._pending))
+
+    def _cut(self, text: str) -> str:
+        """``text`` up to the first stop string in it, which sets :attr:`stopped` and :attr:`stop_string`."""
+        found = [(at, s) for s in self.stop if (at := text.find(s)) >= 0]
+        if not found:
+            return text
+        at, self.stop_string = min(found)
+        self.stopped = True
+        return text[:at]
 
     def _step(self, token_id: int) -> str:
         """The text ``token_id`` adds ("" while a character is incomplete)."""
@@ -265,13 +248,8 @@ class IncrementalDecoder:
 
     def _held(self) -> int:
         """Length of the longest tail of the pending text that is a proper prefix of a stop string."""
-        held = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self._pending)), held, -1):
-                if self._pending.endswith(s[:k]):
-                    held = k
-                    break
-        return held
+        p = self._pending
+        return max((k for s in self.stop for k in range(1, min(len(s), len(p) + 1)) if p.endswith(s[:k])), default=0)
 
     def _release(self, upto: int) -> str:
         delta, self._pending = self._pending[:upto], self._pending[upto:]

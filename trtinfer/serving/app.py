@@ -20,7 +20,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -56,7 +56,7 @@ RETRY_AFTER_S = 1
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
+           headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(P.error_body(status, message, param, code), status_code=status, headers=headers)
 
 
@@ -88,7 +88,6 @@ class Service:
         self.chat_template: str | None = None
         self._closing = False
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
 
     @property
     def state(self) -> str:
@@ -99,20 +98,17 @@ class Service:
         """Load in a background thread (a loaded Engine is wrapped at once)."""
         if isinstance(self._source, Engine):
             self._load()
-            return
-        self._thread = threading.Thread(target=self._load, name="trtinfer-load", daemon=True)
-        self._thread.start()
+        else:
+            threading.Thread(target=self._load, name="trtinfer-load", daemon=True).start()
 
     def _load(self) -> None:
         engine = None
         try:
             t0 = time.perf_counter()
-            #: the chat route's template: --chat-template's, else the model's (None: the engine has none)
-            self.chat_template = (None if self.config.chat_template is None else
-                                  load_chat_template(self.config.chat_template))
+            # the chat route's template: --chat-template's (read first: a bad one fails fast), else the model's
+            template = self.config.chat_template and load_chat_template(self.config.chat_template)
             engine = self._source if isinstance(self._source, Engine) else load_engine(self._source, self.config)
-            if self.chat_template is None:
-                self.chat_template = engine.tokenizer.chat_template
+            self.chat_template = engine.tokenizer.chat_template if template is None else template
             m = engine.manifest
             scheduler = Scheduler(engine, max_queue=self.config.max_queue, prefill_chunk=self.config.prefill_chunk,
                                   max_slots=self.config.slots_for(m.max_batch_size),
@@ -201,8 +197,7 @@ class _Gate:
     as well as one that declares its size.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None,
-                 max_body: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
         self.app, self.max_body = app, max_body
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
 
@@ -217,8 +212,7 @@ class _Gate:
                 await _error(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
-        declared = headers.get(b"content-length")
-        if declared is not None:
+        if (declared := headers.get(b"content-length")) is not None:
             if not declared.isdigit():
                 await _error(400, "Content-Length is not a number")(scope, receive, send)
                 return
@@ -241,14 +235,10 @@ class _Gate:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
-        replayed = False
+        whole: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # after the body: http.disconnect when the client goes away
+        async def replay() -> Message:  # after the body: http.disconnect when the client goes away
+            return whole.pop() if whole else await receive()
 
         await self.app(scope, replay, send)
 
@@ -257,8 +247,7 @@ class _Gate:
                      code="request_too_large")(scope, receive, send)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# generation routes
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "null"})
 
 
 def _param_of(loc: Any) -> str | None:
@@ -266,9 +255,6 @@ def _param_of(loc: Any) -> str | None:
     tags pydantic puts in (``prompt.list[int].0`` -> ``prompt.0``)."""
     parts = [str(x) for x in loc if x != "body" and not (isinstance(x, str) and ("[" in x or x in _TYPE_TAGS))]
     return ".".join(parts) or None
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "null"})
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -316,7 +302,7 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(TrtInferError)
     async def refused(_: Request, exc: TrtInferError) -> JSONResponse:

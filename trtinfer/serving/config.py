@@ -15,11 +15,12 @@ class ServeConfig:
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401).
     ``model_name``: the name ``/v1/models`` lists and requests must give as ``model`` (default: the engine
     directory's name). ``max_queue``: requests waiting for a batch slot before new ones get 429 (every request waits
-there a moment before a slot takes it, so at least 1).
+    there a moment before a slot takes it, so at least 1).
     ``max_body_bytes``: larger request bodies get 413. ``prefill_chunk``: prompt tokens a step may prefill (long
     prompts go in chunks between decode steps; in one call while others decode). ``max_n``: the most choices
     (``n``) one request may ask for.
-    ``provider``, ``intra_op_threads`` and ``prefill_graph`` go to the engine's :class:`~trtinfer.runtime.config.RuntimeConfig`.
+    ``provider``, ``intra_op_threads`` and ``prefill_graph`` go to the engine's
+    :class:`~trtinfer.runtime.config.RuntimeConfig`.
     ``max_slots``: requests decoded at once (default: the engine's max batch size, at most 8); ``max_model_len``:
     positions per request, prompt + output (default: the engine's max sequence length, at most 2048). Both size the
     KV cache the server reserves when it starts (slots x positions; e.g. 754 MiB for SmolLM2-135M at 8 x 2048).
@@ -52,14 +53,11 @@ there a moment before a slot takes it, so at least 1).
         if not (isinstance(self.host, str) and self.host):
             raise ConfigError(f"host must be a host name or address, got {describe(self.host)}", field="host")
         for name, low in (("port", 0), ("max_queue", 1), ("max_body_bytes", 1), ("prefill_chunk", 1), ("max_n", 1),
-                          ("intra_op_threads", 0), ("speculative_ngram", 0)):
-            value = getattr(self, name)
-            if not (is_int(value) and value >= low):
-                raise ConfigError(f"{name} must be an integer >= {low}, got {describe(value)}", field=name)
-        for name, low in (("max_slots", 1), ("max_model_len", 2)):
-            value = getattr(self, name)
-            if value is not None and not (is_int(value) and value >= low):
-                raise ConfigError(f"{name} must be an integer >= {low} or None, got {describe(value)}", field=name)
+                          ("intra_op_threads", 0), ("speculative_ngram", 0), ("max_slots", 1), ("max_model_len", 2)):
+            value, optional = getattr(self, name), name in ("max_slots", "max_model_len")
+            if not (is_int(value) and value >= low or optional and value is None):
+                raise ConfigError(f"{name} must be an integer >= {low}{' or None' * optional}, got {describe(value)}",
+                                  field=name)
         for name in ("prefix_caching", "prefill_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {describe(getattr(self, name))}", field=name)
@@ -74,14 +72,11 @@ there a moment before a slot takes it, so at least 1).
             raise ConfigError(f"provider must be one of {PROVIDERS}, got {describe(self.provider)}", field="provider")
 
     def runtime(self) -> RuntimeConfig:
-        """The engine's runtime settings."""
         return RuntimeConfig(provider=self.provider, intra_op_threads=self.intra_op_threads,
                              prefill_graph=self.prefill_graph)
 
     def slots_for(self, max_batch_size: int) -> int:
-        """Slots for an engine of this max batch size."""
         return min(self.max_slots or 8, max_batch_size)
 
     def model_len_for(self, max_seq_len: int) -> int:
-        """Positions per request for an engine of this max sequence length."""
         return min(self.max_model_len or 2048, max_seq_len)

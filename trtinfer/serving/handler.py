@@ -32,16 +32,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
 class _Streamed:
     """What one choice streamed so far, for the response or the usage chunk."""
 
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.offset = 0  # text length so far (completions' logprobs text_offset)
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    offset: int = 0  # text length so far (completions' logprobs text_offset)
 
 
 async def _merged(requests: list[Submitted]) -> AsyncIterator[tuple[int, Event]]:
@@ -84,14 +84,16 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _first_or_gone(work: asyncio.Future[Any], request: Request) -> bool:
+async def _first_or_gone(work: asyncio.Future[Any], request: Request, stop: Callable[[], Any]) -> bool:
     """Wait until ``work`` is done or the client disconnects, whichever comes first; True when the client left
-    first (``work`` still running: the caller stops it)."""
+    first (``work`` still running: ``stop()`` was called, which only asks it to end)."""
     gone = asyncio.ensure_future(_disconnected(request.receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        if not work.done():
+            stop()
     return not work.done()
 
 
@@ -116,7 +118,6 @@ class Handler:
 
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.config = service.config
 
     async def handle(self, req: P.CompletionRequest | P.ChatCompletionRequest, request: Request) -> Response:
         """Serve one completion or chat request."""
@@ -124,12 +125,11 @@ class Handler:
         chat = isinstance(req, P.ChatCompletionRequest)
         if req.model:
             self.service.check_model(req.model)
-        P.check_unsupported(req, self.config.max_n)
-        extra = P.unknown_fields(req)
-        if extra:
+        P.check_unsupported(req, self.service.config.max_n)
+        if extra := P.unknown_fields(req):
             log.warning("ignoring unknown request field(s) %s", extra)
-        tool_plan = (T.plan(req.tools, req.tool_choice, req.parallel_tool_calls) if isinstance(req, P.ChatCompletionRequest) else
-                     T.ToolPlan(None, None, False))
+        tool_plan = (T.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+                     if isinstance(req, P.ChatCompletionRequest) else T.ToolPlan(None, None, False))
         if tool_plan.response_format is not None and P.response_format_of(req) is not None:
             raise P.BadRequest("this tool_choice makes the answer a tool call; drop response_format (or use "
                                "tool_choice auto)", param="response_format")
@@ -140,57 +140,46 @@ class Handler:
                                     defaults_set=engine.generation_defaults_set) for ids in prompts]
         if tool_plan.response_format is not None:  # a call is required: the output is one, by grammar
             cfgs = [dataclasses.replace(c, response_format=tool_plan.response_format) for c in cfgs]
+        prompt_tokens = sum(len(ids) for ids in prompts)
         if cfgs[0].num_beams > 1:
             if not scheduler.prefix_caching:  # every beam step would prefill its whole sequence again
                 raise P.BadRequest("use_beam_search keeps each beam's KV through prefix caching, which this server "
                                    "runs without (--no-prefix-caching); restart it with prefix caching",
                                    param="use_beam_search")
-            return await self._beams(scheduler, prompts, cfgs, chat, request)
-        if self.config.speculative_ngram:
-            cfgs = [dataclasses.replace(c, prompt_lookup_num_tokens=self.config.speculative_ngram) for c in cfgs]
-        submitted: list[Submitted] = []
-        try:
-            for ids, cfg in zip(prompts, cfgs):
-                for j in range(req.n):
-                    submitted.append(scheduler.submit(ids, P.for_choice(cfg, j)))
-        except BaseException:
-            for r in submitted:
-                r.cancel()
-            raise
-        prompt_tokens = sum(len(ids) for ids in prompts)
-        text_of = self.service.token_text
-        if req.stream:
-            opts = req.stream_options
-            usage: Literal["last", "continuous"] | None = None
-            if opts is not None and opts.include_usage:  # vLLM: continuous_usage_stats only with include_usage
-                usage = "continuous" if opts.continuous_usage_stats else "last"
-            body = self._events(submitted, P.new_id("chatcmpl" if chat else "cmpl"), chat, prompt_tokens, usage,
-                                text_of, tool_plan.parse)
-            return _EventStream(body, lambda: self._cancel(submitted))
-        collect = asyncio.ensure_future(self._collect(submitted))
-        try:
-            left = await _first_or_gone(collect, request)
-        finally:
-            if not collect.done():  # the client left: its requests free their slots
-                collect.cancel()  # (cancel() only asks: the task is not done yet, and has no result to read)
-            self._cancel(submitted)
-        if left or collect.cancelled():
-            log.info("client disconnected; %d request(s) cancelled", len(submitted))
+            choices = await self._beams(scheduler, prompts, cfgs, request)
+        else:
+            if k := self.service.config.speculative_ngram:
+                cfgs = [dataclasses.replace(c, prompt_lookup_num_tokens=k) for c in cfgs]
+            submitted: list[Submitted] = []
+            try:
+                for ids, cfg in zip(prompts, cfgs):
+                    submitted += [scheduler.submit(ids, P.for_choice(cfg, j)) for j in range(req.n)]
+            except BaseException:
+                self._cancel(submitted)
+                raise
+            if req.stream:
+                opts = req.stream_options  # vLLM: continuous_usage_stats only with include_usage
+                usage: Literal["last", "continuous"] | None = None if opts is None or not opts.include_usage else \
+                    "continuous" if opts.continuous_usage_stats else "last"
+                body = self._events(submitted, P.new_id("chatcmpl" if chat else "cmpl"), chat, prompt_tokens, usage,
+                                    tool_plan.parse)
+                return _EventStream(body, lambda: self._cancel(submitted))
+            choices = await self._collect(submitted, cfgs[0].logprobs, request)
+        if choices is None:  # the client left
             return Response(status_code=499)
-        streamed = collect.result()
-        choices = [P.Choice(i, "".join(s.text), s.finish_reason or "length", s.stop_reason, s.token_ids,
-                            s.logprobs if cfgs[0].logprobs else None) for i, s in enumerate(streamed)]
         if tool_plan.parse:  # the answers' <tool_call> blocks become tool_calls
             for c in choices:
                 parsed = T.parse(c.text)
                 if parsed.calls:
                     c.text, c.tool_calls, c.finish_reason = parsed.content or "", parsed.calls, "tool_calls"
-        return JSONResponse(P.response(chat, self.service.model_name, choices, prompt_tokens, text_of))
+        return JSONResponse(P.response(chat, self.service.model_name, choices, prompt_tokens,
+                                       self.service.token_text))
 
-    async def _beams(self, scheduler: Scheduler, prompts: list[list[int]], cfgs: list[GenerationConfig], chat: bool,
-                     request: Request) -> Response:
+    @staticmethod
+    async def _beams(scheduler: Scheduler, prompts: list[list[int]], cfgs: list[GenerationConfig],
+                     request: Request) -> list[P.Choice] | None:
         """vLLM's ``use_beam_search``: beam search over the scheduler (its steps are requests like any other), one
-        prompt after another in a worker thread; every beam a choice, best first. A client that leaves stops it."""
+        prompt after another in a worker thread; every beam a choice, best first; None when the client left."""
         from trtinfer.runtime.beam import BeamSearch
 
         gone_flag = threading.Event()
@@ -202,24 +191,30 @@ class Handler:
             return out
 
         work = asyncio.ensure_future(run_in_threadpool(search))
-        try:
-            await _first_or_gone(work, request)
-        finally:
-            if not work.done():
-                gone_flag.set()  # the search ends at its next step; its requests finish on their own
-        if gone_flag.is_set():
+        # a client that leaves sets the flag: the search ends at its next step; its requests finish on their own
+        if await _first_or_gone(work, request, gone_flag.set):
             log.info("client disconnected; beam search stopped")
-            return Response(status_code=499)
-        results = work.result()
-        choices = [P.Choice(i, r.text, r.finish_reason, r.stop_reason, r.token_ids, None) for i, r in enumerate(results)]
-        return JSONResponse(P.response(chat, self.service.model_name, choices, sum(map(len, prompts)),
-                                       self.service.token_text))
+            return None
+        return [P.Choice(i, r.text, r.finish_reason, r.stop_reason, r.token_ids, None)
+                for i, r in enumerate(work.result())]
 
-    async def _collect(self, requests: list[Submitted]) -> list[_Streamed]:
-        out = [_Streamed() for _ in requests]
-        async for i, ev in _merged(requests):
-            self._add(out[i], ev)
-        return out
+    async def _collect(self, requests: list[Submitted], logprobs: bool, request: Request) -> list[P.Choice] | None:
+        """The choices once every request is done; None when the client left first (its requests free their slots)."""
+        async def collect() -> list[_Streamed]:
+            out = [_Streamed() for _ in requests]
+            async for i, ev in _merged(requests):
+                self._add(out[i], ev)
+            return out
+
+        task = asyncio.ensure_future(collect())
+        try:  # a cancelled task (cancel() only asks) has no result to read
+            if await _first_or_gone(task, request, task.cancel) or task.cancelled():
+                log.info("client disconnected; %d request(s) cancelled", len(requests))
+                return None
+        finally:
+            self._cancel(requests)
+        return [P.Choice(i, "".join(s.text), s.finish_reason or "length", s.stop_reason, s.token_ids,
+                         s.logprobs if logprobs else None) for i, s in enumerate(task.result())]
 
     @staticmethod
     def _add(s: _Streamed, ev: Event) -> None:
@@ -241,8 +236,7 @@ class Handler:
                 r.cancel()
 
     async def _events(self, requests: list[Submitted], rid: str, chat: bool, prompt_tokens: int,
-                      usage: Literal["last", "continuous"] | None,
-                      text_of: Callable[[int], str], tools: bool = False) -> AsyncGenerator[str, None]:
+                      usage: Literal["last", "continuous"] | None, tools: bool = False) -> AsyncGenerator[str, None]:
         """The SSE body: a chunk per event that carries something, the usage chunk if asked, then ``[DONE]``.
 
         ``usage``: None, none; ``"last"``: a last chunk with the usage (``include_usage``); ``"continuous"``: that,
@@ -254,7 +248,7 @@ class Handler:
         ``tool_calls`` delta at the choice's end (finish reason ``"tool_calls"``).
         """
         kind: Literal["completion", "chat"] = "chat" if chat else "completion"
-        model, created = self.service.model_name, P.now()
+        model, created, text_of = self.service.model_name, P.now(), self.service.token_text
         states = [_Streamed() for _ in requests]
         filters = [T.StreamFilter() for _ in requests] if tools else None
 
@@ -297,8 +291,6 @@ class Handler:
                 yield sse([choice])
             if usage is not None:
                 yield sse([], last=True)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # the stream has begun: the error goes as an event, then the end
             status, message = status_of(e)
             log.log(logging.ERROR if status >= 500 else logging.INFO, "stream failed: %s", e,
@@ -322,8 +314,7 @@ def _encode(engine: Engine, req: P.CompletionRequest | P.ChatCompletionRequest, 
         if isinstance(p, str):
             out.append(tok.encode(p))
             continue
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
+        if bad := [t for t in p if not 0 <= t < vocab]:
             raise P.BadRequest(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
                                param="prompt")
         out.append(list(p))

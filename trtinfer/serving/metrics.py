@@ -37,12 +37,12 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class _SchedulerCollector(Collector):
     """Running/waiting requests, KV slot usage and token counters, from ``stats()`` at scrape time."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, Any] | None], labels: dict[str, str]) -> None:
-        self.stats, self.labels = stats, labels
+    def __init__(self, stats: Callable[[], Mapping[str, Any] | None], model_name: str) -> None:
+        self.stats, self.model_name = stats, model_name
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats() or {}
-        names, values = list(self.labels), list(self.labels.values())
+        names, values = ["model_name"], [self.model_name]
         total = s.get("slots_total") or 0
         G, C = GaugeMetricFamily, CounterMetricFamily
         for cls, name, doc, value in (
@@ -52,7 +52,8 @@ class _SchedulerCollector(Collector):
                  (s.get("slots_used", 0) / total) if total else 0.0),
                 (C, "prompt_tokens", "Prompt tokens processed (prefilled, or reused from the prefix cache).",
                  s.get("prompt_tokens", 0)),
-                (C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.get("prefix_cache_queries", 0)),
+                (C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 s.get("prefix_cache_queries", 0)),
                 (C, "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
                  s.get("prefix_cache_hits", 0)),
                 (C, "spec_decode_num_draft_tokens", "Prompt-lookup draft tokens proposed.",
@@ -76,25 +77,24 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, stats: Callable[[], Mapping[str, Any] | None]) -> None:
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
-        self.registry.register(_SchedulerCollector(stats, labels))
-        names = ["model_name"]
-        self.ttft = Histogram("trtinfer:time_to_first_token_seconds", "Time to first token.", names,
-                              buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram("trtinfer:inter_token_latency_seconds", "Time between consecutive tokens.", names,
-                             buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("trtinfer:e2e_request_latency_seconds",
-                             "Request latency, submit to last token (or cancellation).", names, buckets=E2E_BUCKETS,
+        self.registry.register(_SchedulerCollector(stats, model_name))
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(f"trtinfer:{name}", doc, ["model_name"], buckets=buckets,
                              registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, submit to last token (or cancellation).",
+                             E2E_BUCKETS)
 
     def finished(self, t_submit: float | None, t_first: float | None, token_times: Sequence[float] | None,
                  t_end: float | None) -> None:
         """Record one finished request's TTFT, inter-token gaps and end-to-end latency (one clock, in seconds)."""
         if t_submit is not None and t_first is not None:
             self.ttft.observe(max(0.0, t_first - t_submit))
-        if token_times:
-            for a, b in itertools.pairwise(token_times):
-                self.itl.observe(max(0.0, b - a))
+        for a, b in itertools.pairwise(token_times or ()):
+            self.itl.observe(max(0.0, b - a))
         if t_submit is not None and t_end is not None:
             self.e2e.observe(max(0.0, t_end - t_submit))
 

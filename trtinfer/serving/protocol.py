@@ -9,6 +9,7 @@ not supported). Responses are plain dicts shaped as OpenAI's, which the ``openai
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 import uuid
@@ -193,16 +194,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
-            bad = [p.type for p in content if p.type != "text" or p.text is None]
-            if bad:
+            if bad := [p.type for p in content if p.type != "text" or p.text is None]:
                 raise BadRequest(f"messages[{i}].content has a {bad[0]!r} part; only text parts are supported",
                                  param=f"messages.{i}.content")
             content = "\n".join(p.text or "" for p in content)
-        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            if getattr(m, key) is not None:
-                msg[key] = getattr(m, key)
-        out.append(msg)
+        out.append({"role": m.role, "content": content or "",
+                    **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)})
     return out
 
 
@@ -254,9 +251,7 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
         "frequency_penalty": req.frequency_penalty, "seed": req.seed, "ignore_eos": req.ignore_eos,
         "stop": [] if req.stop is None else req.stop,
     }
-    for name in ("top_p", "min_p", "repetition_penalty"):
-        if getattr(req, name) is not None:
-            fields[name] = getattr(req, name)
+    fields.update(req.model_dump(include={"top_p", "min_p", "repetition_penalty"}, exclude_none=True))
     if req.top_k is not None:
         fields["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM: -1 (or 0) turns top-k off
     if req.temperature is not None:
@@ -274,8 +269,7 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
                       early_stopping=req.early_stopping, stop=[])
     elif req.use_beam_search:  # a beam width of 1 is greedy decoding
         fields["do_sample"] = False
-    fmt = response_format_of(req)
-    if fmt is not None:
+    if (fmt := response_format_of(req)) is not None:
         fields["response_format"] = fmt
     elif isinstance(req, ChatCompletionRequest) and req.logprobs:
         fields["logprobs"], fields["top_logprobs"] = True, req.top_logprobs or 0
@@ -325,10 +319,7 @@ TokenText = Callable[[int], str]
 def completion_logprobs(items: Sequence[TokenLogprob], token_text: TokenText, offset: int = 0) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for some tokens; ``offset`` is the text length before them."""
     tokens = [token_text(lp.token_id) for lp in items]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
+    offsets = list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]
     tops = []
     for lp in items:  # keyed by text: of two tokens of the same text (say U+FFFD) the likelier one stays
         top: dict[str, float] = {}
@@ -386,11 +377,8 @@ def chunk(kind: Literal["completion", "chat"], rid: str, model: str, created: in
           choices: list[dict[str, Any]], usage_: dict[str, int] | None = None,
           with_usage: bool = False) -> dict[str, Any]:
     """One streamed chunk; ``with_usage`` adds ``"usage"`` (null but on the last chunk), as OpenAI does."""
-    out: dict[str, Any] = {"id": rid, "object": "text_completion" if kind == "completion" else
-                           "chat.completion.chunk", "created": created, "model": model, "choices": choices}
-    if with_usage:
-        out["usage"] = usage_
-    return out
+    return {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion.chunk",
+            "created": created, "model": model, "choices": choices, **({"usage": usage_} if with_usage else {})}
 
 
 def model_card(name: str, max_seq_len: int, created: int) -> dict[str, Any]:

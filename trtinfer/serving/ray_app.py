@@ -81,10 +81,10 @@ class RayConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise ConfigError(f"{name} must be a number > 0, got {describe(value)}", field=name)
-        if self.max_ongoing_requests is not None and not (is_int(self.max_ongoing_requests)
-                                                          and self.max_ongoing_requests >= 1):
-            raise ConfigError(f"max_ongoing_requests must be an integer >= 1 or None, got "
-                              f"{describe(self.max_ongoing_requests)}", field="max_ongoing_requests")
+        ongoing = self.max_ongoing_requests
+        if ongoing is not None and not (is_int(ongoing) and ongoing >= 1):
+            raise ConfigError(f"max_ongoing_requests must be an integer >= 1 or None, got {describe(ongoing)}",
+                              field="max_ongoing_requests")
         for name in ("address", "app_name"):
             value = getattr(self, name)
             if (value is not None or name == "app_name") and not (isinstance(value, str) and value.strip()):
@@ -150,9 +150,7 @@ class EngineReplica:
         """Ray Serve's periodic probe: raising marks this replica unhealthy (Ray replaces it)."""
         service = self.service
         if service is None or service.state != "ready":
-            why = "no app yet" if service is None else service.state
-            if service is not None and service.error is not None:
-                why += f": {service.error}"
+            why = "no app yet" if service is None else service.state + (f": {service.error}" if service.error else "")
             raise RuntimeError(f"replica {self.replica} is not serving ({why})")
 
     def __del__(self) -> None:
@@ -177,7 +175,8 @@ def build(engine_dir: str | Path, config: ServeConfig | None = None, ray_config:
     manifest = read_manifest(path)
     if manifest.kind != "decoder":
         raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
-    ongoing = ray_config.max_ongoing_requests or max_ongoing(config.slots_for(manifest.max_batch_size), config.max_queue)
+    ongoing = ray_config.max_ongoing_requests or max_ongoing(config.slots_for(manifest.max_batch_size),
+                                                             config.max_queue)
     # ONNX Runtime intra-op threads per replica: the config's, else one per reserved CPU (at least 1)
     threads = config.intra_op_threads or max(1, math.floor(ray_config.replica_cpus))
     replica_config = dataclasses.replace(config, intra_op_threads=threads)

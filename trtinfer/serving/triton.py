@@ -44,20 +44,11 @@ MODEL_SOURCE = Path(__file__).with_name("triton_model.py")  # written as the ver
 
 #: A decoder's request tensors: name -> (Triton data type, dims); all optional except ``text_input``.
 DECODER_INPUTS: dict[str, tuple[str, list[int]]] = {
-    "text_input": ("TYPE_STRING", [1]),
-    "max_tokens": ("TYPE_INT32", [1]),
-    "min_tokens": ("TYPE_INT32", [1]),
-    "temperature": ("TYPE_FP32", [1]),
-    "top_p": ("TYPE_FP32", [1]),
-    "top_k": ("TYPE_INT32", [1]),
-    "min_p": ("TYPE_FP32", [1]),
-    "repetition_penalty": ("TYPE_FP32", [1]),
-    "presence_penalty": ("TYPE_FP32", [1]),
-    "frequency_penalty": ("TYPE_FP32", [1]),
-    "random_seed": ("TYPE_UINT64", [1]),
-    "stop_words": ("TYPE_STRING", [-1]),
-    "stream": ("TYPE_BOOL", [1]),
-    "sampling_parameters": ("TYPE_STRING", [1]),
+    "text_input": ("TYPE_STRING", [1]), "max_tokens": ("TYPE_INT32", [1]), "min_tokens": ("TYPE_INT32", [1]),
+    "temperature": ("TYPE_FP32", [1]), "top_p": ("TYPE_FP32", [1]), "top_k": ("TYPE_INT32", [1]),
+    "min_p": ("TYPE_FP32", [1]), "repetition_penalty": ("TYPE_FP32", [1]), "presence_penalty": ("TYPE_FP32", [1]),
+    "frequency_penalty": ("TYPE_FP32", [1]), "random_seed": ("TYPE_UINT64", [1]), "stop_words": ("TYPE_STRING", [-1]),
+    "stream": ("TYPE_BOOL", [1]), "sampling_parameters": ("TYPE_STRING", [1]),
 }
 INPUT_NAMES = tuple(DECODER_INPUTS)
 DECODER_OUTPUTS: dict[str, tuple[str, list[int]]] = {"text_output": ("TYPE_STRING", [-1])}
@@ -137,7 +128,7 @@ def _batched(io: GraphIO) -> bool:
 def decoder_config(manifest: Manifest, name: str, config: TritonConfig) -> Any:
     """The ``ModelConfig`` of a decoder: Python backend, decoupled (one response per text delta), no batching."""
     pb2 = _pb2()
-    provider = _provider(manifest, config)
+    provider = config.provider or ("cuda" if manifest.backend == "onnxruntime" and manifest.target == "cuda" else "cpu")
     gpu = provider != "cpu" or manifest.backend == "tensorrt"
     msg = pb2.ModelConfig(name=name, backend="python", max_batch_size=0, model_transaction_policy={"decoupled": True},
                           parameters={"provider": {"string_value": provider},
@@ -148,12 +139,6 @@ def decoder_config(manifest: Manifest, name: str, config: TritonConfig) -> Any:
         msg.output.add(name=tname, data_type=dtype, dims=dims)
     msg.instance_group.add(count=config.instances, kind="KIND_GPU" if gpu else "KIND_CPU")
     return msg
-
-
-def _provider(manifest: Manifest, config: TritonConfig) -> str:
-    if config.provider is not None:
-        return config.provider
-    return "cuda" if manifest.backend == "onnxruntime" and manifest.target == "cuda" else "cpu"
 
 
 def _encoder_config(manifest: Manifest, name: str, config: TritonConfig, platform: str, filename: str) -> Any:
@@ -292,8 +277,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
     JSON) comes first and the single tensors override it. ``top_k`` <= 0 means no top-k; ``temperature`` 0 means
     greedy, above 0 sampling. Bad values raise :class:`InputError` / :class:`ConfigError`.
     """
-    unknown = sorted(set(inputs) - set(INPUT_NAMES))
-    if unknown:
+    if unknown := sorted(set(inputs) - set(INPUT_NAMES)):
         raise InputError(f"unknown input(s) {unknown}; known: {list(INPUT_NAMES)}")
     if "text_input" not in inputs:
         raise InputError("input text_input is required (the prompt, a string)")
@@ -309,8 +293,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
             raise InputError(f"input sampling_parameters should be a JSON object, found {str(raw)[:60]!r}") from e
         if not isinstance(params, dict):
             raise InputError(f"input sampling_parameters should be a JSON object, found {type(params).__name__}")
-        bad = sorted(set(params) - set(_VLLM_FIELDS))
-        if bad:
+        if bad := sorted(set(params) - set(_VLLM_FIELDS)):
             raise InputError(f"unknown sampling_parameters {bad}; known: {sorted(_VLLM_FIELDS)}")
         for key, value in params.items():
             if key == "temperature":
@@ -349,10 +332,7 @@ def response_texts(submitted: Any, stream: bool = True) -> Iterator[str]:
     """The ``text_output`` of each response of a submitted request: every non-empty text delta when streaming, else
     the whole text once (blocking as the scheduler makes them; its error is raised)."""
     deltas = (ev.text for ev in submitted if ev.text)
-    if stream:
-        yield from deltas
-    else:
-        yield "".join(deltas)
+    yield from deltas if stream else ["".join(deltas)]
 
 
 def text_tensor(text: str) -> np.ndarray:

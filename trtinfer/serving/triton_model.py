@@ -42,10 +42,9 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                tensors = {name: pb_utils.get_input_tensor_by_name(request, name) for name in INPUT_NAMES}
-                inputs = {name: t.as_numpy() for name, t in tensors.items() if t is not None}
-                parsed = parse_request(inputs, self.engine.generation_defaults,
-                                       self.engine.generation_defaults_set)
+                inputs = {name: t.as_numpy() for name in INPUT_NAMES
+                          if (t := pb_utils.get_input_tensor_by_name(request, name)) is not None}
+                parsed = parse_request(inputs, self.engine.generation_defaults, self.engine.generation_defaults_set)
                 queued = submit(self.scheduler, parsed)
             except Exception as e:  # noqa: BLE001 - the client gets the error; the instance keeps serving
                 _fail(sender, e)
