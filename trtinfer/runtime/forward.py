@@ -52,8 +52,7 @@ class Output:
     """The values a pass computed; read each through the handle its probe or sampler returned."""
 
     def __init__(self, values: list[Any], handles: list[Handle]) -> None:
-        self._values = values
-        self._handles = handles
+        self._values, self._handles = values, handles
 
     def _get(self, h: Handle, kind: str) -> Any:
         if not isinstance(h, Handle) or h.index >= len(self._values) or self._handles[h.index] != h:
@@ -138,8 +137,7 @@ class Forward:
         """Choose a token at each of ``positions`` with ``sampler``; one handle per position."""
         if not isinstance(sampler, (Argmax, Sampler)):
             raise InputError(f"sample() takes Argmax() or Sampler(...), got {type(sampler).__name__}")
-        pos = [positions] if isinstance(positions, int) else list(positions)
-        return [self._ask(p, sampler) for p in pos]
+        return [self._ask(p, sampler) for p in ([positions] if isinstance(positions, int) else positions)]
 
     def _check_runnable(self) -> None:
         if self._done:
@@ -185,8 +183,7 @@ class Group:
                                  f"{self.capacity} (engine.contexts(n, capacity=...), up to the engine's max sequence "
                                  f"length {cache.session.manifest.max_seq_len})")
             by_slot = {f.ctx.slot: f.tokens for f in passes}
-            rows = cache.prefill_rows(slots[0], [by_slot[s] for s in slots])
-            values = dict(zip(slots, rows))
+            values = dict(zip(slots, cache.prefill_rows(slots[0], [by_slot[s] for s in slots])))
         elif all(len(f.tokens) == 1 and c.tokens for f, c in zip(passes, ctxs)):
             # every row up to the last fed one runs (rows not fed get a dummy token at their length): each must fit
             if int(cache.lengths[:slots[-1] + 1].max()) + 1 > self.capacity:
@@ -225,10 +222,7 @@ class Context:
         if not 2 <= capacity <= max_len:
             raise InputError(f"capacity must be between 2 and the engine's max sequence length {max_len}, "
                              f"got {capacity}")
-        self.session = session
-        self.capacity = capacity
-        self.group = group
-        self.slot = slot
+        self.session, self.capacity, self.group, self.slot = session, capacity, group, slot
         self.cache = SlotCache(session, 1, capacity, reserve=False) if group is None else group.cache
         self.released = False
 

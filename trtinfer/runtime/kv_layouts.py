@@ -15,7 +15,7 @@ it up in the registry (an unknown name is one line listing the known ones).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -39,6 +39,11 @@ class KVLayout(ABC):
     def __init__(self, runner: KVRunner) -> None:
         self.runner = runner
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Register each layout under its ``name`` (the manifest's ``kv_layout``)."""
+        super().__init_subclass__(**kwargs)
+        _LAYOUTS[cls.name] = cls
+
     @abstractmethod
     def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
         """The feeds (without ``logits_positions``) of a pass over rows of preallocated buffers: row ``b``'s
@@ -49,12 +54,6 @@ class KVLayout(ABC):
 _LAYOUTS: dict[str, type[KVLayout]] = {}
 
 
-def register_layout(cls: type[KVLayout]) -> type[KVLayout]:
-    """Class decorator: register a layout under its ``name``."""
-    _LAYOUTS[cls.name] = cls
-    return cls
-
-
 def kv_layout(name: str, runner: KVRunner) -> KVLayout:
     """The layout named ``name`` (a manifest's ``kv_layout``) over ``runner``, or one line listing the known ones."""
     if name not in _LAYOUTS:
@@ -63,7 +62,6 @@ def kv_layout(name: str, runner: KVRunner) -> KVLayout:
     return _LAYOUTS[name](runner)
 
 
-@register_layout
 class ConcatLayout(KVLayout):
     """Left-padded prompts with a 2-D attention mask; each pass returns new present tensors one column longer."""
 
@@ -75,17 +73,13 @@ class ConcatLayout(KVLayout):
         ``starts[b]`` positions right-aligned in them (gathered by the caller) and the columns before masked out,
         as left padding is; then the pass's tokens (right padding masked). A row's past ends where its new tokens
         begin, so a sliding window counted in columns (Gemma-3's local layers) sees the row's last tokens."""
-        rows, width = ids.shape
-        past = int(starts.max())
-        mask = np.zeros((rows, past + width), dtype=np.int64)
-        for r in range(rows):
-            mask[r, past - starts[r]:past] = 1
-            mask[r, past:past + lengths[r]] = 1
+        width, past = ids.shape[1], int(starts.max())
+        cols = np.arange(past + width)
+        mask = ((cols >= past - starts[:, None]) & (cols < past + lengths[:, None])).astype(np.int64)
         return {"input_ids": ids, "attention_mask": mask,
                 "position_ids": starts[:, None] + np.arange(width, dtype=np.int64)}
 
 
-@register_layout
 class SharedBufferLayout(KVLayout):
     """Right-padded prompts, ``seqlens_k`` + ``total_sequence_length`` (GroupQueryAttention), past and present bound
     to one preallocated buffer per layer (written in place)."""
@@ -102,7 +96,6 @@ class SharedBufferLayout(KVLayout):
         return feeds
 
 
-@register_layout
 class ScatterBufferLayout(KVLayout):
     """The TensorRT target's graph (run here by ONNX Runtime): right padding, buffers of the graph's fixed slot count,
     each pass's KV written at ``position_ids[:, 0]`` by TensorScatter; the graph masks slot ``j`` for query position
@@ -111,5 +104,4 @@ class ScatterBufferLayout(KVLayout):
     name = "scatter_buffer"
 
     def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
-        # TensorScatter writes each row's pass at position_ids[:, 0]; the causal mask comes from the positions
         return {"input_ids": ids, "position_ids": starts[:, None] + np.arange(ids.shape[1], dtype=np.int64)}

@@ -13,7 +13,6 @@ import importlib.metadata
 import io as _io
 import logging
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,40 +42,37 @@ def preload_cuda_libraries(ort: Any) -> None:
             preload()
         except (RuntimeError, OSError) as e:  # a broken nvidia-* install: the provider check says it more clearly
             log.debug("onnxruntime.preload_dlls failed: %s", e)
-    if out.getvalue().strip():
-        log.debug("onnxruntime.preload_dlls: %s", out.getvalue().strip())
+    if printed := out.getvalue().strip():
+        log.debug("onnxruntime.preload_dlls: %s", printed)
 
 
-def _pinned_memory_info(ort: Any, device_id: int) -> Any:
-    """The OrtMemoryInfo of ONNX Runtime's page-locked host memory for CUDA device ``device_id``, or None.
+def staging_memory_info(ort: Any, device_id: int) -> Any:
+    """The OrtMemoryInfo of ONNX Runtime's page-locked host memory for CUDA device ``device_id``, or None (also where
+    this onnxruntime's EP-device API differs): inputs then go pageable.
 
     ONNX Runtime (>= 1.23) hands out its CUDA provider's allocators through the provider's EP devices; the classic
     onnxruntime-gpu wheel lists none until its provider library is registered as a plugin, which is done once here.
     """
-    if not all(hasattr(ort, n) for n in ("get_ep_devices", "OrtDeviceMemoryType", "register_execution_provider_library")):
-        return None
-    cuda = [d for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider"]
-    if not cuda:
-        lib = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
-        try:
-            ort.register_execution_provider_library("CUDAExecutionProvider", str(lib))
-        except RuntimeError as e:  # ONNX Runtime's errors (Fail, InvalidArgument, ...) are RuntimeErrors
-            log.debug("could not register %s for its pinned allocator: %s", lib, e)
+    try:
+        if not all(hasattr(ort, n) for n in ("get_ep_devices", "OrtDeviceMemoryType",
+                                              "register_execution_provider_library")):
             return None
         cuda = [d for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider"]
-    if not cuda:
-        return None
-    dev = cuda[device_id] if device_id < len(cuda) else cuda[0]
-    info = dev.memory_info(ort.OrtDeviceMemoryType.HOST_ACCESSIBLE)
-    # the values it allocates report device "cuda" (device_name() has no memory type): the info says they are host memory
-    host = info is not None and info.device_mem_type == ort.OrtDeviceMemoryType.HOST_ACCESSIBLE
-    return info if host else None
-
-
-def staging_memory_info(ort: Any, device_id: int) -> Any:
-    """:func:`_pinned_memory_info`, or None where this onnxruntime's EP-device API differs (inputs then go pageable)."""
-    try:
-        return _pinned_memory_info(ort, device_id)
+        if not cuda:
+            lib = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
+            try:
+                ort.register_execution_provider_library("CUDAExecutionProvider", str(lib))
+            except RuntimeError as e:  # ONNX Runtime's errors (Fail, InvalidArgument, ...) are RuntimeErrors
+                log.debug("could not register %s for its pinned allocator: %s", lib, e)
+                return None
+            cuda = [d for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider"]
+        if not cuda:
+            return None
+        dev = cuda[device_id] if device_id < len(cuda) else cuda[0]
+        info = dev.memory_info(ort.OrtDeviceMemoryType.HOST_ACCESSIBLE)
+        # the values it allocates report device "cuda" (device_name() has no memory type): the info says host memory
+        host = info is not None and info.device_mem_type == ort.OrtDeviceMemoryType.HOST_ACCESSIBLE
+        return info if host else None
     except (RuntimeError, AttributeError, TypeError) as e:
         log.debug("no pinned allocator: %s", e)
         return None
@@ -121,8 +117,13 @@ class PinnedInputs:
             io.bind_cpu_input(name, arr)
             return
         key = (tuple(arr.shape), arr.dtype.str)
-        if name not in self.buffers or self.buffers[name][0] != key:
-            self.buffers[name] = (key, *self._allocate(arr.shape, arr.dtype))  # the old buffer (if any) is freed
+        if name not in self.buffers or self.buffers[name][0] != key:  # a new buffer; the old one (if any) is freed
+            val = self._ort.OrtValue.ortvalue_from_shape_and_type(list(arr.shape), arr.dtype.type,
+                                                                   memory_info=self._memory_info)
+            # a numpy view of its memory (host memory: writable in place)
+            raw = (ctypes.c_char * max(arr.nbytes, 1)).from_address(val.data_ptr())
+            view = np.frombuffer(memoryview(raw), dtype=arr.dtype, count=arr.size).reshape(arr.shape)
+            self.buffers[name] = (key, val, view)
             self.allocations += 1
         _, val, view = self.buffers[name]
         view[...] = arr
@@ -131,13 +132,6 @@ class PinnedInputs:
     def release(self) -> None:
         """Give every buffer back to ONNX Runtime's allocator now (a later :meth:`bind` makes new ones)."""
         self.buffers.clear()
-
-    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, np.ndarray]:
-        """A pinned OrtValue of ``shape``/``dtype`` and a numpy view of its memory (host memory: writable in place)."""
-        val = self._ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type, memory_info=self._memory_info)
-        count = int(np.prod(shape, dtype=np.int64))
-        raw = (ctypes.c_char * max(count * dtype.itemsize, 1)).from_address(val.data_ptr())
-        return val, np.frombuffer(memoryview(raw), dtype=dtype, count=count).reshape(shape)
 
 
 # --- execution providers ------------------------------------------------------------------------------------------
@@ -151,17 +145,6 @@ _INSTALL_HINT = {
     "tensorrt": "install 'trtinfer[gpu]' (onnxruntime-gpu ships the TensorRT provider) and TensorRT 10 "
                 "('trtinfer[tensorrt]')",
 }
-
-
-def _dist_versions(names: Sequence[str]) -> dict[str, str]:
-    """Installed version of each of the pip distributions ``names`` (those absent are left out)."""
-    found = {}
-    for name in names:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return found
 
 
 def trt_cache_paths(engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> tuple[Path, Path]:
@@ -181,15 +164,14 @@ def trt_cache_paths(engine_dir: Path, manifest: Manifest, config: RuntimeConfig)
         return folder, folder
     from trtinfer._cache import cache_path, key_of  # stdlib only: the runtime stays light
 
-    stamps = {}
+    stamps, versions = {}, {}
     for role, name in sorted(manifest.files.items()):
-        path = Path(engine_dir) / name
-        try:
-            st = path.stat()
-        except OSError:
-            continue  # the session reports a missing decoder; a key does not need every file
-        stamps[role] = [name, st.st_size, st.st_mtime_ns]
-    versions = _dist_versions(("onnxruntime-gpu", "onnxruntime", *_TENSORRT_DISTS))
+        with contextlib.suppress(OSError):  # the session reports a missing decoder; a key does not need every file
+            st = (Path(engine_dir) / name).stat()
+            stamps[role] = [name, st.st_size, st.st_mtime_ns]
+    for dist in ("onnxruntime-gpu", "onnxruntime", *_TENSORRT_DISTS):  # those installed
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[dist] = importlib.metadata.version(dist)
     root = cache_path() / "ort-trt"
     return root / key_of([manifest.to_dict(), stamps, versions]), root
 
@@ -223,30 +205,6 @@ def ort_providers(config: RuntimeConfig, manifest: Manifest, engine_dir: Path) -
     if config.trt_max_workspace_size:
         trt["trt_max_workspace_size"] = config.trt_max_workspace_size
     return [(ORT_PROVIDERS["tensorrt"], trt), cuda, cpu]
-
-
-def check_provider_available(ort: Any, provider: str) -> None:
-    """Raise :class:`BackendUnavailableError` (one line: what is missing, what to do) when this onnxruntime lacks the
-    execution provider of ``provider``."""
-    name = ORT_PROVIDERS[provider]
-    offered = ort.get_available_providers()
-    if name not in offered:
-        others = "'cuda' or 'cpu'" if provider == "tensorrt" else "'cpu'"
-        raise BackendUnavailableError(
-            f"provider '{provider}' needs onnxruntime-gpu with {name}; this onnxruntime offers {offered}; "
-            f"{_INSTALL_HINT[provider]} or use provider {others}")
-
-
-def _make_dirs(folders: Sequence[Path]) -> None:
-    """Create the TensorRT cache folders (ONNX Runtime creates only the last level of a path itself)."""
-    for folder in folders:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            err = OutputError(f"cannot create the TensorRT cache folder {folder} ({e.strerror or e}); set "
-                              "RuntimeConfig.trt_cache_dir (or TRTINFER_CACHE) to a writable folder")
-            err.path = str(folder)
-            raise err from e
 
 
 def physical_cores(cpus: set[int] | frozenset[int]) -> int:
@@ -293,14 +251,10 @@ def this_cpu_u8s8_exact() -> bool:
     exact only off x86)."""
     import platform
 
-    flags: set[str] = set()
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                flags = set(value.split())
-                break
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    fields = (line.partition(":") for line in lines)
+    flags = next((set(value.split()) for key, _, value in fields if key.strip() == "flags"), set())
     return u8s8_exact(platform.machine(), flags)
 
 
@@ -344,9 +298,21 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
             lean_weights(so, model, always=config.prepack_weights is False)
     else:
         preload_cuda_libraries(ort)
-        check_provider_available(ort, config.provider)
-    if config.provider == "tensorrt":
-        _make_dirs(trt_cache_paths(engine_dir, manifest, config))
+        name, offered = ORT_PROVIDERS[config.provider], ort.get_available_providers()
+        if name not in offered:  # one line: what is missing, what to do
+            others = "'cuda' or 'cpu'" if config.provider == "tensorrt" else "'cpu'"
+            raise BackendUnavailableError(
+                f"provider '{config.provider}' needs onnxruntime-gpu with {name}; this onnxruntime offers {offered}; "
+                f"{_INSTALL_HINT[config.provider]} or use provider {others}")
+    if config.provider == "tensorrt":  # ONNX Runtime creates only the last level of a cache path itself
+        for folder in trt_cache_paths(engine_dir, manifest, config):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                err = OutputError(f"cannot create the TensorRT cache folder {folder} ({e.strerror or e}); set "
+                                  "RuntimeConfig.trt_cache_dir (or TRTINFER_CACHE) to a writable folder")
+                err.path = str(folder)
+                raise err from e
     providers = ort_providers(config, manifest, engine_dir)
     if config.provider != "cpu" and manifest.precision == "fp32":
         # ONNX Runtime's CUDA provider runs fp32 MatMuls in TF32 (10-bit mantissa) on Ampere and newer unless told
@@ -360,15 +326,12 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
         raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
     if config.provider == "cpu":
         return sess
-    name = ORT_PROVIDERS[config.provider]
     started = sess.get_providers()
     if started[0] != name:
-        if config.provider == "cuda":
-            fix = ("install the CUDA libraries it needs ('onnxruntime-gpu[cuda,cudnn]' or a CUDA toolkit of the "
-                   "version it was built for) or use provider 'cpu'")
-        else:
-            fix = ("install TensorRT 10 ('trtinfer[tensorrt]') and put its libraries on the loader path (e.g. "
-                   "LD_LIBRARY_PATH=<site-packages>/tensorrt_libs), or use provider 'cuda'")
+        fix = ("install the CUDA libraries it needs ('onnxruntime-gpu[cuda,cudnn]' or a CUDA toolkit of the "
+               "version it was built for) or use provider 'cpu'" if config.provider == "cuda" else
+               "install TensorRT 10 ('trtinfer[tensorrt]') and put its libraries on the loader path (e.g. "
+               "LD_LIBRARY_PATH=<site-packages>/tensorrt_libs), or use provider 'cuda'")
         raise BackendUnavailableError(f"ONNX Runtime could not start its {name} for {model} (session providers: "
                                       f"{started}); {fix}")
     return sess

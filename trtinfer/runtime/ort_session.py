@@ -20,12 +20,7 @@ from trtinfer.artifact import Manifest
 from trtinfer.errors import EngineLoadError
 from trtinfer.runtime.config import GPU_PROVIDERS, RuntimeConfig
 from trtinfer.runtime.kv_layouts import kv_layout
-from trtinfer.runtime.ort_env import (
-    PinnedInputs,
-    open_ort_session,
-    staging_memory_info,
-    this_cpu_u8s8_exact,
-)
+from trtinfer.runtime.ort_env import PinnedInputs, open_ort_session, staging_memory_info, this_cpu_u8s8_exact
 from trtinfer.runtime.session import LOGITS_POSITIONS, DecoderSession, register_backend
 
 log = logging.getLogger(__name__)
@@ -116,12 +111,13 @@ class OrtDecoderSession(DecoderSession):
         return staging
 
     @staticmethod
-    def bind_host_input(io: Any, name: str, arr: np.ndarray, staging: PinnedInputs | None) -> None:
-        """Bind host array ``arr`` as input ``name`` of ``io``: directly on the CPU, through ``staging`` on CUDA."""
-        if staging is None:
-            io.bind_cpu_input(name, arr)
-        else:
-            staging.bind(io, name, arr)
+    def bind_host_inputs(io: Any, feeds: dict[str, np.ndarray], staging: PinnedInputs | None) -> None:
+        """Bind the host arrays ``feeds`` as inputs of ``io``: directly on the CPU, through ``staging`` on CUDA."""
+        for name, arr in feeds.items():
+            if staging is None:
+                io.bind_cpu_input(name, arr)
+            else:
+                staging.bind(io, name, arr)
 
     # --- what the KV layouts run on (KVRunner) -----------------------------------------------------------------
     def session_for(self, feeds: dict[str, np.ndarray]) -> Any:
@@ -168,8 +164,7 @@ class OrtDecoderSession(DecoderSession):
             feeds = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
         sess = self.session_for(feeds)
         io = sess.io_binding()
-        for name, arr in feeds.items():
-            self.bind_host_input(io, name, arr, staging)
+        self.bind_host_inputs(io, feeds, staging)
         for name, val in zip(self.past_names, kv_in):
             io.bind_ortvalue_input(name, val)
         io.bind_output("logits", "cpu")
@@ -228,15 +223,12 @@ class OrtDecoderSession(DecoderSession):
                 io.bind_output(present, self.device, self.config.device_id, elem, shape, ptr)  # written in place
             if bindings is not None:
                 bindings[key] = io
-        for name, arr in feeds.items():
-            self.bind_host_input(io, name, arr, staging)
+        self.bind_host_inputs(io, feeds, staging)
         out = self._logits_out.get(id(sess)) if self.has_logits_positions and bindings is not None else None
         if out is None:
             io.bind_output("logits", "cpu")
-            sess.run_with_iobinding(io)
-            return self.select(io.get_outputs()[0].numpy(), positions)
-        dtype, vocab = out
-        logits = np.empty((rows, positions.shape[1], vocab), dtype)
-        io.bind_output("logits", "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data)
+        else:
+            logits = np.empty((rows, positions.shape[1], out[1]), out[0])
+            io.bind_output("logits", "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data)
         sess.run_with_iobinding(io)
-        return logits
+        return self.select(io.get_outputs()[0].numpy(), positions) if out is None else logits

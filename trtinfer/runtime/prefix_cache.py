@@ -56,11 +56,8 @@ class PrefixIndex:
         0)`` when none shares a token). Ties go to the most recently used row."""
         best: tuple[int | None, int] = (None, 0)
         for row in sorted(rows, key=lambda r: -self._used[r]):
-            held = self.tokens[row]
-            if min(len(held), len(prompt)) <= best[1]:
-                continue
-            common = common_prefix(held, prompt)
-            if common > best[1]:
+            held = self.tokens[row]  # compared only when it could share more than the best so far
+            if min(len(held), len(prompt)) > best[1] and (common := common_prefix(held, prompt)) > best[1]:
                 best = (row, common)
         return best
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -39,7 +38,6 @@ class Logits:
     kind = "logits"
 
     def compute(self, row: np.ndarray) -> np.ndarray:
-        """The logits, as float32."""
         return row.astype(np.float32, copy=True)
 
 
@@ -57,7 +55,6 @@ class Distribution:
             raise InputError(f"Distribution needs temperature > 0 and k >= 1, got {self.temperature}, {self.k}")
 
     def compute(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, probs) of the top ``k``."""
         lp = log_softmax(row / self.temperature)
         top = top_sorted(lp, self.k)
         return top, np.exp(lp[top])
@@ -71,7 +68,6 @@ class Logprob:
     kind = "logprobs"
 
     def compute(self, row: np.ndarray) -> float:
-        """The log-probability."""
         _check_ids([self.token_id], row.shape[0])
         return float(log_softmax(row)[self.token_id])
 
@@ -84,7 +80,6 @@ class Logprobs:
     kind = "logprobs"
 
     def compute(self, row: np.ndarray) -> np.ndarray:
-        """The log-probabilities, in the order given."""
         ids = list(self.token_ids)
         _check_ids(ids, row.shape[0])
         return log_softmax(row)[ids]
@@ -97,7 +92,6 @@ class Entropy:
     kind = "entropy"
 
     def compute(self, row: np.ndarray) -> float:
-        """-sum p log p."""
         lp = log_softmax(row)
         return float(-(np.exp(lp) * lp).sum())
 
@@ -109,7 +103,6 @@ class Argmax:
     kind = "token"
 
     def compute(self, row: np.ndarray) -> int:
-        """The token id."""
         return int(np.argmax(row))
 
 
@@ -132,13 +125,11 @@ class Sampler:
         object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
 
     def compute(self, row: np.ndarray) -> int:
-        """One drawn token id."""
         from trtinfer.runtime.sampling import filter_logits, softmax
 
         logits = filter_logits(row[None, :].astype(np.float32) / self.temperature, self.top_k, self.top_p)
         probs = softmax(logits.astype(np.float64))[0]
-        rng: Any = self._rng  # type: ignore[attr-defined]
-        return int(rng.choice(probs.shape[0], p=probs))
+        return int(self._rng.choice(probs.shape[0], p=probs))  # type: ignore[attr-defined]
 
 
 def _check_ids(ids: Sequence[int], vocab: int) -> None:

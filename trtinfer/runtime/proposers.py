@@ -48,8 +48,7 @@ class Proposer(Protocol):
 def trim_draft(draft: list[int], seq: Sequence[int], eos: Collection[int], no_repeat_ngram_size: int) -> list[int]:
     """``draft`` up to its first EOS id (transformers' rule: the model then picks EOS itself where it would) or its
     first token that ``no_repeat_ngram_size`` bans after ``seq`` (such tokens could only be rejected)."""
-    cut = next((j for j, t in enumerate(draft) if t in eos), len(draft))
-    draft = draft[:cut]
+    draft = draft[:next((j for j, t in enumerate(draft) if t in eos), len(draft))]
     if no_repeat_ngram_size > 0:
         for j, t in enumerate(draft):
             if t in banned_ngram_tokens(np.asarray([*seq, *draft[:j]], dtype=np.int64), no_repeat_ngram_size):
@@ -81,12 +80,10 @@ class NgramIndex:
     def draft(self, k: int) -> list[int]:
         """Up to ``k`` tokens after the leftmost earlier occurrence of the longest matching suffix ([] if none)."""
         seq, size = self.tokens, len(self.tokens)
-        if k <= 0:
-            return []
         for n in range(min(self.max_n, size - 1), 0, -1):
             at = self._first.get(tuple(seq[size - n:]))
             if at is not None and at < size - n:  # an occurrence before the suffix itself: it has a continuation
-                return seq[at + n:at + n + k]
+                return seq[at + n:at + n + max(k, 0)]
         return []
 
 
@@ -141,22 +138,20 @@ class AssistantProposer:
     def __init__(self, assistant: Any, cfg: GenerationConfig, eos: Collection[int], limit: int) -> None:
         self.cfg, self.eos = cfg, eos
         self.k = cfg.num_assistant_tokens
-        a_max = assistant.session.manifest.max_seq_len
-        self.ctx = Context(assistant.session, max(2, min(a_max, limit)))  # ctx.tokens: what its KV holds
+        self.ctx = Context(assistant.session, max(2, min(assistant.session.manifest.max_seq_len, limit)))
         self._last: tuple[int, list[int]] = (0, [])  # the previous draft and the sequence length it followed
 
     def propose(self, seq: list[int], k: int) -> list[int]:
         self._adapt(seq)
         ctx = self.ctx
-        held = ctx.tokens
-        keep = common_prefix(held, seq)  # the assistant's tokens still in the sequence
-        keep = min(keep, len(seq) - 1)  # at least the last token is fed, to read the next one's logits
+        # the assistant's tokens still in the sequence, less at least the last one: it is fed, to read the next logits
+        keep = min(common_prefix(ctx.tokens, seq), len(seq) - 1)
         if len(ctx) > keep:
             ctx.truncate(keep)
         want = min(self.k, k, ctx.capacity - len(seq))
         draft: list[int] = []
         pending = seq[keep:]
-        while len(draft) < max(want, 0):
+        while len(draft) < want:
             fwd = ctx.forward().input(pending)
             handle = fwd.sample(len(pending) - 1, Argmax())[0]  # the last fed token's next
             tok = fwd.execute().token(handle)
@@ -172,8 +167,7 @@ class AssistantProposer:
         at, last = self._last
         if not last or self.cfg.num_assistant_tokens_schedule == "constant":
             return
-        kept = seq[at:at + len(last)] == last
-        self.k = self.k + 2 if kept else max(1, self.k - 1)
+        self.k = self.k + 2 if seq[at:at + len(last)] == last else max(1, self.k - 1)
 
     def close(self) -> None:
         """The assistant's KV buffers go with the request (on a GPU: device memory)."""

@@ -31,10 +31,7 @@ _BLOCK = 256  # inverse CDF over a whole row: find the block of the vocabulary f
 def _rows_cols(ids: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Row index and token id of every entry of the per-row id lists ``ids``, flattened."""
     arrays = [np.asarray(a, dtype=np.int64).reshape(-1) for a in ids]
-    if not arrays:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    rows = np.repeat(np.arange(len(arrays)), [len(a) for a in arrays])
-    return rows, np.concatenate(arrays)
+    return np.repeat(np.arange(len(arrays)), [len(a) for a in arrays]), np.concatenate([np.empty(0, np.int64), *arrays])
 
 
 def apply_repetition_penalty(logits: np.ndarray, seen: Sequence[np.ndarray], penalty: float) -> None:
@@ -55,8 +52,6 @@ def apply_presence_frequency_penalties(logits: np.ndarray, generated: Sequence[n
     if presence == 0.0 and frequency == 0.0:
         return
     rows, cols = _rows_cols(generated)
-    if cols.size == 0:
-        return
     vocab = logits.shape[-1]
     keys, counts = np.unique(rows * vocab + cols, return_counts=True)
     r, c = np.divmod(keys, vocab)
@@ -96,8 +91,7 @@ class _Kept(NamedTuple):
     e: np.ndarray
 
 
-_LOW, _HIGH_SHIFT = np.uint64(0xFFFFFFFF), np.uint64(32)
-_SIGN = np.uint32(0x80000000)
+_LOW, _HIGH_SHIFT, _SIGN = np.uint64(0xFFFFFFFF), np.uint64(32), np.uint32(0x80000000)
 
 
 def _finite(m: np.ndarray) -> np.ndarray:
@@ -135,18 +129,16 @@ def top_ids(x: np.ndarray, width: int) -> np.ndarray:
     if width >= vocab:
         return np.broadcast_to(np.arange(vocab), x.shape)
     out = np.empty((len(x), width), np.int64)
-    whole = list(range(len(x)))
+    whole = np.arange(len(x))
     if width <= _NEAR_MAX_WIDTH:
         near = x >= x.max(axis=-1, keepdims=True) - np.float32(_NEAR)
         counts = near.sum(axis=-1)
-        whole = []
-        for r in range(len(x)):
-            if not width <= counts[r] <= _NEAR_MAX_CANDIDATES:
-                whole.append(r)
-                continue
+        few = (width <= counts) & (counts <= _NEAR_MAX_CANDIDATES)
+        for r in np.flatnonzero(few):
             cand = np.flatnonzero(near[r])
             out[r] = cand[np.argpartition(x[r, cand], cand.size - width)[cand.size - width:]]
-    if whole:
+        whole = np.flatnonzero(~few)
+    if whole.size:
         out[whole] = np.argpartition(x[whole], vocab - width, axis=-1)[:, vocab - width:]
     return out
 
@@ -178,11 +170,8 @@ def _nucleus(e: np.ndarray, z: np.ndarray, top_p: float) -> np.ndarray:
     transformers removes a token when its ascending cumulative probability is <= 1 - top_p; for a token that sum is
     1 - (the probability of the tokens above it).
     """
-    above = np.cumsum(e, axis=-1, dtype=np.float64)
-    above = np.concatenate([np.zeros((len(e), 1)), above[:, :-1]], axis=-1)
-    keep = above < top_p * z[:, None]
-    keep[:, 0] = True
-    return keep  # type: ignore[no-any-return]
+    above = np.cumsum(e[:, :-1], axis=-1, dtype=np.float64)  # the probability above each token but the first
+    return np.concatenate([np.ones((len(e), 1), bool), above < top_p * z[:, None]], axis=-1)
 
 
 def _top_p_candidates(x: np.ndarray, top_p: float) -> list[_Kept]:
@@ -197,10 +186,8 @@ def _top_p_candidates(x: np.ndarray, top_p: float) -> list[_Kept]:
     z = e_all.sum(axis=-1, dtype=np.float64)  # the whole row's softmax total
     e = np.exp(vals - m)
     keep = _nucleus(e, z, top_p)
-    if CANDIDATES >= vocab:
-        return [_Kept(np.arange(len(x)), ids, keep, e)]
     last_kept = np.take_along_axis(vals, keep.sum(axis=-1, keepdims=True) - 1, -1)[:, 0]
-    done = last_kept > vals[:, -1]
+    done = (last_kept > vals[:, -1]) | (CANDIDATES >= vocab)
     groups = [_Kept(np.flatnonzero(done), ids[done], keep[done], e[done])]
     if done.all():
         return groups
@@ -274,8 +261,7 @@ def filter_logits(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0, min_p:
 
 def softmax(x: np.ndarray) -> np.ndarray:
     """Row-wise softmax, stable for -inf entries."""
-    z = x - x.max(axis=-1, keepdims=True)
-    e = np.exp(z)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)  # type: ignore[no-any-return]
 
 
@@ -333,9 +319,8 @@ def apply_processors(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[n
                or cfg.no_repeat_ngram_size > 0 or (n_generated < cfg.min_new_tokens and bool(eos_ids)))
     x = np.array(logits, dtype=np.float32) if rewrite else np.asarray(logits, dtype=np.float32)
     apply_repetition_penalty(x, seen, cfg.repetition_penalty)
-    if cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0:
-        apply_presence_frequency_penalties(x, [np.asarray(s)[len(s) - n_generated:] for s in seen],
-                                           cfg.presence_penalty, cfg.frequency_penalty)
+    apply_presence_frequency_penalties(x, [np.asarray(s)[len(s) - n_generated:] for s in seen], cfg.presence_penalty,
+                                       cfg.frequency_penalty)
     apply_no_repeat_ngram(x, seen, cfg.no_repeat_ngram_size)
     if n_generated < cfg.min_new_tokens and eos_ids:
         x[:, list(eos_ids)] = -np.inf
@@ -347,10 +332,9 @@ def select_next(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[np.nda
                 hook: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Pick one token per row of ``logits [B, V]``; ``rngs`` holds one generator per row (sampling only).
 
-    ``seen[r]`` holds row r's prompt and generated tokens (the last ``n_generated``: presence/frequency penalties).
-    ``hook`` (the user's logits processor) runs after the built-in processors and before
-    temperature, top-k, top-p and min-p: transformers' order. Sampling takes exactly one uniform from each row's
-    generator per call.
+    ``seen``, ``n_generated`` and ``eos_ids`` as in :func:`apply_processors`. ``hook`` (the user's logits processor)
+    runs after the built-in processors and before temperature, top-k, top-p and min-p: transformers' order. Sampling
+    takes exactly one uniform from each row's generator per call.
     """
     x = apply_processors(logits, cfg, seen, n_generated, eos_ids)
     if hook is not None:

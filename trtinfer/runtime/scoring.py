@@ -8,10 +8,9 @@ to score the fp32 optimize stage a quantized engine is compared with.
 """
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,6 @@ from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.probes import log_softmax
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.slots import SlotCache
-
-log = logging.getLogger(__name__)
 
 MAX_CHUNK = 256  # tokens per forward pass when scoring
 CHUNK_LOGITS = 2**25  # at most this many logits per chunk (128 MiB of float32): Gemma-3's 262k vocab gets 128 tokens
@@ -62,8 +59,7 @@ class PerplexityResult:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict."""
-        return {"perplexity": self.perplexity, "tokens": self.tokens, "scored": self.scored, "nll": self.nll,
-                "window": self.window, "stride": self.stride}
+        return asdict(self)
 
 
 def check_ids(ids: Sequence[int], vocab_size: int, max_len: int, what: str = "the sequence") -> list[int]:
@@ -117,9 +113,8 @@ def sequence_logprobs(session: DecoderSession, ids: Sequence[int], first: int = 
             if not wanted:
                 continue
             targets = np.asarray(ids[wanted.start + 1:wanted.stop + 1], dtype=np.int64)
-            lp, top = log_softmax_at(logits, targets)
-            logprobs[wanted.start + 1 - first:wanted.stop + 1 - first] = lp
-            argmax[wanted.start + 1 - first:wanted.stop + 1 - first] = top
+            at = slice(wanted.start + 1 - first, wanted.stop + 1 - first)  # the predicted tokens' places
+            logprobs[at], argmax[at] = log_softmax_at(logits, targets)
     finally:
         cache.close()
     return logprobs, argmax

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -29,8 +28,6 @@ import numpy as np
 from trtinfer.artifact import PRESENT_PREFIX, Manifest
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import RuntimeConfig
-
-log = logging.getLogger(__name__)
 
 #: graph input ``[B,K]`` int64: the positions whose logits the graph computes
 LOGITS_POSITIONS = "logits_positions"
@@ -46,9 +43,8 @@ class DecoderSession(ABC):
         self.config = config
         io = manifest.io
         self.input_names = io.input_names
-        self.output_names = io.output_names
         self.past_names = [t.name for t in io.past]
-        self.present_names = [n for n in self.output_names if n.startswith(PRESENT_PREFIX)]
+        self.present_names = [n for n in io.output_names if n.startswith(PRESENT_PREFIX)]
         self.kv_layout = manifest.kv_layout
         self.has_logits_positions = LOGITS_POSITIONS in self.input_names
         logits = io.output("logits")
@@ -103,9 +99,9 @@ class DecoderSession(ABC):
         """Raise :class:`InputError` when the engine returns last-position logits only (built before scoring)."""
         if not self.logits_every_position:
             raise InputError(f"the graph in {self.engine_dir} computes logits at the last position only (no "
-                             f"{LOGITS_POSITIONS} input: an engine built by an older trtinfer or with that pass disabled, or an "
-                             "export stage); "
-                             "rebuild the engine (or score the optimize stage) to score sequences")
+                             f"{LOGITS_POSITIONS} input: an engine built by an older trtinfer or with that pass "
+                             "disabled, or an export stage); rebuild the engine (or score the optimize stage) to score "
+                             "sequences")
 
     def select(self, logits: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The graph's logits ``[B,K',V]`` -> those at ``positions [B,K]``.
@@ -129,7 +125,6 @@ def register_backend(name: str) -> Callable[[Any], Any]:
     def deco(cls: Any) -> Any:
         _BACKENDS[name] = cls
         return cls
-
     return deco
 
 

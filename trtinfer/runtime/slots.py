@@ -96,22 +96,19 @@ class SlotCache:
         width = feeds["input_ids"].shape[1]
         past = feeds["attention_mask"].shape[1] - width
         starts = feeds["position_ids"][:, 0]
-        kv = np.dtype(s.kv_dtype if s.kv_dtype != "bfloat16" else np.uint16)
         views = [self._rows(v)[first_row:first_row + rows] for v in self.values]
         kv_in = []
-        for v in views:
+        for v, val in zip(views, self.values):
             host = np.zeros((rows, v.shape[1], past, v.shape[3]), dtype=np.uint8)
             for r in range(rows):
-                st = int(starts[r])
-                host[r, :, past - st:] = v[r, :, :st]
-            kv_in.append(s.kv_value_from(host.view(kv)))
+                host[r, :, past - starts[r]:] = v[r, :, :starts[r]]
+            kv_in.append(s.kv_value_from(host.view(val.dtype)))  # the host rows' dtype (bfloat16: its bits, uint16)
         logits, present = s.run_bound(feeds, kv_in, positions, self.staging)
         real = feeds["attention_mask"][:, past:].sum(axis=1)
         for view, val in zip(views, present):
             new = val.numpy().view(np.uint8)[:, :, past:]
             for r in range(rows):
-                n, at = int(real[r]), int(starts[r])
-                view[r, :, at:at + n] = new[r, :, :n]
+                view[r, :, starts[r]:starts[r] + real[r]] = new[r, :, :real[r]]
         return logits  # type: ignore[no-any-return]
 
     def _run(self, feeds: dict[str, np.ndarray], first_row: int, rows: int, positions: np.ndarray) -> np.ndarray:
@@ -168,8 +165,7 @@ class SlotCache:
         if int(lengths.max()) + 1 > self.capacity:  # a row not fed gets a dummy token at its length: it must fit too
             raise InputError(f"a slot would hold more than its {self.capacity} positions")
         ids = np.zeros((rows, 1), dtype=np.int64)
-        for s, t in tokens.items():
-            ids[s, 0] = t
+        ids[list(tokens), 0] = list(tokens.values())
         feeds = self.layout.buffer_feeds(ids, lengths, np.ones(rows, dtype=np.int64))
         logits = self._run(feeds, 0, rows, np.zeros((rows, 1), dtype=np.int64))
         for s, t in tokens.items():

@@ -18,7 +18,7 @@ concurrent use must use a separate optimization profile").
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from trtinfer.errors import ConfigError, EngineLoadError
@@ -56,11 +56,9 @@ class Profile:
 
     def accepts(self, shapes: Mapping[str, Shape]) -> bool:
         """Whether every given input shape lies inside this profile's min..max box."""
-        for name, shape in shapes.items():
-            lo, _, hi = self.shapes[name]
-            if len(shape) != len(lo) or any(not a <= s <= b for s, a, b in zip(shape, lo, hi)):
-                return False
-        return True
+        boxes = ((shape, *self.shapes[name]) for name, shape in shapes.items())
+        return all(len(shape) == len(lo) and all(a <= s <= b for s, a, b in zip(shape, lo, hi))
+                   for shape, lo, _, hi in boxes)
 
     def to_dict(self) -> dict[str, Any]:
         """For the engine's ``tensorrt.json`` and ``inspect``."""
@@ -75,25 +73,20 @@ class ProfilePlan:
     profiles: tuple[Profile, ...]
 
     def index(self, name: str) -> int:
-        """The index of the profile called ``name``."""
         for i, p in enumerate(self.profiles):
             if p.name == name:
                 return i
         raise KeyError(name)
 
-    def to_list(self) -> list[dict[str, Any]]:
-        """JSON form."""
+    def to_list(self) -> list[dict[str, Any]]:  # JSON form
         return [p.to_dict() for p in self.profiles]
 
     @classmethod
     def from_list(cls, data: Sequence[Mapping[str, Any]]) -> ProfilePlan:
         """Read :meth:`to_list`'s form back (from an engine's ``tensorrt.json``)."""
-        profiles = []
-        for p in data:
-            dims = {k: DimRange(*map(int, v)) for k, v in p["dims"].items()}
-            shapes = {k: tuple(tuple(int(d) for d in s) for s in v) for k, v in p["shapes"].items()}
-            profiles.append(Profile(str(p["name"]), dims, shapes))  # type: ignore[arg-type]
-        return cls(tuple(profiles))
+        return cls(tuple(Profile(str(p["name"]), {k: DimRange(*map(int, v)) for k, v in p["dims"].items()},
+                                 {k: tuple(tuple(int(d) for d in s) for s in v)  # type: ignore[misc]
+                                  for k, v in p["shapes"].items()}) for p in data))
 
 
 def dim_ranges(max_batch: int, max_seq: int, opt_batch: int | None = None,
@@ -132,17 +125,11 @@ def plan_profiles(inputs: Sequence[Mapping[str, Any]], max_batch: int, max_seq: 
     for name, dims in ranges.items():
         shapes: dict[str, tuple[Shape, Shape, Shape]] = {}
         for t in inputs:
-            triples: list[tuple[int, int, int]] = []
-            for d in t["shape"]:
-                if isinstance(d, int):
-                    triples.append((d, d, d))
-                elif d in dims:
-                    r = dims[d]
-                    triples.append((r.min, r.opt, r.max))
-                else:
-                    raise ConfigError(f"input {t['name']} has dimension '{d}', which no TensorRT profile plans "
-                                      f"(known: {', '.join(KNOWN_DIMS)}); build from a graph optimized for the "
-                                      "tensorrt target (trtinfer optimize --target tensorrt)")
+            if unknown := [d for d in t["shape"] if not isinstance(d, int) and d not in dims]:
+                raise ConfigError(f"input {t['name']} has dimension '{unknown[0]}', which no TensorRT profile plans "
+                                  f"(known: {', '.join(KNOWN_DIMS)}); build from a graph optimized for the "
+                                  "tensorrt target (trtinfer optimize --target tensorrt)")
+            triples = [(d, d, d) if isinstance(d, int) else astuple(dims[d]) for d in t["shape"]]
             lo, opt, hi = (tuple(x[i] for x in triples) for i in range(3))
             shapes[t["name"]] = (lo, opt, hi)
         profiles.append(Profile(name, dims, shapes))
