@@ -37,7 +37,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from trtinfer._cache import atomic_dir
+from trtinfer._outputs import atomic_dir
 from trtinfer.errors import ConfigError, TrtInferError
 
 TEXTS = ROOT / "trtinfer" / "calibration" / "texts"

@@ -19,15 +19,14 @@ import pytest
 import trtinfer._cache as cache
 from trtinfer._cache import (
     ENTRY_NAME,
-    atomic_dir,
     cached_dir,
     check_files,
     clean_cache,
     list_entries,
     record_files,
-    sweep_stale,
     verify_cache,
 )
+from trtinfer._outputs import atomic_dir, sweep_stale
 from trtinfer.errors import OutputError, OutputExistsError
 
 DATA = bytes(range(256)) * (4 * 4096)  # 4 MiB, as a stand-in for model.onnx.data
@@ -286,7 +285,7 @@ def test_sigkill_mid_build_leaves_nothing_after_the_next_build(tiny_model_dir, t
     # OUT2's temp dir as atomic_dir does is killed instead, and the real build must sweep what it left
     holder = textwrap.dedent(f"""
         import time
-        from trtinfer._cache import atomic_dir
+        from trtinfer._outputs import atomic_dir
         with atomic_dir({str(work / 'OUT2')!r}) as tmp:
             (tmp / "engine.onnx").write_bytes(b"x" * 1000)
             time.sleep(600)
@@ -306,7 +305,8 @@ def test_outputs_follow_the_umask(tmp_path, umask, dir_mode, file_mode):
         import json, os, stat, tempfile
         from pathlib import Path
         os.umask({umask})
-        from trtinfer._cache import atomic_dir, cached_dir, current_umask
+        from trtinfer._cache import cached_dir
+        from trtinfer._outputs import atomic_dir, current_umask
         assert current_umask() == {umask}
         with atomic_dir(Path({str(tmp_path / 'engine')!r})) as tmp:
             (tmp / "plain.json").write_text("{{}}")

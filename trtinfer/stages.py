@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trtinfer._cache import atomic_dir, cached_dir
+from trtinfer._cache import cached_dir
+from trtinfer._outputs import atomic_dir
 from trtinfer.artifact import ONNX_NAME, REFERENCE_NAME, StageDir, read_stage
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trtinfer._cache import atomic_dir, check_output_dir
+from trtinfer._outputs import atomic_dir, check_output_dir
 from trtinfer.artifact import Manifest, StageDir, is_stage_dir, new_manifest, read_stage, write_manifest
 from trtinfer.builder.backends import BuildBackend, fused_op_counts, get_build_backend, op_histogram
 from trtinfer.builder.check import EngineCheck, check_accuracy, check_engine

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from trtinfer._cache import atomic_dir
+from trtinfer._outputs import atomic_dir
 from trtinfer.artifact import GraphIO, Manifest, read_manifest
 from trtinfer.errors import BackendUnavailableError, ConfigError, EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig
