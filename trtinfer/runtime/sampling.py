@@ -319,8 +319,9 @@ def apply_processors(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[n
                or cfg.no_repeat_ngram_size > 0 or (n_generated < cfg.min_new_tokens and bool(eos_ids)))
     x = np.array(logits, dtype=np.float32) if rewrite else np.asarray(logits, dtype=np.float32)
     apply_repetition_penalty(x, seen, cfg.repetition_penalty)
-    apply_presence_frequency_penalties(x, [np.asarray(s)[len(s) - n_generated:] for s in seen], cfg.presence_penalty,
-                                       cfg.frequency_penalty)
+    if cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0:  # the generated tokens: sliced only if needed
+        apply_presence_frequency_penalties(x, [np.asarray(s)[len(s) - n_generated:] for s in seen],
+                                           cfg.presence_penalty, cfg.frequency_penalty)
     apply_no_repeat_ngram(x, seen, cfg.no_repeat_ngram_size)
     if n_generated < cfg.min_new_tokens and eos_ids:
         x[:, list(eos_ids)] = -np.inf

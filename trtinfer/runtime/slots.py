@@ -165,7 +165,8 @@ class SlotCache:
         if int(lengths.max()) + 1 > self.capacity:  # a row not fed gets a dummy token at its length: it must fit too
             raise InputError(f"a slot would hold more than its {self.capacity} positions")
         ids = np.zeros((rows, 1), dtype=np.int64)
-        ids[list(tokens), 0] = list(tokens.values())
+        for s, t in tokens.items():  # a loop: for a handful of rows, cheaper than numpy's fancy indexing
+            ids[s, 0] = t
         feeds = self.layout.buffer_feeds(ids, lengths, np.ones(rows, dtype=np.int64))
         logits = self._run(feeds, 0, rows, np.zeros((rows, 1), dtype=np.int64))
         for s, t in tokens.items():
