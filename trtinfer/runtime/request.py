@@ -76,7 +76,10 @@ class _LoopWaker:
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopWaker:
         with cls._loops_lock:
-            return cls._loops.setdefault(loop, cls(loop))
+            waker = cls._loops.get(loop)
+            if waker is None:  # made once per loop (setdefault would build one per call)
+                waker = cls._loops[loop] = cls(loop)
+            return waker
 
     def wake(self, event: asyncio.Event) -> None:
         """From any thread: ``event`` is set on the loop with the others pending, by one callback (already scheduled
