@@ -321,6 +321,14 @@ class Manifest(ArtifactRecord):
         return {"float16": "fp16", "bfloat16": "bf16"}.get(self.io.kv_dtype, "fp32")
 
     @property
+    def export_logits(self) -> str | None:
+        """The export's ``logits`` mode (``last`` or ``all``), None where the manifest records no export (a stage
+        opened for scoring): the built graph's logits shape may not say it (ONNX Runtime's offline optimization can
+        turn the last-position graph's literal 1 into a named dimension)."""
+        mode = ((self.raw.get("export") or {}).get("config") or {}).get("logits")
+        return None if mode is None else str(mode)
+
+    @property
     def kept_float(self) -> tuple[str, ...]:
         """Node-name patterns a quantized engine's build left unquantized (``keep_fp32`` + ``exclude``); empty for
         an engine without quantization or with every GEMM quantized."""

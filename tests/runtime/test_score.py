@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import trtinfer
 from trtinfer.errors import InputError
 from trtinfer.runtime.scoring import open_stage_session, score_ids, windowed_perplexity
+from trtinfer.runtime.slots import SlotCache
 
 TEXT = ("The history of the city of Paris begins in antiquity, when a Celtic tribe settled on an island. "
         "A quick brown fox jumps over the lazy dog while the cat sleeps in the sun.")
@@ -113,6 +114,23 @@ def test_engine_without_positions_input_generates_but_cannot_score(tiny_model_di
                 == [r.token_ids for r in plain.generate(prompts, max_new_tokens=6, ignore_eos=True)])
         with pytest.raises(InputError, match="last position only.*rebuild"):
             eng.score(["Hello world"])
+
+
+def test_concat_engine_with_last_position_logits(tiny_engine):
+    """A concat graph exported with last-position logits and no logits_positions input: ONNX Runtime's build renames
+    its logits' literal 1, so the export's record says what it computes. It builds (its engine check feeds ragged
+    prompts), ragged rows of one slot cache get each row's own last logits, and it generates as the default engine."""
+    with trtinfer.load(tiny_engine("llama", disable_passes=("attention", "logits_positions"))) as eng, \
+            trtinfer.load(tiny_engine("llama")) as plain:
+        assert eng.session.kv_layout == "concat" and not eng.session.logits_every_position
+        ragged = [[5, 6, 7, 8, 9], [10, 11]]
+        got = SlotCache(eng.session, 2, 16).prefill_rows(0, ragged)
+        want = [SlotCache(eng.session, 1, 16).prefill(0, p) for p in ragged]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=1e-5)
+        prompts = ["The history of the city", "Hello"]
+        assert ([r.token_ids for r in eng.generate(prompts, max_new_tokens=6, ignore_eos=True)]
+                == [r.token_ids for r in plain.generate(prompts, max_new_tokens=6, ignore_eos=True)])
 
 
 def test_windowed_perplexity(tiny_model_dir, tiny_engine):

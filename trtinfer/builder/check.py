@@ -77,9 +77,7 @@ def _runtime_logits(sess: Any, prompts: list[np.ndarray], tokens: np.ndarray) ->
     cache = SlotCache(sess, rows, max(len(p) for p in prompts) + steps + 1, reserve=False)
     try:
         ids = [p.tolist() for p in prompts]
-        first = cache.prefill_rows(0, ids) if cache.every_position else [cache.prefill(r, p) for r, p in
-                                                                          enumerate(ids)]
-        got = [np.stack(first).astype(np.float32)]
+        got = [np.stack(cache.prefill_rows(0, ids)).astype(np.float32)]
         for t in range(steps):
             out = cache.decode({r: int(tokens[r, t]) for r in range(rows)})
             got.append(np.stack([out[r] for r in range(rows)]).astype(np.float32))

@@ -175,8 +175,7 @@ class Group:
             return None
         slots = sorted(c.slot for c in ctxs)
         cache = self.cache
-        if (all(not c.tokens for c in ctxs) and cache.every_position
-                and slots == list(range(slots[0], slots[0] + len(slots)))):
+        if all(not c.tokens for c in ctxs) and slots == list(range(slots[0], slots[0] + len(slots))):
             too_long = [len(f.tokens) for f in passes if len(f.tokens) > self.capacity]
             if too_long:
                 raise InputError(f"a prompt of {too_long[0]} tokens does not fit the contexts' capacity of "

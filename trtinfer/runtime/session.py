@@ -47,9 +47,11 @@ class DecoderSession(ABC):
         self.present_names = [n for n in io.output_names if n.startswith(PRESENT_PREFIX)]
         self.kv_layout = manifest.kv_layout
         self.has_logits_positions = LOGITS_POSITIONS in self.input_names
-        logits = io.output("logits")
-        # graphs exported with logits="all" return every position too (no logits_positions input needed)
+        logits, mode = io.output("logits"), manifest.export_logits
+        # graphs exported with logits="all" return every position too (no logits_positions input needed); the export's
+        # record says which, else the graph's shape
         self.logits_every_position = self.has_logits_positions or (
+            mode == "all" if mode is not None else
             logits is not None and len(logits.shape) == 3 and logits.shape[1] != 1)
 
     def __enter__(self) -> DecoderSession:  # noqa: PYI034

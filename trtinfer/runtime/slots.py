@@ -141,10 +141,13 @@ class SlotCache:
 
     def prefill_rows(self, first: int, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Prompts into the empty rows ``first .. first + len(prompts) - 1`` as ONE call (right-padded); each row's
-        logits ``[V]`` after its last token."""
+        logits ``[V]`` after its last token. A graph that computes the last position only (:attr:`every_position`
+        False) would read every row at the padded call's last column: its rows prefill one call each."""
         rows = range(first, first + len(prompts))
         if any(self.length(r) for r in rows) or max(len(p) for p in prompts) > self.capacity:
             raise InputError(f"rows {first}..{rows[-1]} must be empty and the prompts fit {self.capacity} positions")
+        if not self.every_position:
+            return [self.prefill(r, p) for r, p in zip(rows, prompts)]
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         ids = np.zeros((len(prompts), int(lengths.max())), dtype=np.int64)
         for r, p in enumerate(prompts):
