@@ -22,16 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer._outputs import (
-    _TEMP_RE,
-    _apply_modes,
-    _dir_size,
-    _discard,
-    _lock,
-    _output_error,
-    _remove_if_stale,
+    TEMP_RE,
+    apply_modes,
     atomic_dir,
     check_output_dir,
     current_umask,
+    dir_size,
+    discard,
+    lock_dir,
+    output_error,
+    remove_if_stale,
     sweep_stale,
 )
 from trtinfer.errors import ConfigError, OutputError, OutputExistsError
@@ -221,7 +221,7 @@ def cached_dir(kind: str, key: str, make: Callable[[Path], object], *, verify: s
     try:
         kind_dir = cache_root() / kind
     except OSError as e:
-        err = _output_error(e, cache_path() / kind / key, None, _CHANGE_CACHE)
+        err = output_error(e, cache_path() / kind / key, None, _CHANGE_CACHE)
         if err is None:
             raise
         raise err from e
@@ -239,14 +239,14 @@ def cached_dir(kind: str, key: str, make: Callable[[Path], object], *, verify: s
             log.warning("cache entry %s/%s is stale (%s); rebuilding it", kind, key, problem[len("stale: "):])
         else:
             log.warning("cache entry %s/%s is damaged (%s); rebuilding it", kind, key, problem)
-        _discard(final)
+        discard(final)
     elif os.path.lexists(final):
-        _discard(final)
+        discard(final)
     try:
         # never replace an entry: another build may be reading it; if one appears meanwhile, it is used instead
         with atomic_dir(final, overwrite=False, alternative=_CHANGE_CACHE) as tmp:
             make(tmp)
-            _apply_modes(tmp, current_umask())  # before the record: chmod moves ctime, part of the stamp
+            apply_modes(tmp, current_umask())  # before the record: chmod moves ctime, part of the stamp
             entry = {"format": ENTRY_FORMAT, "kind": kind, "key": key, "created": time.time(),
                      "files": record_files(tmp)}
             (tmp / ENTRY_NAME).write_text(json.dumps(entry, indent=1, sort_keys=True))
@@ -296,13 +296,13 @@ def _kind_dirs(kind: str | None) -> list[Path]:
 
 
 def _describe(kind_dir: Path, p: Path, now: float) -> CacheEntry:
-    size = _dir_size(p)
+    size = dir_size(p)
     try:
         mtime = p.stat().st_mtime
     except OSError:
         mtime = now
-    if _TEMP_RE.match(p.name):
-        fd = _lock(p)
+    if TEMP_RE.match(p.name):
+        fd = lock_dir(p)
         if fd is not None:
             os.close(fd)
         return CacheEntry(kind_dir.name, p.name, p, size, now - mtime, "stale temp dir" if fd is not None else "building")
@@ -342,10 +342,10 @@ def clean_cache(*, everything: bool = False, kind: str | None = None) -> list[Ca
         if e.status == "building":
             continue
         if e.status == "stale temp dir":
-            if _remove_if_stale(e.path) is not None:
+            if remove_if_stale(e.path) is not None:
                 removed.append(e)
         elif everything or e.status in ("incomplete", "damaged"):
-            _discard(e.path)
+            discard(e.path)
             removed.append(e)
     return removed
 
@@ -364,7 +364,7 @@ def verify_cache(kind: str | None = None,
         problem = _entry_problem(e.path, "full")
         if problem is not None:
             log.debug("removing %s/%s: %s", e.kind, e.key, problem)
-            _discard(e.path)
+            discard(e.path)
         results.append((e, problem))
         if on_result is not None:
             on_result(e, problem)

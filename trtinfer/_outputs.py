@@ -25,7 +25,7 @@ from trtinfer.errors import OutputError, OutputExistsError
 log = logging.getLogger(__name__)
 
 #: a temp (``.tmp-``) or set-aside (``.old-``) directory of atomic_dir, whatever the final name
-_TEMP_RE = re.compile(r"^\..+\.(tmp|old)-[^/]+$")
+TEMP_RE = re.compile(r"^\..+\.(tmp|old)-[^/]+$")
 _NO_SPACE = "No space left on device"
 _MAPPED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _CHANGE_OUTPUT = "choose another -o"
@@ -47,7 +47,7 @@ def current_umask() -> int:
     return mask
 
 
-def _apply_modes(top: Path, umask: int) -> None:
+def apply_modes(top: Path, umask: int) -> None:
     """Give ``top`` and everything below it the modes a plain mkdir/open would have: 0o777/0o666 less the umask.
 
     Files that were owner-executable stay executable for whoever the umask allows. Modes already right are left
@@ -70,7 +70,7 @@ def _apply_modes(top: Path, umask: int) -> None:
     fix(str(top), os.lstat(top), dir_mode)
 
 
-def _lock(path: Path, wait: bool = False) -> int | None:
+def lock_dir(path: Path, wait: bool = False) -> int | None:
     """An fd on directory ``path`` holding its exclusive flock, or None if another process holds it (or it is gone)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -90,7 +90,7 @@ def _locked_temp_dir(parent: Path, name: str) -> tuple[Path, int]:
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent))
         # Another process may lock it between our mkdir and flock: `cache info` probing (it lets go at once) or a
         # sweeper taking it for stale (it removes it, which the check below sees); so wait for the lock, then look.
-        fd = _lock(tmp, wait=True)
+        fd = lock_dir(tmp, wait=True)
         if fd is None:
             continue
         try:
@@ -103,7 +103,7 @@ def _locked_temp_dir(parent: Path, name: str) -> tuple[Path, int]:
     raise OSError(errno.EAGAIN, "could not create a temp dir that stays", str(parent))
 
 
-def _dir_size(path: Path) -> int:
+def dir_size(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):
         for f in files:
@@ -114,13 +114,13 @@ def _dir_size(path: Path) -> int:
     return total
 
 
-def _remove_if_stale(path: Path) -> int | None:
+def remove_if_stale(path: Path) -> int | None:
     """Remove temp dir ``path`` if no live process holds its lock; the bytes freed, or None if it was left."""
-    fd = _lock(path)
+    fd = lock_dir(path)
     if fd is None:
         return None
     try:
-        size = _dir_size(path)
+        size = dir_size(path)
         shutil.rmtree(path)
         return size
     except OSError as e:
@@ -132,7 +132,7 @@ def _remove_if_stale(path: Path) -> int | None:
 
 def _is_temp_name(name: str, final_name: str | None) -> bool:
     if final_name is None:
-        return bool(_TEMP_RE.match(name))
+        return bool(TEMP_RE.match(name))
     return name.startswith((f".{final_name}.tmp-", f".{final_name}.old-"))
 
 
@@ -150,7 +150,7 @@ def sweep_stale(folder: str | os.PathLike[str], final_name: str | None = None) -
         return removed
     for p in children:
         if _is_temp_name(p.name, final_name) and p.is_dir() and not p.is_symlink():
-            size = _remove_if_stale(p)
+            size = remove_if_stale(p)
             if size is not None:
                 log.debug("removed stale %s (%.1f MB)", p, size / 1e6)
                 removed.append((p, size))
@@ -162,7 +162,7 @@ def _set_aside(path: Path) -> tuple[Path, int | None]:
     # Locked before the rename so no sweeper takes it for stale while we remove it. If the lock is busy (its
     # creator has not closed it yet, or forked a child that kept it) go on without: a sweeper removing a
     # set-aside dir at the same time does no harm.
-    fd = _lock(path) if path.is_dir() and not path.is_symlink() else None
+    fd = lock_dir(path) if path.is_dir() and not path.is_symlink() else None
     old = path.with_name(f".{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         os.rename(path, old)
@@ -180,7 +180,7 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _discard(path: Path) -> None:
+def discard(path: Path) -> None:
     """Remove ``path`` (set aside first, so a crash midway leaves a sweepable ``.old-`` dir, not half an entry)."""
     try:
         old, fd = _set_aside(path)
@@ -228,7 +228,7 @@ def _root_code(e: BaseException | None) -> int | None:
     return None
 
 
-def _output_error(e: BaseException, final: Path, tmp: Path | None, alternative: str) -> OutputError | None:
+def output_error(e: BaseException, final: Path, tmp: Path | None, alternative: str) -> OutputError | None:
     """``e`` as an :class:`OutputError` naming ``final`` if it is an unwritable or full output location, else None.
 
     An OSError counts only if the file it names (if any) is in the temp dir, in ``final``'s folder, or (while
@@ -343,18 +343,18 @@ def atomic_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
         sweep_stale(final.parent, final.name)
         tmp, fd = _locked_temp_dir(final.parent, final.name)
     except OSError as e:
-        err = _output_error(e, final, None, alternative)
+        err = output_error(e, final, None, alternative)
         if err is None:
             raise
         raise err from e
     try:
         try:
             yield tmp
-            _apply_modes(tmp, current_umask())
+            apply_modes(tmp, current_umask())
             _commit(tmp, final, overwrite)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            err = _output_error(e, final, tmp, alternative)
+            err = output_error(e, final, tmp, alternative)
             if err is None:
                 raise
             raise err from e

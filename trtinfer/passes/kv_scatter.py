@@ -62,7 +62,7 @@ import numpy as np
 import onnx_ir as ir
 
 from trtinfer.errors import ConfigError
-from trtinfer.passes.layout import LAYOUT_KEY, _last_token_slice
+from trtinfer.passes.layout import LAYOUT_KEY, last_token_slice
 from trtinfer.passes.opset import upgrade_opset
 from trtinfer.passes.registry import PassContext, register_pass
 
@@ -220,7 +220,7 @@ def plan_scatter(graph: ir.Graph, geometry: dict[str, Any]) -> _Plan | str:
     pasts = [v for v in graph.inputs if PAST.match(v.name or "")]
     if not pasts:
         return "the graph has no past_key_values.* inputs"
-    if _last_token_slice(graph) is not None:
+    if last_token_slice(graph) is not None:
         return ("the LM head reads hidden[:, -1:], a pad token of a short right-padded row: run logits_positions "
                 "first")
     n_layers = geometry.get("num_layers")

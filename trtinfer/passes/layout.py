@@ -48,7 +48,7 @@ def _const_list(v: ir.Value | None) -> list[int] | None:
     return None if arr is None else [int(x) for x in arr.reshape(-1)]
 
 
-def _last_token_slice(graph: ir.Graph) -> ir.Node | None:
+def last_token_slice(graph: ir.Graph) -> ir.Node | None:
     """The ``hidden[:, -1:, :]`` Slice that ``logits_to_keep=1`` traced (exactly one), or None."""
     found = []
     for node in graph:
@@ -87,7 +87,7 @@ def share_kv_buffers(model: ir.Model, ctx: PassContext) -> bool:
         return False
     inputs = {v.name: v for v in graph.inputs}
     seqlens = inputs[SEQLENS]
-    sl = _last_token_slice(graph)
+    sl = last_token_slice(graph)
     if sl is not None:  # logits_positions was disabled: the graph picks each row's last token itself
         _gather_last_tokens(graph, sl, seqlens)
     ir.passes.common.RemoveUnusedNodesPass()(model)
@@ -166,7 +166,7 @@ def logits_positions(model: ir.Model, ctx: PassContext) -> int:
     """``hidden[:, -1:]`` before the LM head -> ``hidden`` at the input ``logits_positions [B,K]`` (1 if replaced)."""
     if any(v.name == LOGITS_POSITIONS for v in model.graph.inputs):
         return 0
-    sl = _last_token_slice(model.graph)
+    sl = last_token_slice(model.graph)
     if sl is None:  # exported with logits="all" (every position already), or not a decoder graph
         return 0
     gather_logits_positions(model.graph, sl)
