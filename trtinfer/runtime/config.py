@@ -155,17 +155,7 @@ class GenerationConfig:
     response_format: str | None = None
 
     def __post_init__(self) -> None:
-        # frozen: object.__setattr__ is the dataclass way to normalize in __post_init__
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ConfigError(f"stop must be a list of non-empty strings, got {describe(self.stop)}", field="stop")
-        object.__setattr__(self, "stop", tuple(stop))
-        eos = self.eos_token_ids
-        if eos is not None:
-            if not isinstance(eos, (list, tuple)) or not all(is_int(t) and t >= 0 for t in eos):
-                raise ConfigError(f"eos_token_ids must be a list of non-negative token ids or None, got {describe(eos)}",
-                                  field="eos_token_ids")
-            object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in eos))
+        self._normalize_sequences()
         if self.response_format is not None:  # a dict (or its JSON) -> canonical JSON text: hashable, comparable
             from trtinfer.runtime.structured import normalize_format
 
@@ -224,7 +214,26 @@ class GenerationConfig:
             ("num_assistant_tokens", self.num_assistant_tokens >= 1,
              f"num_assistant_tokens must be >= 1, got {self.num_assistant_tokens}"),
         ]
-        # what beam search and prompt lookup do not combine with, said in one line each
+        self._check_combinations()
+        for name, ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg, field=name)
+
+    def _normalize_sequences(self) -> None:
+        # frozen: object.__setattr__ is the dataclass way to normalize in __post_init__
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError(f"stop must be a list of non-empty strings, got {describe(self.stop)}", field="stop")
+        object.__setattr__(self, "stop", tuple(stop))
+        eos = self.eos_token_ids
+        if eos is not None:
+            if not isinstance(eos, (list, tuple)) or not all(is_int(t) and t >= 0 for t in eos):
+                raise ConfigError(f"eos_token_ids must be a list of non-negative token ids or None, got {describe(eos)}",
+                                  field="eos_token_ids")
+            object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in eos))
+
+    def _check_combinations(self) -> None:
+        """What beam search and prompt lookup do not combine with, said in one line each."""
         if self.num_beams > 1:
             unsupported = [name for name, on in (
                 ("do_sample", self.do_sample), ("stop", bool(self.stop)), ("logprobs", self.logprobs),
@@ -236,6 +245,3 @@ class GenerationConfig:
         if self.prompt_lookup_num_tokens is not None and self.num_return_sequences > 1:
             raise ConfigError("prompt_lookup_num_tokens does not combine with num_return_sequences > 1",
                               field="num_return_sequences")
-        for name, ok, msg in checks:
-            if not ok:
-                raise ConfigError(msg, field=name)
