@@ -106,7 +106,7 @@ class Service:
         try:
             t0 = time.perf_counter()
             # the chat route's template: --chat-template's (read first: a bad one fails fast), else the model's
-            template = self.config.chat_template and load_chat_template(self.config.chat_template)
+            template = None if self.config.chat_template is None else load_chat_template(self.config.chat_template)
             engine = self._source if isinstance(self._source, Engine) else load_engine(self._source, self.config)
             self.chat_template = engine.tokenizer.chat_template if template is None else template
             m = engine.manifest
