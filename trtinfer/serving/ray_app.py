@@ -150,7 +150,8 @@ class EngineReplica:
         """Ray Serve's periodic probe: raising marks this replica unhealthy (Ray replaces it)."""
         service = self.service
         if service is None or service.state != "ready":
-            why = "no app yet" if service is None else service.state + (f": {service.error}" if service.error else "")
+            why = "no app yet" if service is None else service.state + (
+                "" if service.error is None else f": {service.error}")
             raise RuntimeError(f"replica {self.replica} is not serving ({why})")
 
     def __del__(self) -> None:
