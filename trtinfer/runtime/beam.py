@@ -95,13 +95,10 @@ class BeamSearch:
         self.logits_processor, self.should_stop = check_hooks(logits_processor, should_stop)
         # each beam's step: its next token's logits, nothing else (no stop rules, no text)
         self._one = GenerationConfig(max_new_tokens=1, do_sample=False, ignore_eos=True)
-        self.results: list[GenerationResult] = []
 
     def run(self) -> list[GenerationResult]:
-        self.results = []
-        for start in range(0, len(self.prompts), self.per_group):
-            self.results.extend(self._search(self.prompts[start:start + self.per_group]))
-        return self.results
+        return [r for start in range(0, len(self.prompts), self.per_group)
+                for r in self._search(self.prompts[start:start + self.per_group])]
 
     def _logits(self, seqs: list[list[int]], continuations: bool = True) -> np.ndarray:
         """The next-token logits ``[len(seqs), V]`` after each sequence, one one-token request each; a beam's

@@ -114,15 +114,12 @@ class Forward:
         raise InputError("custom attention masks are not supported: the engine's graph builds the causal mask from "
                          "positions (concat, shared_buffer and scatter_buffer layouts alike)")
 
-    def _position(self, position: int) -> int:
+    def _ask(self, position: int, what: Any) -> Handle:
         n = len(self.tokens)
         p = position + n if position < 0 else position
         if not 0 <= p < n:
             raise InputError(f"position {position} is outside this pass's {n} input tokens")
-        return p
-
-    def _ask(self, position: int, what: Any) -> Handle:
-        h = Handle(len(self._asks), what.kind, self._position(position))
+        h = Handle(len(self._asks), what.kind, p)
         self._asks.append((h, what))
         return h
 

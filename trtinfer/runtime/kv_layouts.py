@@ -15,7 +15,7 @@ it up in the registry (an unknown name is one line listing the known ones).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -39,19 +39,11 @@ class KVLayout(ABC):
     def __init__(self, runner: KVRunner) -> None:
         self.runner = runner
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Register each layout under its ``name`` (the manifest's ``kv_layout``)."""
-        super().__init_subclass__(**kwargs)
-        _LAYOUTS[cls.name] = cls
-
     @abstractmethod
     def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
         """The feeds (without ``logits_positions``) of a pass over rows of preallocated buffers: row ``b``'s
         ``ids[b, :lengths[b]]`` go to positions ``starts[b]..`` (right padding after them). A prefill (``starts``
         0), a chunk of one row, or a decode step (one token a row) alike. Slot caches run on this."""
-
-
-_LAYOUTS: dict[str, type[KVLayout]] = {}
 
 
 def kv_layout(name: str, runner: KVRunner) -> KVLayout:
@@ -105,3 +97,7 @@ class ScatterBufferLayout(KVLayout):
 
     def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
         return {"input_ids": ids, "position_ids": starts[:, None] + np.arange(ids.shape[1], dtype=np.int64)}
+
+
+#: the layouts by ``name`` (the manifest's ``kv_layout``)
+_LAYOUTS: dict[str, type[KVLayout]] = {c.name: c for c in (ConcatLayout, SharedBufferLayout, ScatterBufferLayout)}

@@ -109,7 +109,6 @@ class BeamGeneration:
                  should_stop: Callable[[], bool] | None = None) -> None:
         self.engine, self.prompts, self.cfg = engine, prompts, cfg
         self.logits_processor, self.should_stop = logits_processor, should_stop
-        self.results: list[GenerationResult] = []
 
     def run(self) -> list[GenerationResult]:
         from trtinfer.runtime.beam import BeamSearch
@@ -123,8 +122,7 @@ class BeamGeneration:
         sched = Scheduler(self.engine, max_queue=slots, max_slots=slots, reserve=False, prefill_chunk=slots * longest,
                           kv_capacity=min(max_len, longest + self.cfg.max_new_tokens + 1))
         try:
-            self.results = BeamSearch(sched, self.prompts, self.cfg, drive=True, logits_processor=self.logits_processor,
-                                      should_stop=self.should_stop).run()
+            return BeamSearch(sched, self.prompts, self.cfg, drive=True, logits_processor=self.logits_processor,
+                              should_stop=self.should_stop).run()
         finally:
             sched.close()
-        return self.results

@@ -142,7 +142,10 @@ class AssistantProposer:
         self._last: tuple[int, list[int]] = (0, [])  # the previous draft and the sequence length it followed
 
     def propose(self, seq: list[int], k: int) -> list[int]:
-        self._adapt(seq)
+        # transformers' heuristic: +2 after a draft the engine kept whole, -1 (down to 1) otherwise
+        at, last = self._last
+        if last and self.cfg.num_assistant_tokens_schedule != "constant":
+            self.k = self.k + 2 if seq[at:at + len(last)] == last else max(1, self.k - 1)
         ctx = self.ctx
         # the assistant's tokens still in the sequence, less at least the last one: it is fed, to read the next logits
         keep = min(common_prefix(ctx.tokens, seq), len(seq) - 1)
@@ -161,13 +164,6 @@ class AssistantProposer:
             pending = [tok]
         self._last = (len(seq), draft)
         return draft
-
-    def _adapt(self, seq: list[int]) -> None:
-        """transformers' heuristic: +2 after a draft the engine kept whole, -1 (down to 1) otherwise."""
-        at, last = self._last
-        if not last or self.cfg.num_assistant_tokens_schedule == "constant":
-            return
-        self.k = self.k + 2 if seq[at:at + len(last)] == last else max(1, self.k - 1)
 
     def close(self) -> None:
         """The assistant's KV buffers go with the request (on a GPU: device memory)."""

@@ -87,11 +87,14 @@ class SlotCache:
         return np.frombuffer(memoryview(raw), dtype=np.uint8).reshape(self.slots, self.session.kv_shape[0],
                                                                         self.capacity, -1)
 
-    def _run_gathered(self, feeds: dict[str, np.ndarray], first_row: int, rows: int,
-                      positions: np.ndarray) -> np.ndarray:
-        """A pass of a layout that returns new KV (concat, ONNX Runtime): each row's past gathered from the host rows
-        onto the device, right-aligned in ``max(starts)`` columns (the columns before it masked, as left padding),
-        the pass's new KV written back at each row's start."""
+    def _run(self, feeds: dict[str, np.ndarray], first_row: int, rows: int, positions: np.ndarray) -> np.ndarray:
+        """One pass over buffer rows ``first_row .. first_row + rows - 1``; logits ``[rows, K, V]`` at ``positions``.
+        A layout that returns new KV (concat, ONNX Runtime) gets each row's past gathered from the host rows onto the
+        device, right-aligned in ``max(starts)`` columns (the columns before it masked, as left padding), and the
+        pass's new KV written back at each row's start."""
+        if self.layout.in_place:
+            return self.session.run_rows(feeds, self.values, first_row, rows,  # type: ignore[no-any-return]
+                                         self.capacity, positions, self.staging, self._bindings)
         s = self.session
         width = feeds["input_ids"].shape[1]
         past = feeds["attention_mask"].shape[1] - width
@@ -110,13 +113,6 @@ class SlotCache:
             for r in range(rows):
                 view[r, :, starts[r]:starts[r] + real[r]] = new[r, :, :real[r]]
         return logits  # type: ignore[no-any-return]
-
-    def _run(self, feeds: dict[str, np.ndarray], first_row: int, rows: int, positions: np.ndarray) -> np.ndarray:
-        """One pass over buffer rows ``first_row .. first_row + rows - 1``; logits ``[rows, K, V]`` at ``positions``."""
-        if not self.layout.in_place:
-            return self._run_gathered(feeds, first_row, rows, positions)
-        return self.session.run_rows(feeds, self.values, first_row, rows, self.capacity,  # type: ignore[no-any-return]
-                                     positions, self.staging, self._bindings)
 
     def feed(self, slot: int, tokens: Sequence[int], want: Sequence[int]) -> np.ndarray:
         """The next ``tokens`` of slot ``slot``'s sequence (one batch-1 call bound to its row); logits

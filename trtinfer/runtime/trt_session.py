@@ -83,24 +83,19 @@ class _Staging:
         self.graph: cuda.CudaGraph | None = None
         self.graph_key: tuple[Any, ...] | None = None
 
-    def _grow(self, name: str, nbytes: int, host: bool) -> None:
-        if name not in self.device or self.device[name].nbytes < nbytes:
-            self.drop_graph()  # a moved buffer invalidates the captured addresses
-            self.device[name] = cuda.DeviceBuffer(nbytes)
-            self.host.pop(name, None)  # a pinned twin must be as large: made anew below or when first fetched
-            if host:
-                self.host[name] = cuda.PinnedBuffer(nbytes)
-
     def put(self, name: str, arr: np.ndarray) -> int:
         """Stage ``arr`` in its pinned buffer and queue the copy to the device; returns the device pointer."""
-        self._grow(name, arr.nbytes, host=True)
+        ptr = self.out(name, arr.nbytes, host=True)
         self.host[name].view(arr.shape, arr.dtype)[...] = arr
-        cuda.copy_to_device(self.device[name].ptr, self.host[name], arr.nbytes, self.stream)
-        return self.device[name].ptr
+        cuda.copy_to_device(ptr, self.host[name], arr.nbytes, self.stream)
+        return ptr
 
     def out(self, name: str, nbytes: int, host: bool) -> int:
         """A device buffer of at least ``nbytes`` for output ``name`` (and a pinned one when it comes back)."""
-        self._grow(name, nbytes, host)
+        if name not in self.device or self.device[name].nbytes < nbytes:
+            self.drop_graph()  # a moved buffer invalidates the captured addresses
+            self.device[name] = cuda.DeviceBuffer(nbytes)
+            self.host.pop(name, None)  # a pinned twin must be as large: made anew below
         if host and name not in self.host:
             self.host[name] = cuda.PinnedBuffer(self.device[name].nbytes)
         return self.device[name].ptr
@@ -206,11 +201,9 @@ class TrtDecoderSession(DecoderSession):
         ctx = self.contexts[select_profile(self.plan, shapes)]
         key = (id(ctx), b, k, tuple(rows))
         graphable = self.config.cuda_graphs and k == 1 and shapes["input_ids"][1] == 1  # decode steps only
-        replay = graphable and st.graph_key == key and st.graph is not None
-        if replay:
+        if graphable and st.graph_key == key and st.graph is not None:  # replay
             for name, arr in feeds.items():  # the graph re-copies from these pinned buffers
                 st.host[name].view(arr.shape, arr.dtype)[...] = arr
-            assert st.graph is not None
             st.graph.launch()
         else:
             capture = graphable and st.graph_key == key  # the second step of these shapes: the first warmed up

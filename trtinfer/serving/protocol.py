@@ -26,10 +26,9 @@ from trtinfer.runtime.generator import TokenLogprob
 GREEDY_BELOW = 1e-5
 #: GenerationConfig field -> the request parameter that sets it, for error messages
 PARAM_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
-#: HTTP status -> OpenAI error type
+#: HTTP status -> OpenAI error type (any other: invalid_request_error, as 405 and 413 are)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+               404: "not_found_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
 class BadRequest(ServingError):

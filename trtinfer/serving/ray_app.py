@@ -27,7 +27,6 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-trtinfer-replica"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RayConfig:
     """How the server runs on Ray Serve (what :class:`ServeConfig` says about one server holds for each replica).
 
@@ -110,11 +109,7 @@ class _ReplicaHeader:
         self.app, self.header = app, (REPLICA_HEADER.encode(), replica.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def named(message: Message) -> None:
+        async def named(message: Message) -> None:  # other scopes (lifespan) send no http.response.start
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), self.header]}
             await send(message)
@@ -188,7 +183,7 @@ def build(engine_dir: str | Path, config: ServeConfig | None = None, ray_config:
         max_ongoing_requests=ongoing,
         # waiting at each proxy beyond what replicas take: bounded like the scheduler's queue, answered 429 as it is
         max_queued_requests=config.max_queue * ray_config.replicas,
-        backpressure_config={"status_code": 429, "retry_after_s": 1},
+        backpressure_config={"status_code": 429, "retry_after_s": app_module.RETRY_AFTER_S},
         health_check_period_s=ray_config.health_check_period_s,
         graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s,
     ).bind(str(path), replica_config)
