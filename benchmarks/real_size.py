@@ -3,7 +3,7 @@ cache and engine bytes), what its checks said, what the engine costs to load and
 steps get to the machine's measured memory bandwidth.
 
 usage: python -m benchmarks.real_size (--checkpoint DIR | --preset NAME [--layers N] [--vocab V])
-           [--precisions fp32,int8,int4] [--method M] [--cache DIR] [--work DIR] [--batch-sizes 1,8]
+           [--precisions fp32,int8,int4[+b128][+prefill]] [--method M] [--cache DIR] [--work DIR] [--batch-sizes 1,8]
            [--prompt-len 512] [--batch-prompt-len 32] [--new-tokens 32] [--buffer-mib 1024] [--oga-python PY]
            [--llama-cpp-python PY --llama-cpp-convert SCRIPT [--llama-cpp-types Q4_0,Q4_K_M] [--llama-cpp-outtype q8_0]]
            [--keep] [--out PREFIX]
@@ -109,15 +109,28 @@ def parse_time_v(stderr: str) -> dict[str, Any]:
             "last_line": killed or (own[-1] if own else None), "signal": signal, "tail": own[-20:]}
 
 
+def build_flags(precision: str) -> list[str]:
+    """The extra build flags of a ``--precisions`` entry ``P[+SUFFIX...]``: ``+prefill`` the int8 prefill graph
+    (``--prefill int8``), ``+bN`` weight blocks of N (``--block-size N``); raises ValueError on another suffix."""
+    flags: list[str] = []
+    for extra in precision.split("+")[1:]:
+        if extra == "prefill":
+            flags += ["--prefill", "int8"]
+        elif re.fullmatch(r"b\d+", extra):
+            flags += ["--block-size", extra[1:]]
+        else:
+            raise ValueError(f"unknown suffix '+{extra}' in '{precision}': +prefill or +bN (block size N)")
+    return flags
+
+
 def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cache: Path) -> dict[str, Any]:
     """Build one engine through the CLI under ``/usr/bin/time -v``; the row of figures (``error`` on failure).
-    ``precision`` ``P+prefill``: precision P with the int8 prefill graph (``--prefill int8``)."""
-    base, _, extra = precision.partition("+")
+    ``precision`` is P[+SUFFIX...] (:func:`build_flags`)."""
+    base = precision.partition("+")[0]
     cmd = [sys.executable, "-m", "trtinfer", "build", str(ckpt), "--precision", base, "-o", str(engine), "--force"]
     if base == "int4":
         cmd += ["--method", method or "rtn"]
-    if extra == "prefill":
-        cmd += ["--prefill", "int8"]
+    cmd += build_flags(precision)
     log_path = engine.parent / f"build-{precision}.log"
     before = tree_bytes(cache)
     log.info("building %s (log: %s)", precision, log_path)
@@ -397,7 +410,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--layers", type=int, help="--preset: an N-layer slice")
     ap.add_argument("--vocab", type=int, help="--preset: this vocabulary size")
     ap.add_argument("--precisions", type=_csv(str), default=["fp32", "int8", "int4"],
-                    help="engines to build; P+prefill: precision P with --prefill int8")
+                    help="engines to build; suffixes: P+prefill (--prefill int8), P+bN (--block-size N), "
+                    "e.g. int4,int4+b128")
     ap.add_argument("--method", help="int4 --method (default rtn)")
     ap.add_argument("--work", type=Path, default=Path("~/.cache/trtinfer-bench"),
                     help="checkpoints/ and runs/ (a temp folder per run: engines, logs, the default cache)")
@@ -420,6 +434,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--keep", action="store_true", help="keep the run folder (engines, build logs, default cache)")
     ap.add_argument("--out", type=Path, help="PREFIX of PREFIX.json and PREFIX.png")
     args = ap.parse_args(argv)
+    for precision in args.precisions:
+        try:
+            build_flags(precision)
+        except ValueError as e:
+            ap.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
     work = args.work.expanduser()

@@ -55,6 +55,16 @@ def test_a_failed_build_is_a_row(tmp_path):
     assert real_size.check_text(row).startswith("build failed: ")
 
 
+def test_precision_suffixes_become_build_flags(tmp_path):
+    assert real_size.build_flags("int4") == []
+    assert real_size.build_flags("int4+b128+prefill") == ["--block-size", "128", "--prefill", "int8"]
+    with pytest.raises(ValueError, match=r"'\+b12x'"):
+        real_size.build_flags("int4+b12x")
+    with pytest.raises(SystemExit) as refused:  # refused before any checkpoint is written
+        real_size.main(["--preset", "llama-3.2-1b", "--precisions", "int4,int4+fast", "--work", str(tmp_path)])
+    assert refused.value.code == 2 and not any(tmp_path.iterdir())
+
+
 def test_main_on_a_one_layer_slice(tmp_path):
     try:
         report = real_size.main(["--preset", "llama-3.2-1b", "--layers", "1", "--vocab", "512", "--precisions",
