@@ -91,7 +91,8 @@ class _Staging:
         return ptr
 
     def out(self, name: str, nbytes: int, host: bool) -> int:
-        """A device buffer of at least ``nbytes`` for output ``name`` (and a pinned one when it comes back)."""
+        """A device buffer of at least ``nbytes`` for ``name`` (and a pinned twin for an input staged through it or an
+        output that comes back)."""
         if name not in self.device or self.device[name].nbytes < nbytes:
             self.drop_graph()  # a moved buffer invalidates the captured addresses
             self.device[name] = cuda.DeviceBuffer(nbytes)
