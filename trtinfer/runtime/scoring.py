@@ -80,6 +80,11 @@ def check_ids(ids: Sequence[int], vocab_size: int, max_len: int, what: str = "th
     return row
 
 
+def chunk_tokens(vocab_size: int) -> int:
+    """Tokens per forward pass: :data:`MAX_CHUNK`, fewer for large vocabularies (logits memory stays bounded)."""
+    return max(16, min(MAX_CHUNK, CHUNK_LOGITS // max(1, vocab_size)))
+
+
 def log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``log_softmax(logits)[i, targets[i]]`` (computed in float64, returned as float32) and each row's argmax."""
     lp = log_softmax(logits)
@@ -95,7 +100,7 @@ def sequence_logprobs(session: DecoderSession, ids: Sequence[int], first: int = 
     """
     session.check_can_score()
     n = len(ids)
-    chunk = chunk or max(16, min(MAX_CHUNK, CHUNK_LOGITS // max(1, int(session.manifest.geometry["vocab_size"]))))
+    chunk = chunk or chunk_tokens(int(session.manifest.geometry["vocab_size"]))
     logprobs, argmax = np.empty(n - first, np.float32), np.empty(n - first, np.int64)
     fed = n - 1  # the last token's logits would predict nothing
     cache = SlotCache(session, 1, fed, reserve=False)

@@ -25,6 +25,7 @@ import logging
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ _TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "int8": "TYPE_INT8"
                  "float32": "TYPE_FP32", "float64": "TYPE_FP64", "string": "TYPE_STRING"}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class TritonConfig:
     """How ``trtinfer triton`` lays out the model repository.
 
@@ -105,7 +106,14 @@ def _pb2() -> Any:
     return model_config_pb2
 
 
-# --- the models, one writer per engine kind and backend ----------------------------------------------------------
+# --- config.pbtxt -----------------------------------------------------------------------------------------------
+def _triton_type(dtype: str, where: str) -> str:
+    if dtype not in _TRITON_TYPES:
+        raise EngineLoadError(f"{where} has element type {dtype!r}, which has no Triton type; known: "
+                              f"{', '.join(_TRITON_TYPES)}")
+    return _TRITON_TYPES[dtype]
+
+
 def _dims(shape: list[Any]) -> list[int]:
     """Manifest dims (ints or names of dynamic axes) -> Triton dims (-1 for dynamic)."""
     return [d if isinstance(d, int) and not isinstance(d, bool) and d >= 0 else -1 for d in shape]
@@ -115,6 +123,40 @@ def _batched(io: GraphIO) -> bool:
     """True if every input and output has a dynamic first axis (Triton's batch dimension)."""
     specs = io.inputs + io.outputs
     return bool(specs) and all(s.shape and _dims(list(s.shape[:1])) == [-1] for s in specs)
+
+
+def decoder_config(manifest: Manifest, name: str, config: TritonConfig) -> Any:
+    """The ``ModelConfig`` of a decoder: Python backend, decoupled (one response per text delta), no batching."""
+    pb2 = _pb2()
+    provider = config.provider or ("cuda" if manifest.backend == "onnxruntime" and manifest.target == "cuda" else "cpu")
+    gpu = provider != "cpu" or manifest.backend == "tensorrt"
+    msg = pb2.ModelConfig(name=name, backend="python", max_batch_size=0, model_transaction_policy={"decoupled": True},
+                          parameters={"provider": {"string_value": provider},
+                                      "engine_backend": {"string_value": manifest.backend}})
+    for tname, (dtype, dims) in DECODER_INPUTS.items():
+        msg.input.add(name=tname, data_type=dtype, dims=dims, optional=tname != "text_input")
+    for tname, (dtype, dims) in DECODER_OUTPUTS.items():
+        msg.output.add(name=tname, data_type=dtype, dims=dims)
+    msg.instance_group.add(count=config.instances, kind="KIND_GPU" if gpu else "KIND_CPU")
+    return msg
+
+
+def _encoder_config(manifest: Manifest, name: str, config: TritonConfig, platform: str, filename: str) -> Any:
+    """An encoder's ``ModelConfig``: the graph served as is, inputs/outputs from the manifest's I/O listing."""
+    pb2 = _pb2()
+    io = manifest.io
+    batched = _batched(io)
+    msg = pb2.ModelConfig(name=name, platform=platform, default_model_filename=filename,
+                          max_batch_size=manifest.max_batch_size if batched else 0)
+    for key, field, specs in (("input", msg.input, io.inputs), ("output", msg.output, io.outputs)):
+        for spec in specs:
+            field.add(name=spec.name, data_type=_triton_type(spec.dtype, f"the engine's {key} {spec.name}"),
+                      dims=_dims(list(spec.shape))[1 if batched else 0:])
+    if batched:
+        msg.dynamic_batching.max_queue_delay_microseconds = config.max_queue_delay_us
+    gpu = platform == "tensorrt_plan" or manifest.target == "cuda"
+    msg.instance_group.add(count=config.instances, kind="KIND_GPU" if gpu else "KIND_CPU")
+    return msg
 
 
 def config_text(msg: Any) -> str:
@@ -128,6 +170,7 @@ def config_text(msg: Any) -> str:
     return text
 
 
+# --- the models, one writer per engine kind and backend ----------------------------------------------------------
 def _place(src: Path, dst: Path, link: bool) -> None:
     """Copy ``src`` (a file or folder) to ``dst``, or symlink it (absolute) with ``link``."""
     if link:
@@ -139,47 +182,18 @@ def _place(src: Path, dst: Path, link: bool) -> None:
 
 
 def _python_model(engine_dir: Path, manifest: Manifest, name: str, config: TritonConfig, version: Path) -> Any:
-    """A decoder: ``model.py`` beside the engine; Python backend, decoupled (one response per text delta), no
-    batching."""
     shutil.copy2(MODEL_SOURCE, version / "model.py")
     _place(engine_dir, version / ENGINE_FOLDER, config.link)
-    provider = config.provider or ("cuda" if manifest.backend == "onnxruntime" and manifest.target == "cuda" else "cpu")
-    gpu = provider != "cpu" or manifest.backend == "tensorrt"
-    msg = _pb2().ModelConfig(name=name, backend="python", max_batch_size=0,
-                             model_transaction_policy={"decoupled": True},
-                             parameters={"provider": {"string_value": provider},
-                                         "engine_backend": {"string_value": manifest.backend}})
-    for tname, (dtype, dims) in DECODER_INPUTS.items():
-        msg.input.add(name=tname, data_type=dtype, dims=dims, optional=tname != "text_input")
-    for tname, (dtype, dims) in DECODER_OUTPUTS.items():
-        msg.output.add(name=tname, data_type=dtype, dims=dims)
-    msg.instance_group.add(count=config.instances, kind="KIND_GPU" if gpu else "KIND_CPU")
-    return msg
+    return decoder_config(manifest, name, config)
 
 
 def _graph_model(platform: str, filename: str, data_role: str | None) -> Callable[..., Any]:
-    """An encoder's writer: the graph served as is, inputs/outputs from the manifest's I/O listing."""
     def write(engine_dir: Path, manifest: Manifest, name: str, config: TritonConfig, version: Path) -> Any:
         _place(engine_dir / manifest.files["encoder"], version / filename, config.link)
         data = manifest.files.get(data_role) if data_role else None
         if data:  # external weights: the graph refers to them by this file name, next to it
             _place(engine_dir / data, version / data, config.link)
-        io = manifest.io
-        batched = _batched(io)
-        msg = _pb2().ModelConfig(name=name, platform=platform, default_model_filename=filename,
-                                 max_batch_size=manifest.max_batch_size if batched else 0)
-        for key, field, specs in (("input", msg.input, io.inputs), ("output", msg.output, io.outputs)):
-            for spec in specs:
-                if spec.dtype not in _TRITON_TYPES:
-                    raise EngineLoadError(f"the engine's {key} {spec.name} has element type {spec.dtype!r}, which "
-                                          f"has no Triton type; known: {', '.join(_TRITON_TYPES)}")
-                field.add(name=spec.name, data_type=_TRITON_TYPES[spec.dtype],
-                          dims=_dims(list(spec.shape))[1 if batched else 0:])
-        if batched:
-            msg.dynamic_batching.max_queue_delay_microseconds = config.max_queue_delay_us
-        gpu = platform == "tensorrt_plan" or manifest.target == "cuda"
-        msg.instance_group.add(count=config.instances, kind="KIND_GPU" if gpu else "KIND_CPU")
-        return msg
+        return _encoder_config(manifest, name, config, platform, filename)
 
     return write
 
@@ -226,7 +240,7 @@ def write_repository(engine_dir: str | Path, repo_dir: str | Path, config: Trito
 
 
 # --- request handling of the generated model.py -----------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class TritonRequest:
     """One decoder request: the prompt, its generation settings and whether to stream the text."""
 
