@@ -337,14 +337,14 @@ class Scheduler(Emission):
             budget -= len(run) * max(map(len, rows))
             self._emit_all([(req, lg) for req, lg in zip(run, outs) if self._prefilled(req, len(req.prompt_ids))])
         for req in running:
-            if budget == 0 or (one_call and calls):
+            if budget <= 0 or (one_call and calls):
                 break
             todo = len(req.prompt_ids) - req.num_computed
             if req.slot is None or todo == 0 or self._tail(req):
                 continue
-            n = min(todo, budget)
-            if todo - n == 1 and n > 1 and not req.decode_tail:  # the last chunk keeps two tokens (see submit)
-                n -= 1
+            n = self._chunk(req, todo, budget, first=not calls)
+            if not n:
+                continue
             calls += 1
             try:
                 logits = self.cache.prefill(req.slot, req.prompt_ids[req.num_computed:req.num_computed + n])
@@ -353,6 +353,20 @@ class Scheduler(Emission):
                     self._emit_all([(req, logits)])
             except Exception as e:  # noqa: BLE001  one request's failure ends that request only
                 self._error(req, e)
+
+    @staticmethod
+    def _chunk(req: Request, todo: int, budget: int, first: bool) -> int:
+        """How many of ``req``'s ``todo`` prompt tokens to prefill now, at most ``budget``: never a one-token pass
+        short of the prompt's end, nor a chunk that leaves one token (see :meth:`submit`: a one-token pass may round
+        differently from a chunk; SmolLM2-135M int4 served with ``--prefill-chunk 12`` answered 1 of 32 chat
+        requests differently from the same request alone when a step's budget left one token for the next prompt).
+        0: the request waits for the next step; the step's first call may go over a budget of 1-2 tokens instead."""
+        n = min(todo, budget)
+        if todo - n == 1 and n > 1 and not req.decode_tail:  # the last chunk keeps two tokens
+            n -= 1
+        if n == 1 and todo > 1:
+            n = (3 if todo == 3 and not req.decode_tail else 2) if first else 0
+        return n
 
     def _fresh_runs(self, budget: int) -> list[list[Request]]:
         """Groups of >= 2 requests with nothing in their rows yet, in neighbouring slots, whose whole prompts fit
