@@ -504,3 +504,26 @@ def test_smollm2_int4_prompt_after_a_reused_prefix_equals_generate_alone(real_en
             assert sched.stats()["prefix_cache_hits"] >= 3 * (len(base) - 1)
         for g, w in zip(got, want):
             same(g, w)
+
+
+@pytest.mark.slow
+def test_smollm2_int4_conversation_turn_equals_generate_alone(real_engine):
+    """A second chat turn (the first turn's prompt + its answer + a new message) reuses the first prompt's KV but not
+    the answer's: the answer was decoded one token a pass, which rounds differently from a prompt's chunk (7 of 8
+    second turns answered differently from the same prompt alone when the answer's KV was reused)."""
+    cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    with trtinfer.load(real_engine("smollm2-135m", precision="int4")) as eng:
+        tok = eng.tokenizer
+        firsts = [tok.encode(f"<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\n{q}"
+                             "<|im_end|>\n<|im_start|>assistant\n")
+                  for q in ("What is the capital of France?", "List three prime numbers.", "Write a haiku about the sea.")]
+        more = tok.encode("<|im_end|>\n<|im_start|>user\nTell me more.<|im_end|>\n<|im_start|>assistant\n")
+        with Scheduler(eng, max_slots=2) as sched:
+            for first in firsts:
+                answer = sched.submit(first, cfg).result(timeout=300).token_ids
+                turn2 = first + list(answer) + more
+                before = sched.stats()["prefix_cache_hits"]
+                got = sched.submit(turn2, cfg).result(timeout=300)
+                same(got, alone(eng, turn2, cfg))
+                assert sched.stats()["prefix_cache_hits"] - before == len(first)  # the first prompt, not its answer
+

@@ -29,8 +29,8 @@ def _texts(seed: int, system: int = 40, suffixes: tuple[int, ...] = (5, 9, 3)) -
 
 def test_index_longest_prefix_and_lru():
     idx = PrefixIndex(3)
-    idx.extend(0, [1, 2, 3, 4])
-    idx.extend(1, [1, 2, 9])
+    idx.extend(0, [1, 2, 3, 4], prompt=True)
+    idx.extend(1, [1, 2, 9], prompt=True)
     assert idx.longest([1, 2, 3, 5], [0, 1, 2]) == (0, 3)
     assert idx.longest([1, 2, 9, 9], [0, 1, 2]) == (1, 3)
     assert idx.longest([7, 7], [0, 1, 2]) == (None, 0)
@@ -40,6 +40,22 @@ def test_index_longest_prefix_and_lru():
     assert idx.least_recent([0, 1, 2]) == 0
     idx.cut(0, 1)
     assert idx.tokens[0] == [1] and idx.least_recent([0, 1, 2]) == 1
+
+
+def test_index_reuses_only_what_a_prompts_prefill_computed():
+    """Tokens fed one a pass (decode steps) or after them, and one-token passes, are held but not reused by a new
+    prompt (they may round differently from a prompt's chunk); ``decoded=True`` (beam continuations) takes them."""
+    idx = PrefixIndex(2)
+    idx.extend(0, [1, 2, 3], prompt=True)
+    idx.extend(0, [4])  # a decode step
+    idx.extend(0, [5, 6], prompt=True)  # a chunk after a decoded token: its KV depends on that token's
+    assert idx.tokens[0] == [1, 2, 3, 4, 5, 6] and idx.prefilled[0] == 3
+    assert idx.longest([1, 2, 3, 4, 5, 6, 7], [0, 1]) == (0, 3)
+    assert idx.longest([1, 2, 3, 4, 5, 6, 7], [0, 1], decoded=True) == (0, 6)
+    idx.extend(1, [1], prompt=True)  # a one-token prompt pass
+    assert idx.prefilled[1] == 0
+    idx.cut(0, 2)
+    assert idx.prefilled[0] == 2 and idx.longest([1, 2, 3], [0]) == (0, 2)
 
 
 @pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
@@ -77,8 +93,9 @@ def test_prefix_is_copied_from_a_running_row(engine):
     assert {a.slot, b.slot, c.slot} == {None}
 
 
-def test_a_conversation_reuses_the_earlier_turn_with_its_answer(engine):
-    """Turn 2's prompt = turn 1's prompt + its answer + more: the answer's KV (fed back tokens) is reused too."""
+def test_a_conversation_reuses_the_earlier_turns_prompt_not_its_answer(engine):
+    """Turn 2's prompt = turn 1's prompt + its answer + more: the first prompt's KV is reused; the answer's, decoded
+    one token a pass, is prefilled again as a prompt's chunk (a one-token pass may round differently)."""
     first = _texts(3)[0]
     with Scheduler(engine, max_slots=2) as sched:
         r1 = sched.submit(first, GREEDY).result(timeout=60)
@@ -87,7 +104,7 @@ def test_a_conversation_reuses_the_earlier_turn_with_its_answer(engine):
         r2 = sched.submit(turn2, GREEDY).result(timeout=60)
         hits = sched.stats()["prefix_cache_hits"] - before
     same(r2, alone(engine, turn2, GREEDY))
-    assert hits == len(first) + len(r1.token_ids) - 1  # all but the last answer token (never fed back)
+    assert hits == len(first)
 
 
 def test_no_prefix_caching_prefills_everything_and_answers_the_same(engine):

@@ -114,24 +114,24 @@ class SlotCache:
                 view[r, :, starts[r]:starts[r] + real[r]] = new[r, :, :real[r]]
         return logits  # type: ignore[no-any-return]
 
-    def feed(self, slot: int, tokens: Sequence[int], want: Sequence[int]) -> np.ndarray:
+    def feed(self, slot: int, tokens: Sequence[int], want: Sequence[int], prompt: bool = False) -> np.ndarray:
         """The next ``tokens`` of slot ``slot``'s sequence (one batch-1 call bound to its row); logits
         ``[len(want), V]`` at the chunk's positions ``want`` (position ``j`` predicts the token after
-        ``tokens[j]``)."""
+        ``tokens[j]``). ``prompt``: a prompt's chunk (its KV reusable as a prefix, :class:`PrefixIndex`)."""
         start, n = self.length(slot), len(tokens)
         if n == 0 or start + n > self.capacity:
             raise InputError(f"slot {slot} holds {start} of {self.capacity} positions; {n} more tokens do not fit")
         feeds = self.layout.buffer_feeds(np.asarray(tokens, dtype=np.int64)[None, :], np.array([start], np.int64),
                                          np.array([n], np.int64))
         logits = self._run(feeds, slot, 1, np.asarray(want, dtype=np.int64)[None, :])
-        self.index.extend(slot, tokens)
+        self.index.extend(slot, tokens, prompt)
         return logits[0]  # type: ignore[no-any-return]
 
     def prefill(self, slot: int, tokens: Sequence[int], every: bool = False) -> np.ndarray:
         """:meth:`feed`: logits ``[V]`` after the last token, or with ``every`` ``[len(tokens), V]`` after each (a
         draft's verification, scored on the decoder graph as the decode steps it stands for)."""
         if not every:
-            return self.feed(slot, tokens, [len(tokens) - 1])[-1]
+            return self.feed(slot, tokens, [len(tokens) - 1], prompt=True)[-1]
         with self.session.decoder_graph():
             return self.feed(slot, tokens, range(len(tokens)))
 
@@ -151,7 +151,7 @@ class SlotCache:
         feeds = self.layout.buffer_feeds(ids, np.zeros_like(lengths), lengths)
         logits = self._run(feeds, first, len(prompts), (lengths - 1)[:, None])
         for r, p in zip(rows, prompts):
-            self.index.extend(r, p)
+            self.index.extend(r, p, prompt=True)
         return [logits[i, -1] for i in range(len(prompts))]
 
     def decode(self, tokens: dict[int, int]) -> dict[int, np.ndarray]:
@@ -204,7 +204,9 @@ class SlotCache:
         else:
             self.session.copy_rows(self.values, src, target.values, dst, n, self.capacity)
         target.index.cut(dst, 0)
-        target.index.extend(dst, self.index.tokens[src][:n])
+        done = min(n, self.index.prefilled[src])  # the copy is as reusable as the source row
+        target.index.extend(dst, self.index.tokens[src][:done], prompt=True)
+        target.index.extend(dst, self.index.tokens[src][done:n])
 
     def close(self) -> None:
         """Drop the buffers (and the host staging)."""
