@@ -518,12 +518,29 @@ def test_smollm2_int4_conversation_turn_equals_generate_alone(real_engine):
                              "<|im_end|>\n<|im_start|>assistant\n")
                   for q in ("What is the capital of France?", "List three prime numbers.", "Write a haiku about the sea.")]
         more = tok.encode("<|im_end|>\n<|im_start|>user\nTell me more.<|im_end|>\n<|im_start|>assistant\n")
-        with Scheduler(eng, max_slots=2) as sched:
-            for first in firsts:
-                answer = sched.submit(first, cfg).result(timeout=300).token_ids
-                turn2 = first + list(answer) + more
-                before = sched.stats()["prefix_cache_hits"]
-                got = sched.submit(turn2, cfg).result(timeout=300)
-                same(got, alone(eng, turn2, cfg))
-                assert sched.stats()["prefix_cache_hits"] - before == len(first)  # the first prompt, not its answer
+        sched = Scheduler(eng, max_slots=2)  # stepped here: no idle refill between the turns
+        for first in firsts:
+            r1 = sched.submit(first, cfg)
+            run_all(sched)
+            turn2 = first + list(r1.result().token_ids) + more
+            before = sched.stats()["prefix_cache_hits"]
+            got = sched.submit(turn2, cfg)
+            run_all(sched)
+            same(got.result(), alone(eng, turn2, cfg))
+            assert sched.stats()["prefix_cache_hits"] - before == len(first)  # the first prompt, not its answer
+        sched.close()
+        # started, the scheduler refills finished answers while idle: a later turn reuses all of turn 1
+        with Scheduler(eng, max_slots=2, prefill_chunk=16) as sched:
+            first = firsts[0]
+            answer = list(sched.submit(first, cfg).result(timeout=300).token_ids)
+            fed = len(first) + len(answer) - 1
+            deadline = time.monotonic() + 120
+            while max(sched.cache.index.prefilled) < fed:
+                assert time.monotonic() < deadline, "the idle scheduler did not refill the answer"
+                time.sleep(0.01)
+            turn2 = first + answer + more
+            before = sched.stats()["prefix_cache_hits"]
+            got2 = sched.submit(turn2, cfg).result(timeout=300)
+            assert sched.stats()["prefix_cache_hits"] - before == fed
+        same(got2, alone(eng, turn2, cfg))
 

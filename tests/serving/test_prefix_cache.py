@@ -2,6 +2,8 @@
 as without it (greedy and seeded sampling), whether the row was free (taken in place) or running (copied)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -93,18 +95,45 @@ def test_prefix_is_copied_from_a_running_row(engine):
     assert {a.slot, b.slot, c.slot} == {None}
 
 
-def test_a_conversation_reuses_the_earlier_turns_prompt_not_its_answer(engine):
-    """Turn 2's prompt = turn 1's prompt + its answer + more: the first prompt's KV is reused; the answer's, decoded
-    one token a pass, is prefilled again as a prompt's chunk (a one-token pass may round differently)."""
+def test_a_conversation_reuses_the_earlier_turns_prompt_not_its_decoded_answer(engine):
+    """Turn 2's prompt = turn 1's prompt + its answer + more, straight after turn 1 (stepped by the caller: no idle
+    loop): the first prompt's KV is reused; the answer's, decoded one token a pass, is prefilled again as a prompt's
+    chunk (a one-token pass may round differently)."""
     first = _texts(3)[0]
-    with Scheduler(engine, max_slots=2) as sched:
-        r1 = sched.submit(first, GREEDY).result(timeout=60)
+    sched = Scheduler(engine, max_slots=2)
+    r1 = sched.submit(first, GREEDY)
+    run_all(sched)
+    turn2 = first + r1.result().token_ids + [5, 6, 7, 8]
+    r2 = sched.submit(turn2, GREEDY)
+    run_all(sched)
+    hits = sched.stats()["prefix_cache_hits"]
+    sched.close()
+    same(r2.result(), alone(engine, turn2, GREEDY))
+    assert hits == len(first)
+
+
+def test_an_idle_scheduler_makes_a_finished_answer_reusable(engine):
+    """With nothing to run, the scheduler's loop recomputes the finished answer's KV as a prompt chunk computes it
+    (8 tokens a call here): the next turn then reuses all of turn 1 (the fed-back answer tokens) and answers the
+    same as its prompt alone."""
+    first = _texts(3)[0]
+    cfg = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    with Scheduler(engine, max_slots=2, prefill_chunk=8) as sched:
+        r1 = sched.submit(first, cfg).result(timeout=60)
+        index = sched.cache.index
+        row = next(r for r, held in enumerate(index.tokens) if held[:len(first)] == first)
+        fed = len(first) + len(r1.token_ids) - 1  # the last answer token is never fed back
+        deadline = time.monotonic() + 60
+        while index.prefilled[row] < fed:
+            assert time.monotonic() < deadline, "the idle scheduler did not refill the answer"
+            time.sleep(0.01)
+        assert index.tokens[row] == first + r1.token_ids[:-1]
         turn2 = first + r1.token_ids + [5, 6, 7, 8]
         before = sched.stats()["prefix_cache_hits"]
         r2 = sched.submit(turn2, GREEDY).result(timeout=60)
         hits = sched.stats()["prefix_cache_hits"] - before
     same(r2, alone(engine, turn2, GREEDY))
-    assert hits == len(first)
+    assert hits == fed
 
 
 def test_no_prefix_caching_prefills_everything_and_answers_the_same(engine):

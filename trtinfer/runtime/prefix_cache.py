@@ -12,8 +12,10 @@ any length, not rounded to blocks. Only the part a prompt's own prefill would ha
 tokens whose KV came from prompt passes of two or more tokens. A decode step's one-token pass (an answer's tokens), or
 a draft's verification on the decoder graph, may round differently from a prompt chunk (SmolLM2-135M int4: 0.3 on the
 logits; 7 of 8 second turns of a conversation answered differently from the same prompt alone when the first turn's
-answer was reused), so a conversation's next turn reuses the earlier prompt and prefills the last answer again; beam
-search's continuations, which decode anyway, reuse everything. vLLM hashes blocks because its KV is thousands of pages shared by reference; here
+answer was reused), so a conversation's next turn would prefill the last answer again; beam search's continuations, which
+decode anyway, reuse everything. A scheduler with nothing to run recomputes finished rows' decoded tokens as a
+prompt's chunk computes them (:meth:`~trtinfer.runtime.slots.SlotCache.refill`), so a next turn that comes after
+a pause reuses the answer too. vLLM hashes blocks because its KV is thousands of pages shared by reference; here
 the KV budget is a handful of rows, and comparing a prompt with each row's tokens (one vectorised comparison a row)
 costs less than hashing it. Rows of finished requests stay matchable until a new request needs their room:
 least recently used first (eviction under the KV budget). A request always prefills at least its last prompt
@@ -71,6 +73,11 @@ class PrefixIndex:
             if min(len(held), len(prompt)) > best[1] and (common := common_prefix(held, prompt)) > best[1]:
                 best = (row, common)
         return best
+
+    def most_recent_unprefilled(self, rows: Sequence[int]) -> int | None:
+        """The most recently used of ``rows`` holding tokens past its prefilled part (decoded ones), or None."""
+        stale = [r for r in rows if self.prefilled[r] < len(self.tokens[r]) and len(self.tokens[r]) > 1]
+        return max(stale, key=lambda r: self._used[r]) if stale else None
 
     def least_recent(self, rows: Sequence[int]) -> int:
         """The least recently used of ``rows`` (an empty row first): the one to evict."""

@@ -19,7 +19,9 @@ row holding it is taken as it is, a running row's prefix is copied into a free r
 only the rest is prefilled, at least the prompt's last two tokens (see :meth:`Scheduler.submit`'s ``decode_tail``).
 With no match of at least :data:`MIN_REUSE` tokens the least recently used free row is evicted. A
 request sharing a prefix with one still prefilling it waits until it is in that row (``n`` choices of one prompt
-share one prefill).
+share one prefill). Only KV that a prompt's prefill computed is reused, not decoded tokens' (a one-token pass may
+round differently); a started scheduler with nothing to run recomputes finished answers that way, a chunk at a time
+(:meth:`Scheduler._refill`), so a conversation's next turn reuses its answer.
 
 A request's tokens depend on its own prompt, settings and seed only: selection runs per request with its own
 generator (``SeedSequence(seed).spawn(1)[0]``, as ``engine.generate`` seeds a batch of one), so its output equals
@@ -56,6 +58,10 @@ from trtinfer.runtime.slots import SlotCache
 from trtinfer.runtime.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
+
+#: tokens of a finished answer an idle scheduler recomputes per call (:meth:`Scheduler._refill`): a request that
+#: arrives meanwhile waits for one such call (SmolLM2-135M int4 on 2 cores: ~40 ms)
+REFILL_CHUNK = 32
 
 
 class Scheduler(Emission):
@@ -144,11 +150,15 @@ class Scheduler(Emission):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._has_work())
+                self._cond.wait_for(lambda: self._closed or self._has_work() or self._unprefilled() is not None)
                 if self._closed:
                     return
+                idle = not self._has_work()
             try:
-                self.step()
+                if idle:
+                    self._refill()
+                else:
+                    self.step()
             except Exception as e:  # not one request's failure (those end inside step): end every running one
                 log.exception("scheduler step failed")
                 with self._step_lock:
@@ -157,6 +167,19 @@ class Scheduler(Emission):
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(r is not None for r in self._slots)
+
+    def _unprefilled(self) -> int | None:
+        """A free row holding decoded tokens (a finished answer) that no prompt could reuse yet, the most recent."""
+        return self.cache.index.most_recent_unprefilled([s for s, r in enumerate(self._slots) if r is None])
+
+    def _refill(self) -> None:
+        """With nothing to run: one chunk (:data:`REFILL_CHUNK` tokens, at most ``prefill_chunk``) of the most recent
+        finished answer recomputed as a prompt's prefill computes it, so that a conversation's next turn reuses it
+        (:class:`~trtinfer.runtime.prefix_cache.PrefixIndex`); a request that arrives waits for at most that chunk."""
+        with self._step_lock:
+            row = self._unprefilled() if self.cache.values else None
+            if row is not None:
+                self.cache.refill(row, min(self.prefill_chunk, REFILL_CHUNK))
 
     # --- submitting -------------------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None = None, *, clip: bool = False,

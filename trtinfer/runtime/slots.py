@@ -121,11 +121,28 @@ class SlotCache:
         start, n = self.length(slot), len(tokens)
         if n == 0 or start + n > self.capacity:
             raise InputError(f"slot {slot} holds {start} of {self.capacity} positions; {n} more tokens do not fit")
-        feeds = self.layout.buffer_feeds(np.asarray(tokens, dtype=np.int64)[None, :], np.array([start], np.int64),
-                                         np.array([n], np.int64))
-        logits = self._run(feeds, slot, 1, np.asarray(want, dtype=np.int64)[None, :])
+        logits = self._pass(slot, start, tokens, want)
         self.index.extend(slot, tokens, prompt)
-        return logits[0]  # type: ignore[no-any-return]
+        return logits
+
+    def _pass(self, slot: int, start: int, tokens: Sequence[int], want: Sequence[int]) -> np.ndarray:
+        """One batch-1 call writing ``tokens``' KV at positions ``start ..`` of row ``slot``; logits at ``want``."""
+        feeds = self.layout.buffer_feeds(np.asarray(tokens, dtype=np.int64)[None, :], np.array([start], np.int64),
+                                         np.array([len(tokens)], np.int64))
+        return self._run(feeds, slot, 1, np.asarray(want, dtype=np.int64)[None, :])[0]  # type: ignore[no-any-return]
+
+    def refill(self, slot: int, limit: int) -> None:
+        """Recompute up to ``limit`` (at least 2) of row ``slot``'s tokens past its prefilled part (decoded one a
+        pass) as one prompt chunk, which computes them as a prompt's prefill does: the row then offers them for reuse
+        (:class:`PrefixIndex`). Its tokens stay the same; a chunk starts at most two tokens before the row's end (a
+        position recomputed in a chunk gets the KV it had)."""
+        held = self.index.tokens[slot]
+        start = max(0, min(self.index.prefilled[slot], len(held) - 2))
+        chunk = held[start:start + max(2, limit)]
+        if len(chunk) < 2:
+            return
+        self._pass(slot, start, chunk, [len(chunk) - 1])
+        self.index.prefilled[slot] = start + len(chunk)
 
     def prefill(self, slot: int, tokens: Sequence[int], every: bool = False) -> np.ndarray:
         """:meth:`feed`: logits ``[V]`` after the last token, or with ``every`` ``[len(tokens), V]`` after each (a
