@@ -238,6 +238,33 @@ def test_new_prompts_in_neighbouring_rows_prefill_as_one_call(engine, chunk):
         assert calls["rows"] == [2] and sum(calls["chunk"]) == 17
 
 
+def test_a_one_token_prompt_is_never_a_row_of_a_batched_prefill(engine):
+    """A one-token prompt alone is a one-token pass (the decoder graph); batched with longer new prompts it would be
+    a row of a several-token pass (the int8 prefill graph where the engine has one, which changed SmolLM2 int4's
+    answers). It prefills on its own; the others still share one call; outputs equal generate alone."""
+    rng = np.random.default_rng(9)
+    ps = [rng.integers(3, 300, size=n).tolist() for n in (6, 1, 5, 7)]
+    sched = Scheduler(engine, max_slots=4)
+    calls: dict[str, list[int]] = {"rows": [], "chunk": []}
+    rows, one = sched.cache.prefill_rows, sched.cache.prefill
+
+    def spy_rows(first, prompts):
+        calls["rows"].append(min(map(len, prompts)))
+        return rows(first, prompts)
+
+    def spy_one(slot, tokens, *a, **k):
+        calls["chunk"].append(len(tokens))
+        return one(slot, tokens, *a, **k)
+
+    sched.cache.prefill_rows, sched.cache.prefill = spy_rows, spy_one
+    reqs = [sched.submit(p, GREEDY) for p in ps]
+    run_all(sched)
+    sched.close()
+    for req, p in zip(reqs, ps):
+        same(req.result(), alone(engine, p, GREEDY))
+    assert calls["rows"] == [5] and 1 in calls["chunk"]  # 5 and 7 batched (neighbours); 1 and 6 on their own
+
+
 def test_same_prompt_submitted_together_shares_one_prefill(engine):
     """n choices of one prompt (the server submits n requests): the first prefills, the others wait for its row and
     copy it, prefilling only the last two prompt tokens (a chunk, as a whole prompt ends); seeded outputs equal

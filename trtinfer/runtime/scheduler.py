@@ -393,11 +393,13 @@ class Scheduler(Emission):
 
     def _fresh_runs(self, budget: int) -> list[list[Request]]:
         """Groups of >= 2 requests with nothing in their rows yet, in neighbouring slots, whose whole prompts fit
-        ``budget`` together (counted as the call computes them: rows x the longest prompt)."""
+        ``budget`` together (counted as the call computes them: rows x the longest prompt). Never a one-token prompt:
+        alone it is a one-token pass (on the decoder graph), in such a call a row of a several-token one (on the
+        prefill graph, where the engine has one: SmolLM2-135M int4's logits 6.4 apart, and answers changed)."""
         if not self.cache.every_position:
             return []
         fresh = sorted((r for r in self._running() if r.num_computed == 0 and r.slot is not None
-                        and not self.cache.length(r.slot)), key=lambda r: r.slot or 0)
+                        and len(r.prompt_ids) > 1 and not self.cache.length(r.slot)), key=lambda r: r.slot or 0)
         runs: list[list[Request]] = []
         run: list[Request] = []
 
