@@ -12,6 +12,7 @@ import pytest
 from tiny_models import stage_engine, whole_stage
 
 import trtinfer
+from tests.runtime.test_scheduler import check_refill
 from trtinfer.export import ExportConfig
 from trtinfer.export.onnx_export import export_cached
 from trtinfer.passes import PassConfig
@@ -89,6 +90,7 @@ def test_served_by_the_scheduler_with_prefix_caching(pair):
                                  tokenizer=EngineTokenizer(stage.path, stage.info.get("tokenizer", {})))
         with Scheduler(served, max_slots=3, max_model_len=MAX_SEQ, prefill_chunk=64) as sched:
             assert sched.cache.capacity == MAX_SEQ and sched.cache.layout.name == "scatter_buffer"
+            check_refill(session, MAX_SEQ)
             got = [r.result(timeout=60) for r in [sched.submit(p, cfg) for p in prompts[:3]]]
             got += [sched.submit(p, cfg).result(timeout=60) for p in prompts[3:]]
             hits = sched.stats()["prefix_cache_hits"]

@@ -85,6 +85,31 @@ def test_slot_cache_chunked_prefill_and_batched_decode_equal_one_shot(engine):
         c.close()
 
 
+def check_refill(session, capacity: int) -> None:
+    """A row's decoded tokens refilled 3 at a time (SlotCache.refill) hold the KV a prompt's prefill of the same
+    tokens computes: the next step's logits equal a row prefilled whole; the row's tokens stay as they were."""
+    p = prompts((11,), seed=4)[0]
+    fed = SlotCache(session, 2, capacity)
+    logits = fed.prefill(1, p)
+    for _ in range(5):  # five decode steps, each token fed back (as a finished request's row holds them)
+        t = int(logits.argmax())
+        p = [*p, t]
+        logits = fed.decode({1: t})[1]
+    assert fed.index.prefilled[1] == 11 and fed.length(1) == 16
+    while fed.index.prefilled[1] < fed.length(1):
+        fed.refill(1, 3)
+    assert fed.index.tokens[1] == p and fed.index.prefilled[1] == 16
+    whole = SlotCache(session, 1, capacity)
+    whole.prefill(0, p)
+    np.testing.assert_allclose(fed.decode({1: 5})[1], whole.decode({0: 5})[0], atol=1e-6)
+    fed.close()
+    whole.close()
+
+
+def test_refilled_rows_equal_a_prompts_prefill(engine):
+    check_refill(engine.session, 64)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_concat_layout_is_served(arch, tiny_engine):
     """A concat engine (attention left unfused): its rows' past is gathered from the slot buffers each pass
@@ -93,6 +118,7 @@ def test_concat_layout_is_served(arch, tiny_engine):
     pass, each crossing the sliding window of 5)."""
     with trtinfer.load(tiny_engine(arch, disable_passes=("attention",))) as eng:
         assert eng.session.kv_layout == "concat"
+        check_refill(eng.session, 64)
         ps = prompts()
         shared = ps[3] + [7, 8]  # 30 tokens of ps[3] in a row by then: a reused prefix
         look = GenerationConfig(max_new_tokens=12, ignore_eos=True, prompt_lookup_num_tokens=3)
