@@ -47,6 +47,33 @@ def run_all(sched: Scheduler, limit: int = 10_000) -> int:
     raise AssertionError("the scheduler did not drain")
 
 
+def answers_equal_alone(engine, sched: Scheduler, ps: list[list[int]], cfg: GenerationConfig = GREEDY) -> None:
+    """Submit every prompt to ``sched``, step it until done and close it; each output equals ``generate`` alone."""
+    reqs = [sched.submit(p, cfg) for p in ps]
+    run_all(sched)
+    sched.close()
+    for req, p in zip(reqs, ps):
+        same(req.result(), alone(engine, p, cfg))
+
+
+def record_prefills(sched: Scheduler) -> dict[str, list]:
+    """Spy on a scheduler's prefill calls: ``chunk`` gets each batch-1 chunk's length, ``rows`` each batched call's
+    prompt lengths."""
+    calls: dict[str, list] = {"rows": [], "chunk": []}
+    one, rows = sched.cache.prefill, sched.cache.prefill_rows
+
+    def spy_one(slot, tokens, *a, **k):
+        calls["chunk"].append(len(tokens))
+        return one(slot, tokens, *a, **k)
+
+    def spy_rows(first, prompts):
+        calls["rows"].append([len(p) for p in prompts])
+        return rows(first, prompts)
+
+    sched.cache.prefill, sched.cache.prefill_rows = spy_one, spy_rows
+    return calls
+
+
 @pytest.fixture(scope="module", params=["llama", "gemma3", "llama-prefill-int8"])
 def engine(request, tiny_engine):
     # llama-prefill-int8: prompts on the int8 prefill graph, in any chunks, decode steps on the decoder
@@ -166,19 +193,8 @@ def test_no_one_token_chunk_before_a_prompts_end(llama, chunk, lengths):
     by the step's first call instead (a 1-token prompt is its own end). Outputs equal generate alone."""
     ps = prompts(lengths, seed=5)
     sched = Scheduler(llama, prefill_chunk=chunk, max_slots=len(ps))
-    chunks: list[int] = []
-    one = sched.cache.prefill
-
-    def spy(slot, tokens, *a, **k):
-        chunks.append(len(tokens))
-        return one(slot, tokens, *a, **k)
-
-    sched.cache.prefill = spy
-    reqs = [sched.submit(p, GREEDY) for p in ps]
-    run_all(sched)
-    sched.close()
-    for req, p in zip(reqs, ps):
-        same(req.result(), alone(llama, p, GREEDY))
+    chunks = record_prefills(sched)["chunk"]
+    answers_equal_alone(llama, sched, ps)
     assert sum(chunks) == sum(lengths)
     assert all(n >= 2 for n in chunks) or (1 in lengths and chunks.count(1) == 1)
     assert max(chunks) <= max(chunk, 3)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import trtinfer
-from tests.runtime.test_scheduler import GREEDY, alone, run_all, same
+from tests.runtime.test_scheduler import GREEDY, alone, answers_equal_alone, record_prefills, run_all, same
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.prefix_cache import MIN_REUSE, PrefixIndex
 from trtinfer.runtime.scheduler import Scheduler
@@ -215,27 +215,12 @@ def test_new_prompts_in_neighbouring_rows_prefill_as_one_call(engine, chunk):
     rng = np.random.default_rng(8)
     ps = [rng.integers(3, 300, size=n).tolist() for n in (11, 4, 17)]
     sched = Scheduler(engine, max_slots=3, prefill_chunk=chunk)
-    calls: dict[str, list[int]] = {"rows": [], "chunk": []}
-    rows, one = sched.cache.prefill_rows, sched.cache.prefill
-
-    def spy_rows(first, prompts):
-        calls["rows"].append(len(prompts))
-        return rows(first, prompts)
-
-    def spy_one(slot, tokens):
-        calls["chunk"].append(len(tokens))
-        return one(slot, tokens)
-
-    sched.cache.prefill_rows, sched.cache.prefill = spy_rows, spy_one
-    reqs = [sched.submit(p, GREEDY) for p in ps]
-    run_all(sched)
-    sched.close()
-    for req, p in zip(reqs, ps):
-        same(req.result(), alone(engine, p, GREEDY))
+    calls = record_prefills(sched)
+    answers_equal_alone(engine, sched, ps)
     if chunk == 256:
-        assert calls == {"rows": [3], "chunk": []}
+        assert calls == {"rows": [[11, 4, 17]], "chunk": []}
     else:  # 2 x 11 fits 40, then 17 alone (a run of one is a chunk)
-        assert calls["rows"] == [2] and sum(calls["chunk"]) == 17
+        assert calls["rows"] == [[11, 4]] and sum(calls["chunk"]) == 17
 
 
 def test_a_one_token_prompt_is_never_a_row_of_a_batched_prefill(engine):
@@ -245,24 +230,9 @@ def test_a_one_token_prompt_is_never_a_row_of_a_batched_prefill(engine):
     rng = np.random.default_rng(9)
     ps = [rng.integers(3, 300, size=n).tolist() for n in (6, 1, 5, 7)]
     sched = Scheduler(engine, max_slots=4)
-    calls: dict[str, list[int]] = {"rows": [], "chunk": []}
-    rows, one = sched.cache.prefill_rows, sched.cache.prefill
-
-    def spy_rows(first, prompts):
-        calls["rows"].append(min(map(len, prompts)))
-        return rows(first, prompts)
-
-    def spy_one(slot, tokens, *a, **k):
-        calls["chunk"].append(len(tokens))
-        return one(slot, tokens, *a, **k)
-
-    sched.cache.prefill_rows, sched.cache.prefill = spy_rows, spy_one
-    reqs = [sched.submit(p, GREEDY) for p in ps]
-    run_all(sched)
-    sched.close()
-    for req, p in zip(reqs, ps):
-        same(req.result(), alone(engine, p, GREEDY))
-    assert calls["rows"] == [5] and 1 in calls["chunk"]  # 5 and 7 batched (neighbours); 1 and 6 on their own
+    calls = record_prefills(sched)
+    answers_equal_alone(engine, sched, ps)
+    assert calls["rows"] == [[5, 7]] and 1 in calls["chunk"]  # 5 and 7 batched (neighbours); 1 and 6 on their own
 
 
 def test_same_prompt_submitted_together_shares_one_prefill(engine):
