@@ -136,6 +136,33 @@ def test_an_idle_scheduler_makes_a_finished_answer_reusable(engine):
     assert hits == fed
 
 
+def test_a_failed_refill_drops_the_answer_and_the_loop_goes_on(engine, caplog):
+    """The idle recompute of a finished answer fails (injected): its decoded tokens are dropped from the row (kept
+    up to the prefilled prompt), it is not tried again, and the next request is served and answers the same."""
+    first, second, _ = _texts(1)
+    with Scheduler(engine, max_slots=2) as sched:
+        calls = []
+
+        def broken(row, limit):
+            calls.append(row)
+            raise RuntimeError("injected")
+
+        sched.cache.refill = broken
+        r1 = sched.submit(first, GREEDY).result(timeout=60)
+        index = sched.cache.index
+        row = next(r for r, held in enumerate(index.tokens) if held[:len(first)] == first)
+        deadline = time.monotonic() + 60
+        while len(index.tokens[row]) > len(first):
+            assert time.monotonic() < deadline, "the failed row was not cut to its prompt"
+            time.sleep(0.01)
+        time.sleep(0.2)  # a loop that retried would call it again by now
+        assert calls == [row] and index.tokens[row] == first and index.prefilled[row] == len(first)
+        b = sched.submit(second, GREEDY).result(timeout=60)
+    same(r1, alone(engine, first, GREEDY))
+    same(b, alone(engine, second, GREEDY))
+    assert "it will not be reused" in caplog.text
+
+
 def test_no_prefix_caching_prefills_everything_and_answers_the_same(engine):
     first, second, _ = _texts(4)
     with Scheduler(engine, max_slots=2, prefix_caching=False) as sched:

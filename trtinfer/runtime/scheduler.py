@@ -178,8 +178,13 @@ class Scheduler(Emission):
         (:class:`~trtinfer.runtime.prefix_cache.PrefixIndex`); a request that arrives waits for at most that chunk."""
         with self._step_lock:
             row = self._unprefilled() if self.cache.values else None
-            if row is not None:
+            if row is None:
+                return
+            try:
                 self.cache.refill(row, min(self.prefill_chunk, REFILL_CHUNK))
+            except Exception:  # the row keeps only its prefilled part: never tried again (no busy loop)
+                log.exception("recomputing a finished answer's KV in row %d failed; it will not be reused", row)
+                self.cache.keep(row, self.cache.index.prefilled[row])
 
     # --- submitting -------------------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None = None, *, clip: bool = False,
