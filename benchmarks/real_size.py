@@ -348,6 +348,12 @@ def format_table(report: dict[str, Any]) -> str:
     c = report["ceiling_gb_s"]
     lines.append(f"\nroofline: bytes read per decode step / step time / the probed read bandwidth ({c['read']:.1f} "
                  f"GB/s, best of before/after; copy {c['copy']:.1f} GB/s) on {report['machine']['cpu']}")
+    if "int4" in c:
+        ours = [f"{r['precision']} bs{u['batch_size']} {u['fraction_of_int4_kernel']:.0%}" for r in report["rows"]
+                for u in r.get("runs", []) if "fraction_of_int4_kernel" in u]
+        lines.append(f"int4 kernel ceiling (MatMulNBits at batch 1 over packed weights, best of before/after): "
+                     f"{c['int4']:.1f} GB/s, {c['int4'] / c['read']:.0%} of the read probe; of it: "
+                     + (", ".join(ours) or "no int4 rows"))
     return "\n".join(lines)
 
 
@@ -455,7 +461,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         log.info("probing memory bandwidth (%g MiB arrays)", args.buffer_mib)
         probe = roofline.probe_bandwidth(args.buffer_mib)
-        ceiling = roofline.ceilings(probe)
+        int4 = [roofline.probe_int4_kernel(args.buffer_mib)]
+        ceiling = {**roofline.ceilings(probe), "int4": int4[0]["gb_s"]}
         for precision in args.precisions:
             engine = run_dir / "engines" / precision
             engine.parent.mkdir(parents=True, exist_ok=True)
@@ -479,13 +486,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                    run_dir / "engines" / "llama.cpp", args.llama_cpp_types, args.batch_sizes,
                                    args.prompt_len, args.new_tokens, args.llama_cpp_outtype)
         probe_after = roofline.probe_bandwidth(args.buffer_mib)  # a shared machine's bandwidth drifts
+        int4.append(roofline.probe_int4_kernel(args.buffer_mib))
     finally:
         if not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
-    ceiling = roofline.ceilings(probe, probe_after)
-    for run in (u for r in rows for u in r.get("runs", []) if "achieved_gb_s" in u):
-        run["fraction_of_read"] = run["achieved_gb_s"] / ceiling["read"]  # against the final best-of ceiling
-        run["fraction_of_copy"] = run["achieved_gb_s"] / ceiling["copy"]
+    ceiling = {**roofline.ceilings(probe, probe_after), "int4": max(p["gb_s"] for p in int4)}
+    for r in rows:
+        for run in (u for u in r.get("runs", []) if "achieved_gb_s" in u):
+            run["fraction_of_read"] = run["achieved_gb_s"] / ceiling["read"]  # against the final best-of ceiling
+            run["fraction_of_copy"] = run["achieved_gb_s"] / ceiling["copy"]
+            if r["precision"].split("+")[0] == "int4":  # our int4 engines: against the int4 kernel's own ceiling
+                run["fraction_of_int4_kernel"] = run["achieved_gb_s"] / ceiling["int4"]
     config = json.loads((ckpt / "config.json").read_text())
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
                             check=False).stdout.strip()
@@ -500,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                            "new_tokens": args.new_tokens, "cache": str(cache), "run_dir": str(run_dir),
                            "kept": args.keep},
               "probe": probe, "probe_after": {k: v["gb_s"] for k, v in probe_after["kernels"].items()},
+              "int4_kernel_probes": int4,
               "ceiling_gb_s": ceiling, "rows": rows}
     print(format_table(report))
     out = args.out or result_path(f"real_size_{ckpt.name}", suffix="", machine=machine)  # one name per model

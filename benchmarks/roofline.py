@@ -12,7 +12,9 @@ usage: python -m benchmarks.roofline ENGINE_DIR [ENGINE_DIR ...] [--batch-sizes 
    (``y = x * 1``, an element-wise op ONNX Runtime splits; ``Identity`` is one memcpy on one thread), add = 3
    (``y = a + b``: STREAM's add, the same traffic as its triad). numpy asks for transparent huge pages on big arrays;
    how many the kernel grants varies run to run and moves the figures a lot (measured on a 2-vCPU AMD EPYC VM: read
-   ~35 GB/s on 4 KiB pages, ~58 GB/s on huge pages), so each probe records ``anon_huge_pages_mib``.
+   ~35 GB/s on 4 KiB pages, ~58 GB/s on huge pages), so each probe records ``anon_huge_pages_mib``. Beside them,
+   the int4 kernel's own ceiling (:func:`probe_int4_kernel`: one ``MatMulNBits`` at batch 1 over ``--buffer-mib``
+   of packed weights), before and after the engines too: int4 rows also say what fraction of it they reach.
 2. Bytes one decode step reads (:func:`decode_bytes`), from the decoder graph (``onnx.load(load_external_data=False)``,
    sizes from the initializers and their external-data lengths): every initializer a node uses is read whole, except
    tables that are only gathered from (``Gather`` data, ``GatherBlockQuantized`` data/scales/zero points): one slice
@@ -140,6 +142,56 @@ def probe_bandwidth(buffer_mib: float = 1024, threads: int | None = None, repeat
             "repeats": repeats, "anon_huge_pages_mib": huge, "kernels": kernels}
 
 
+def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repeats: int = 5,
+                      block_size: int = 32) -> dict[str, Any]:
+    """GB/s at which ONNX Runtime's int4 kernel streams weights at batch 1: one ``MatMulNBits`` node (K 4096, blocks
+    of ``block_size``, fp32 scales, ``accuracy_level`` 4 as int4 engines build it) over ``buffer_mib`` MiB of packed
+    weights, stored as the engines store them (external data: ONNX Runtime packs them once at load, as it packs an
+    engine's; weights fed as an input are repacked every call, 100x slower), ``x`` [1, K] bound once, best of
+    ``repeats`` calls after one warm-up. This is the ceiling an int4 decode step can reach through this kernel
+    whatever the graph around it; beside :func:`probe_bandwidth` it says how much of the memory's bandwidth the
+    kernel itself leaves unused (2-vCPU AMD EPYC: 26 GB/s on 2 threads and 16 on one, against a 50-60 GB/s read)."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    threads = engine_threads() if threads is None else threads
+    k, blocks = 4096, 4096 // block_size
+    n = max(1, int(buffer_mib * 2**20) // (k // 2 + blocks * 4))
+    codes = np.full((n, blocks, block_size // 2), 0x99, np.uint8)  # every weight 9 - zero point 8 = 1
+    scales = np.ones(n * blocks, np.float32)
+    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=block_size, accuracy_level=4)
+    graph = helper.make_graph([node], "int4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+                              initializer=[numpy_helper.from_array(codes, "b"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    with tempfile.TemporaryDirectory(prefix="trtinfer-int4-probe-") as tmp:
+        path = Path(tmp) / "int4.onnx"
+        onnx.save(model, str(path), save_as_external_data=True, location="int4.data", size_threshold=0)
+        del model, graph, codes
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    x = np.ones((1, k), np.float32)
+    y = np.zeros((1, n), np.float32)
+    io = sess.io_binding()
+    io.bind_cpu_input("x", x)
+    io.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_numpy(y))
+    sess.run_with_iobinding(io)
+    times = timed_runs(sess, io, repeats)
+    if not np.all(y[0, :4] == k):  # every weight 1, x all ones: each output is K
+        raise RuntimeError(f"int4 probe wrote {y[0, :4]}, expected {k}")
+    nbytes = n * (k // 2 + blocks * 4)
+    return {"op": f"MatMulNBits(x [1, {k}], {n} columns, blocks of {block_size}, accuracy_level 4)",
+            "threads": threads, "threads_effective": threads or _physical_cores(), "bytes": nbytes,
+            "best_s": min(times), "gb_s": nbytes / min(times) / 1e9,
+            "all_gb_s": [round(nbytes / t / 1e9, 2) for t in times]}
+
+
 def _anon_huge_mib() -> float | None:
     """This process's anonymous memory backed by transparent huge pages (MiB), or None where Linux does not say."""
     from trtinfer.runtime.memory import proc_kib
@@ -229,7 +281,8 @@ def measure_decode(engine_dir: Path, batch_size: int, prompt_len: int, new_token
 def roofline_row(engine_dir: Path, batch_size: int, prompt_len: int, new_tokens: int, res: Any,
                  ceiling: dict[str, float]) -> dict[str, Any]:
     """Relate one measured decode (a ``BenchResult``) to the bytes its step reads and to ``ceiling`` (GB/s per probe
-    kernel: the best of the probes before and after the engines)."""
+    kernel: the best of the probes before and after the engines; ``int4``, where present, the int4 kernel's probe,
+    which int4 engines' rows are also set against)."""
     from trtinfer.artifact import read_manifest
 
     step_s = batch_size / res.decode_tok_s
@@ -240,7 +293,9 @@ def roofline_row(engine_dir: Path, batch_size: int, prompt_len: int, new_tokens:
             "precision": raw.get("precision"), "kv_layout": raw.get("kv_layout"), "batch_size": batch_size,
             "decode_tok_s": res.decode_tok_s, "step_ms": step_s * 1000, "bytes_per_step": counted["total"],
             "counted": counted, "achieved_gb_s": achieved, "fraction_of_read": achieved / ceiling["read"],
-            "fraction_of_copy": achieved / ceiling["copy"], "first_tokens": res.first_tokens}
+            "fraction_of_copy": achieved / ceiling["copy"], "first_tokens": res.first_tokens,
+            **({"fraction_of_int4_kernel": achieved / ceiling["int4"]}
+               if "int4" in ceiling and raw.get("precision") == "int4" else {})}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -253,14 +308,15 @@ def format_table(report: dict[str, Any]) -> str:
              f"{p['repeats']}: " + ", ".join(f"{k} {v['gb_s']:.1f} GB/s" for k, v in p["kernels"].items())
              + "; after the engines: " + ", ".join(f"{k} {v:.1f}" for k, v in report["probe_after"].items()) + other
              + f"; fractions use the best of before/after: {ceiling} GB/s",
-             "", "| engine | bs | decode tok/s | step ms | MiB/step (weights + gathered + KV) | GB/s | of read | of copy |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", ("| engine | bs | decode tok/s | step ms | MiB/step (weights + gathered + KV) | GB/s | of read "
+                  "| of copy | of int4 kernel |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         c = r["counted"]
         lines.append(f"| {r['engine']} | {r['batch_size']} | {r['decode_tok_s']:.1f} | {r['step_ms']:.2f} | "
                      f"{r['bytes_per_step'] / 2**20:.1f} ({c['weights_bytes'] / 2**20:.1f} + "
                      f"{c['gathered_bytes'] / 2**20:.2f} + {c['kv_bytes'] / 2**20:.1f}) | {r['achieved_gb_s']:.1f} | "
-                     f"{r['fraction_of_read']:.0%} | {r['fraction_of_copy']:.0%} |")
+                     f"{r['fraction_of_read']:.0%} | {r['fraction_of_copy']:.0%} | "
+                     + (f"{r['fraction_of_int4_kernel']:.0%} |" if "fraction_of_int4_kernel" in r else "– |"))
     return "\n".join(lines)
 
 
@@ -276,7 +332,9 @@ def chart(report: dict[str, Any], path: Path) -> None:
     bars = ax.bar(range(len(rows)), [r["achieved_gb_s"] for r in rows], color="tab:blue")
     ax.bar_label(bars, labels=[f"{r['achieved_gb_s']:.1f}\n{r['fraction_of_read']:.0%} of read" for r in rows],
                  fontsize=7)
-    for (kernel, v), color in zip(report["ceiling_gb_s"].items(), ("tab:red", "tab:orange", "tab:green")):
+    shown = [kv for kv in report["ceiling_gb_s"].items() if kv[0] != "int4"][:3]
+    shown += [("int4", report["ceiling_gb_s"]["int4"])] if "int4" in report["ceiling_gb_s"] else []
+    for (kernel, v), color in zip(shown, ("tab:red", "tab:orange", "tab:green", "tab:purple")):
         ax.axhline(v, color=color, ls="--", lw=1, label=f"probe {kernel} {v:.1f} GB/s")
     ax.set_xticks(range(len(rows)), [f"{r['engine']}\nbs{r['batch_size']}" for r in rows], fontsize=7)
     ax.set_ylabel("GB/s read per decode step")
@@ -306,20 +364,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     load_before = os.getloadavg()
     machine = machine_info()
     probe = probe_bandwidth(args.buffer_mib, args.threads, args.repeats)
+    int4 = [probe_int4_kernel(args.buffer_mib, args.threads, args.repeats)]
     measured = [(e, bs, measure_decode(e, bs, args.prompt_len, args.new_tokens)) for e in args.engines
                 for bs in args.batch_sizes]
     probe_after = probe_bandwidth(args.buffer_mib, args.threads, args.repeats)  # the bandwidth drifts: probe again
-    ceiling = ceilings(probe, probe_after)
+    int4.append(probe_int4_kernel(args.buffer_mib, args.threads, args.repeats))
+    ceiling = {**ceilings(probe, probe_after), "int4": max(p["gb_s"] for p in int4)}
     rows = [roofline_row(e, bs, args.prompt_len, args.new_tokens, res, ceiling) for e, bs, res in measured]
-    extra = {str(t): {k: round(v["gb_s"], 2) for k, v in probe_bandwidth(args.buffer_mib, t, args.repeats)["kernels"]
-                      .items()} for t in args.extra_threads if t != probe["threads_effective"]}
+    extra = {str(t): {**{k: round(v["gb_s"], 2) for k, v in probe_bandwidth(args.buffer_mib, t, args.repeats)
+                         ["kernels"].items()}, "int4": round(probe_int4_kernel(args.buffer_mib, t, args.repeats)
+                                                            ["gb_s"], 2)}
+             for t in args.extra_threads if t != probe["threads_effective"]}
     huge = {"before": probe["anon_huge_pages_mib"], "after": probe_after["anon_huge_pages_mib"]}
     date = time.strftime("%Y-%m-%d")
     report = {"machine": machine, "date": date, "git_commit": git_commit(),
               "load_average": {"before": load_before, "after": os.getloadavg()},
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "probe": probe,
               "probe_after": {k: round(v["gb_s"], 2) for k, v in probe_after["kernels"].items()},
-              "probe_anon_huge_pages_mib": huge,
+              "probe_anon_huge_pages_mib": huge, "int4_kernel_probes": int4,
               "probe_other_threads": extra,
               "ceiling_gb_s": ceiling, "rows": rows}
     print(format_table(report))

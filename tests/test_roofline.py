@@ -97,18 +97,38 @@ def test_probe_on_a_small_buffer():
     assert best["copy"] == q["kernels"]["copy"]["gb_s"]
 
 
+def test_int4_kernel_probe_on_a_small_buffer():
+    """The int4 kernel's probe runs MatMulNBits over weights ONNX Runtime packed at load, checks what it computed
+    (it raises otherwise) and counts the packed bytes it streamed."""
+    p = roofline.probe_int4_kernel(buffer_mib=4, threads=1, repeats=2)
+    columns = 4 * 2**20 // (4096 // 2 + 4096 // 32 * 4)
+    assert p["threads"] == 1 and p["bytes"] == columns * (4096 // 2 + 4096 // 32 * 4)
+    assert p["gb_s"] == pytest.approx(p["bytes"] / p["best_s"] / 1e9) and p["gb_s"] > 0
+    assert str(columns) in p["op"] and len(p["all_gb_s"]) == 2
+
+
 def test_main_on_a_tiny_engine(tiny_engine, tmp_path):
     engine = tiny_engine("llama", precision="fp32")
+    int4 = tiny_engine("llama", precision="int4")
     out = tmp_path / "roofline.json"
-    roofline.main([str(engine), "--batch-sizes", "1", "2", "--prompt-len", "8", "--new-tokens", "4",
+    roofline.main([str(engine), str(int4), "--batch-sizes", "1", "2", "--prompt-len", "8", "--new-tokens", "4",
                    "--buffer-mib", "4", "--repeats", "2", "--out", str(out)])
     report = json.loads(out.read_text())
     assert set(report) >= {"machine", "date", "git_commit", "load_average", "prompt_len", "new_tokens", "probe",
                            "probe_after", "probe_anon_huge_pages_mib", "probe_other_threads", "ceiling_gb_s", "rows"}
     assert {"cpu", "cores", "cpu_flags"} <= set(report["machine"])
-    assert [r["batch_size"] for r in report["rows"]] == [1, 2]
+    assert [(r["precision"], r["batch_size"]) for r in report["rows"]] == [("fp32", 1), ("fp32", 2), ("int4", 1),
+                                                                          ("int4", 2)]
+    # the int4 kernel's ceiling: the better of its probes before and after the engines; int4 rows are set against it
+    assert len(report["int4_kernel_probes"]) == 2
+    assert all("int4" in kv for kv in report["probe_other_threads"].values())  # 1 thread, where the engine uses more
+    assert report["ceiling_gb_s"]["int4"] == max(p["gb_s"] for p in report["int4_kernel_probes"])
     for r in report["rows"]:
-        assert r["bytes_per_step"] == roofline.decode_bytes(engine, r["batch_size"], 8 + 4 / 2)["total"]
+        assert ("fraction_of_int4_kernel" in r) == (r["precision"] == "int4")
+        if r["precision"] == "int4":
+            assert r["fraction_of_int4_kernel"] == pytest.approx(r["achieved_gb_s"] / report["ceiling_gb_s"]["int4"])
+        path = engine if r["precision"] == "fp32" else int4
+        assert r["bytes_per_step"] == roofline.decode_bytes(path, r["batch_size"], 8 + 4 / 2)["total"]
         assert r["achieved_gb_s"] == pytest.approx(r["bytes_per_step"] / (r["step_ms"] / 1000) / 1e9)
         assert r["fraction_of_read"] == pytest.approx(r["achieved_gb_s"] / report["ceiling_gb_s"]["read"])
         assert np.isfinite(r["fraction_of_copy"]) and r["fraction_of_copy"] > 0
