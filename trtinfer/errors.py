@@ -73,6 +73,15 @@ class InputError(TrtInferError, ValueError):
     exit_code = 2
 
 
+class GrammarError(InputError):
+    """A structured-output format (``response_format``, a guided-decoding spec) that does not compile to a grammar;
+    ``reason`` is the grammar compiler's."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class CalibrationError(InputError):
     """Calibration data is missing, empty, unreadable or too short, or a saved calibration does not fit the graph."""
 

@@ -1,6 +1,8 @@
 """Beam search equals transformers' ``generate(num_beams=...)`` on tiny random models: tokens and sequence scores."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -165,3 +167,29 @@ def test_independent_samples_per_prompt(engine):
     rows = {ev.index for ev in engine.stream_batch(input_ids=PROMPTS[:2], do_sample=True, seed=7, max_new_tokens=3,
                                                    num_return_sequences=2, ignore_eos=True)}
     assert rows == {0, 1, 2, 3}  # prompt * n + sample
+
+
+def test_a_served_search_that_pauses_equals_generate(tiny_engine):
+    """The server runs beam search on its started scheduler, whose idle refill recomputes finished rows' decoded KV
+    after REFILL_DELAY_S: beam steps' rows are not refilled, so a search that pauses between steps (its thread picks
+    the beams; here a slow logits hook) continues from the KV its last step decoded, as ``engine.generate``'s does.
+    Refilled, the int8 prefill graph's KV moved the scores (14 refills, -3.827012 against -3.827981)."""
+    from trtinfer.runtime.beam import BeamSearch
+    from trtinfer.runtime.config import GenerationConfig
+    from trtinfer.runtime.scheduler import REFILL_DELAY_S, Scheduler
+
+    def slow(ids, scores):
+        time.sleep(REFILL_DELAY_S * 1.5)
+        return scores
+
+    cfg = GenerationConfig(max_new_tokens=6, num_beams=2, num_return_sequences=2, do_sample=False)
+    prompt = np.random.default_rng(3).integers(3, 300, size=12).tolist()
+    with trtinfer.load(tiny_engine("llama", prefill="int8")) as eng:
+        want = BeamSearch(Scheduler(eng, max_slots=4), [prompt], cfg, drive=True, logits_processor=slow).run()
+        with Scheduler(eng, max_slots=4) as sched:
+            refills = []
+            sched.cache.refill = lambda *a, _r=sched.cache.refill: refills.append(a) or _r(*a)
+            got = BeamSearch(sched, [prompt], cfg, drive=False, logits_processor=slow).run()
+    assert refills == []
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids and g.score == w.score

@@ -306,3 +306,33 @@ def test_smollm2_repeats_a_passage_with_accepted_drafts(real_engine):
     same(got, want)
     assert "lighthouse stood at the edge" in got.text
     assert got.accepted_tokens > 20 and got.draft_tokens - got.accepted_tokens < len(got.token_ids) // 2
+
+
+def test_draft_counters_agree_when_a_verification_fails(tiny_engine):
+    """A hook that raises while a draft is verified ends that request; the scheduler's draft and accepted counters
+    (``/metrics``' ``spec_decode_*``) still count what the request counted (they skipped it before: 3 against 6)."""
+    from trtinfer.runtime.scheduler import Scheduler
+
+    prompt = np.random.default_rng(1).integers(3, 300, size=6).tolist() * 4  # repeats: the lookup drafts at once
+    cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True, prompt_lookup_num_tokens=3)
+    failed = 0
+    with trtinfer.load(tiny_engine("llama")) as eng:
+        for fail_at in range(2, 9):
+            calls = []
+
+            def hook(ids, scores, calls=calls, fail_at=fail_at):
+                calls.append(1)
+                if len(calls) == fail_at:
+                    raise RuntimeError("the hook fails")
+                return scores
+
+            sched = Scheduler(eng, max_slots=1)
+            req = sched.submit(prompt, cfg, logits_processor=hook)
+            while sched.step():
+                pass
+            failed += req.error is not None
+            stats = sched.stats()
+            assert (stats["spec_decode_draft_tokens"], stats["spec_decode_accepted_tokens"]) == \
+                (req.drafted, req.accepted)
+            sched.close()
+    assert failed == 7

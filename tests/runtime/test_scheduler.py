@@ -257,8 +257,14 @@ def test_queue_full_and_prompt_too_long_refused(llama):
     sched.submit([4, 5], GREEDY)
     with pytest.raises(QueueFullError, match="max_queue 2"):
         sched.submit([6], GREEDY)
+    with pytest.raises(QueueFullError, match="2 sequences are waiting"):  # a group: refused whole, none queued
+        sched.submit_all([([6], GREEDY), ([7], GREEDY), ([8], GREEDY)])
+    assert sched.stats()["waiting"] == 2
     sched.step()  # both take slots: the queue has room again
     sched.submit([6], GREEDY)
+    sched.step()
+    group = sched.submit_all([([9, i], GREEDY) for i in range(5)])  # more than max_queue: taken whole when room
+    assert sched.stats()["waiting"] == 5 and [r.id for r in group] == sorted(r.id for r in group)
     max_len = llama.manifest.max_seq_len
     with pytest.raises(InputError, match=f"{max_len - 5} tokens.*max_new_tokens 12.*{max_len}"):
         sched.submit([1] * (max_len - 5), GREEDY)

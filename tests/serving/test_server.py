@@ -505,6 +505,7 @@ def test_bad_json(live):
 
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"temperature": -1}, 400, "temperature"),
+    ({"temperature": float("nan")}, 400, "temperature"),  # not greedy: NaN compares below every bound
     ({"max_tokens": 10_000}, 400, "max_tokens"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"max_tokens": "many"}, 400, "max_tokens"),
@@ -530,7 +531,9 @@ def test_bad_json(live):
 ])
 def test_bad_completion_parameters(live, body, status, param):
     request = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **body}
-    error_of(httpx.post(f"{live.url}/v1/completions", json=request, headers=auth()), status, param)
+    body_text = json.dumps(request)  # NaN as JavaScript writes it (httpx's json= refuses it; servers get it)
+    error_of(httpx.post(f"{live.url}/v1/completions", content=body_text,
+                        headers={**auth(), "content-type": "application/json"}), status, param)
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -554,6 +557,36 @@ def test_bad_chat_parameters(live, body, param):
         assert r.status_code == 200
         return
     error_of(r, 400, param)
+
+
+def test_null_is_the_default(live):
+    """OpenAI's API types its optional fields as nullable: an explicit null answers as the field left out."""
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None, "temperature": None,
+             "stop": None, "seed": None, "min_tokens": None, "ignore_eos": None, "use_beam_search": None}
+    for route, body, extra in (
+            ("completions", {"prompt": "Hello", "max_tokens": 4}, {"echo": None, "logprobs": None}),
+            ("chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4},
+             {"logprobs": None, "top_logprobs": None, "tools": None})):
+        plain = httpx.post(f"{live.url}/v1/{route}", json={"model": MODEL, **body}, headers=auth())
+        nulled = httpx.post(f"{live.url}/v1/{route}", json={"model": MODEL, **body, **nulls, **extra}, headers=auth())
+        assert plain.status_code == nulled.status_code == 200, nulled.text
+        assert [c.get("text", c.get("message")) for c in nulled.json()["choices"]] == \
+            [c.get("text", c.get("message")) for c in plain.json()["choices"]]
+
+
+def test_a_request_larger_than_the_queue_is_served_whole(live, client, ref):
+    """A request's prompts x choices queue together: on an idle server any number of them is taken (were each
+    checked against max_queue alone, n=3 with max_queue 1 would get 429 forever)."""
+    scheduler = live.service.scheduler
+    queue = scheduler.max_queue
+    scheduler.max_queue = 1
+    try:
+        r = client.completions.create(model=MODEL, prompt=["Hello", "The sky"], n=3, max_tokens=4, temperature=0)
+        assert len(r.choices) == 6 and sorted(c.index for c in r.choices) == list(range(6))
+        for c in r.choices:  # greedy: each choice is its prompt's answer alone
+            assert c.text == greedy(ref, ["Hello", "The sky"][c.index // 3], 4).text
+    finally:
+        scheduler.max_queue = queue
 
 
 def test_unknown_role_is_refused(live, client):

@@ -64,15 +64,18 @@ def test_streamed_guided_json_and_completions_extras(client):
     assert len(r.choices[0].text) == 7 and r.choices[0].text.startswith("20")
 
 
-@pytest.mark.parametrize(("extra", "says"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}}, "nonsense"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type must be one of"),
-    ({"guided_regex": "a+", "guided_choice": ["a"]}, "not several"),
-    ({"guided_json": "{not json"}, "guided_json must be a JSON schema"),
+@pytest.mark.parametrize(("extra", "says", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     "response_format is not a usable grammar: .*nonsense", "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type must be one of", "response_format"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "not several", "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json must be a JSON schema", "guided_json"),
+    ({"guided_regex": "("}, "guided_regex is not a usable grammar", "guided_regex"),  # the field the client wrote
 ])
-def test_bad_formats_are_400(client, extra, says):
-    with pytest.raises(openai.BadRequestError, match=says):
+def test_bad_formats_are_400(client, extra, says, param):
+    with pytest.raises(openai.BadRequestError, match=says) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param
 
 
 def test_langchain_with_structured_output(client):

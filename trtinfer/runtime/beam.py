@@ -105,10 +105,10 @@ class BeamSearch:
         ``continuations`` reuse their parent's row whatever its length (the prompts themselves take the usual
         prefix floor, so prompts that share only a BOS token still prefill together)."""
         reqs: list[Request] = []
-        try:
-            for seq in seqs:
-                reqs.append(self.sched.submit(seq, self._one, text=False, keep_logits=True,
-                                              **({"min_reuse": 1, "decode_tail": True} if continuations else {})))
+        try:  # one request: the prompts face the queue limit, an admitted search's later steps do not
+            reqs = self.sched.submit_all([(seq, self._one) for seq in seqs], queue_limit=not continuations,
+                                         text=False, keep_logits=True,
+                                         **({"min_reuse": 1, "decode_tail": True} if continuations else {}))
             if self.drive:
                 while not all(r.done for r in reqs):
                     self.sched.step()

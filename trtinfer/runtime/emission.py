@@ -60,21 +60,22 @@ class Emission:
             return
         req.drafted += len(draft)
         kept = 0
-        for j in range(len(draft) + 1):
-            try:
+        try:
+            for j in range(len(draft) + 1):
                 tok = int(self._choose([req], logits[j][None, :])[0])
                 match = j < len(draft) and tok == draft[j]
                 kept += match
                 req.accepted += match  # before the token is recorded: a request that ends on it counts it
                 self._record(req, tok, logits[j])
-            except Exception as e:  # noqa: BLE001
-                self._error(req, e)
-                return
-            if req.slot is None or not match:  # it ended, or the model chose otherwise (or past the draft)
-                break
-        with self._cond:
-            self._drafted += len(draft)
-            self._accepted += kept
+                if req.slot is None or not match:  # it ended, or the model chose otherwise (or past the draft)
+                    break
+        except Exception as e:  # noqa: BLE001
+            self._error(req, e)
+            return
+        finally:  # the server's counters agree with the requests' own, a failed verification's too
+            with self._cond:
+                self._drafted += len(draft)
+                self._accepted += kept
         if req.slot is not None:  # still running: its row keeps the fed token and the kept draft
             self.cache.keep(req.slot, start + 1 + kept)
 

@@ -113,6 +113,7 @@ class Scheduler(Emission):
         self._thread: threading.Thread | None = None
         self._prompt_tokens = self._generation_tokens = self._steps = 0
         self._last_step = 0.0  # time.monotonic() at the end of the last step (idle recomputes wait after it)
+        self._beam_rows: set[int] = set()  # free rows a beam step left: its next step reuses their decoded KV as is
         self._finished: dict[str, int] = {}
         self._on_finish, self.prefix_caching = on_finish, prefix_caching
         self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up / found in a row's KV
@@ -177,8 +178,12 @@ class Scheduler(Emission):
         return bool(self._waiting) or any(r is not None for r in self._slots)
 
     def _unprefilled(self) -> int | None:
-        """A free row holding decoded tokens (a finished answer) that no prompt could reuse yet, the most recent."""
-        return self.cache.index.most_recent_unprefilled([s for s, r in enumerate(self._slots) if r is None])
+        """A free row holding decoded tokens (a finished answer) that no prompt could reuse yet, the most recent. Not
+        a row a beam step left (``decode_tail``): beam search's next step continues from its decoded KV, and a
+        recompute between two steps (a served search pauses while its thread picks the beams) would give it other
+        numbers than ``engine.generate``'s search, which never pauses."""
+        return self.cache.index.most_recent_unprefilled([s for s, r in enumerate(self._slots)
+                                                         if r is None and s not in self._beam_rows])
 
     def _refill(self) -> None:
         """With nothing to run for :data:`REFILL_DELAY_S`: one chunk (:data:`REFILL_CHUNK` tokens, at most
@@ -217,6 +222,26 @@ class Scheduler(Emission):
         round differently from a chunk (SmolLM2-135M int4: 0.30 on the logits, which changed greedy answers;
         chunks of 2+ tokens after a prefix equal the one-shot prefill exactly).
         """
+        return self._enqueue([self._request(prompt_ids, cfg, clip=clip, seed=seed, logits_processor=logits_processor,
+                                            assistant=assistant, text=text, keep_logits=keep_logits,
+                                            min_reuse=min_reuse, decode_tail=decode_tail)])[0]
+
+    def submit_all(self, items: Sequence[tuple[Sequence[int], GenerationConfig | None]], *,
+                   queue_limit: bool = True, **options: Any) -> list[Request]:
+        """Queue several sequences as ONE request (a server request's prompts x ``n`` choices, a beam step's
+        continuations): every item is checked first, then all queue together or none does. ``max_queue`` refuses
+        the group only when that many sequences were already waiting, so an idle scheduler takes a group of any
+        size (were each sequence checked alone, a request of more choices than ``max_queue`` would be refused
+        forever, and a refusal would leave its first choices queued). ``queue_limit=False``: no refusal (the rest of
+        a request already admitted, such as beam search's later steps). ``options``: :meth:`submit`'s, for every
+        item."""
+        return self._enqueue([self._request(ids, cfg, **options) for ids, cfg in items], queue_limit=queue_limit)
+
+    def _request(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None, *, clip: bool = False,
+                 seed: np.random.SeedSequence | None = None, logits_processor: LogitsProcessor | None = None,
+                 assistant: Any = None, text: bool = True, keep_logits: bool = False,
+                 min_reuse: int = MIN_REUSE, decode_tail: bool = False) -> Request:
+        """A checked request, not queued yet (its id is set when it queues)."""
         cfg = self.engine.generation_defaults if cfg is None else cfg
         if not isinstance(cfg, GenerationConfig):
             raise InputError(f"cfg must be a GenerationConfig, got {type(cfg).__name__}")
@@ -245,21 +270,27 @@ class Scheduler(Emission):
         if assistant is not None:
             check_assistant(assistant, self.tokenizer, self.vocab)
         decoder = IncrementalDecoder(self.tokenizer, cfg.stop) if text or cfg.stop else None
+        proposer: Proposer | None = (
+            AssistantProposer(assistant, cfg, eos, min(self.cache.capacity, len(ids) + cfg.max_new_tokens + 1))
+            if assistant is not None else NgramProposer(cfg) if cfg.prompt_lookup_num_tokens is not None else None)
+        req = Request(-1, ids, cfg, eos, decoder, matcher, seed=seed, proposer=proposer,
+                      logits_processor=logits_processor, keep_logits=keep_logits)
+        req.min_reuse, req.decode_tail = min_reuse, decode_tail
+        return req
+
+    def _enqueue(self, reqs: list[Request], queue_limit: bool = True) -> list[Request]:
+        """Give ``reqs`` their ids (arrival order) and queue them together, or raise and queue none."""
         with self._cond:
             if self._closed:
                 raise ServingError("the scheduler is closed")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue {self.max_queue}) and "
-                                     f"all {len(self._slots)} slots are busy; retry later")
-            proposer: Proposer | None = (
-                AssistantProposer(assistant, cfg, eos, min(self.cache.capacity, len(ids) + cfg.max_new_tokens + 1))
-                if assistant is not None else NgramProposer(cfg) if cfg.prompt_lookup_num_tokens is not None else None)
-            req = Request(next(self._ids), ids, cfg, eos, decoder, matcher, seed=seed, proposer=proposer,
-                          logits_processor=logits_processor, keep_logits=keep_logits)
-            req.min_reuse, req.decode_tail = min_reuse, decode_tail
-            self._waiting.append(req)
+            if queue_limit and len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"{len(self._waiting)} sequences are waiting for a slot (max_queue "
+                                     f"{self.max_queue}); retry later")
+            for req in reqs:
+                req.id = next(self._ids)
+            self._waiting.extend(reqs)
             self._cond.notify_all()
-        return req
+        return reqs
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (thread-safe): ``running`` (requests holding a slot, prefilling or decoding),
@@ -341,6 +372,7 @@ class Scheduler(Emission):
             row, n = None, 0
         # a free row holding the prefix is taken as it is; else the least recently used one, the prefix copied in
         slot = row if row in free else self.cache.index.least_recent(free)
+        self._beam_rows.discard(slot)
         self.cache.keep(slot, n if slot == row else 0)
         if row is not None and slot != row:
             self.cache.copy_prefix(row, slot, n)
@@ -488,6 +520,8 @@ class Scheduler(Emission):
     # --- endings ------------------------------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
         if req.slot is not None:
+            if req.decode_tail:
+                self._beam_rows.add(req.slot)
             if not self.prefix_caching:  # else the row keeps its KV for later requests until it is evicted
                 self.cache.free(req.slot)
             self._slots[req.slot] = None

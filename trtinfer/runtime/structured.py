@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from trtinfer.errors import BackendUnavailableError, InputError
+from trtinfer.errors import BackendUnavailableError, GrammarError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Grammars:
         llg = _llguidance()
         m = llg.LLMatcher(self.tokenizer(), _grammar_cached(fmt), log_level=0)
         if m.is_error():  # a grammar llguidance cannot build: the matcher says why (compiled once, not twice)
-            raise InputError(f"response_format is not a usable grammar: {m.get_error()}")
+            raise GrammarError(f"response_format is not a usable grammar: {m.get_error()}", m.get_error())
         return Matcher(m, self.vocab_size)
 
 

@@ -14,8 +14,9 @@ class ServeConfig:
     ``host``/``port``: where uvicorn binds (loopback unless told otherwise; port 0 picks a free one).
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401).
     ``model_name``: the name ``/v1/models`` lists and requests must give as ``model`` (default: the engine
-    directory's name). ``max_queue``: requests waiting for a batch slot before new ones get 429 (every request waits
-    there a moment before a slot takes it, so at least 1).
+    directory's name). ``max_queue``: sequences waiting for a batch slot before new requests get 429 (every request
+    waits there a moment before a slot takes it, so at least 1); a request's sequences (prompts x ``n``) queue
+    together, so one arriving while fewer wait is taken whole, whatever its size.
     ``max_body_bytes``: larger request bodies get 413. ``prefill_chunk``: prompt tokens a step may prefill (long
     prompts go in chunks between decode steps; in one call while others decode). ``max_n``: the most choices
     (``n``) one request may ask for.

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from trtinfer.errors import ConfigError, InputError, ServingError
+from trtinfer.errors import ConfigError, GrammarError, InputError, ServingError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.engine import Engine
 from trtinfer.runtime.generator import GenerationResult, TokenLogprob
@@ -150,13 +150,13 @@ class Handler:
         else:
             if k := self.service.config.speculative_ngram:
                 cfgs = [dataclasses.replace(c, prompt_lookup_num_tokens=k) for c in cfgs]
-            submitted: list[Submitted] = []
+            # every prompt x choice queues at once or not at all (a 429 leaves nothing behind)
             try:
-                for ids, cfg in zip(prompts, cfgs):
-                    submitted += [scheduler.submit(ids, P.for_choice(cfg, j)) for j in range(req.n)]
-            except BaseException:
-                self._cancel(submitted)
-                raise
+                submitted: list[Submitted] = scheduler.submit_all(
+                    [(ids, P.for_choice(cfg, j)) for ids, cfg in zip(prompts, cfgs) for j in range(req.n)])
+            except GrammarError as e:  # the field the client wrote, not the response_format it became
+                field = P.format_field(req) or ("tools" if tool_plan.response_format is not None else "response_format")
+                raise P.BadRequest(f"{field} is not a usable grammar: {e.reason}", param=field) from e
             if req.stream:
                 opts = req.stream_options  # vLLM: continuous_usage_stats only with include_usage
                 usage: Literal["last", "continuous"] | None = None if opts is None or not opts.include_usage else \

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trtinfer.errors import ConfigError, ServingError
 from trtinfer.runtime.config import GenerationConfig
@@ -59,7 +59,16 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    """The fields completions and chat share."""
+    """The fields completions and chat share. An explicit ``null`` is the field's default, as OpenAI's API types
+    its optional fields (``"n": null``, ``"stream": null``, ``"logprobs": null``, ...)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
     model: str | None = None
     max_tokens: int | None = None
@@ -254,7 +263,7 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
     if req.top_k is not None:
         fields["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM: -1 (or 0) turns top-k off
     if req.temperature is not None:
-        if req.temperature < 0:
+        if not req.temperature >= 0:  # NaN too: it would compare below GREEDY_BELOW and pass as greedy
             raise BadRequest(f"temperature must be >= 0 (0: greedy), got {req.temperature}", param="temperature")
         fields["do_sample"] = req.temperature >= GREEDY_BELOW
         if fields["do_sample"]:
@@ -391,11 +400,20 @@ def models_list(name: str, max_seq_len: int, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [model_card(name, max_seq_len, created)]}
 
 
+def _formats_given(req: _Sampling) -> dict[str, Any]:
+    return {name: getattr(req, name) for name in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                                                  "guided_grammar") if getattr(req, name) is not None}
+
+
+def format_field(req: _Sampling) -> str | None:
+    """The request field that asked for structured output (``response_format`` or a ``guided_*`` extra), if any."""
+    return next(iter(_formats_given(req)), None)
+
+
 def response_format_of(req: _Sampling) -> dict[str, Any] | None:
     """The request's structured-output format: ``response_format`` or one of vLLM's ``guided_*`` extras, as a
     ``response_format`` object (None for plain text). Two of them at once is a 400."""
-    given = {name: getattr(req, name) for name in ("response_format", "guided_json", "guided_regex", "guided_choice",
-                                                   "guided_grammar") if getattr(req, name) is not None}
+    given = _formats_given(req)
     if len(given) > 1:
         raise BadRequest(f"give one of {sorted(given)}, not several", param=sorted(given)[1])
     if not given:
