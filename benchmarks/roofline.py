@@ -150,7 +150,8 @@ def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repe
     engine's; weights fed as an input are repacked every call, 100x slower), ``x`` [1, K] bound once, best of
     ``repeats`` calls after one warm-up. This is the ceiling an int4 decode step can reach through this kernel
     whatever the graph around it; beside :func:`probe_bandwidth` it says how much of the memory's bandwidth the
-    kernel itself leaves unused (2-vCPU AMD EPYC: 26 GB/s on 2 threads and 16 on one, against a 50-60 GB/s read)."""
+    kernel itself leaves unused (2-vCPU AMD EPYC: 25 GB/s on 2 threads and 15-17 on one, whether the read probe gave
+    37 or 60 GB/s: compute-bound)."""
     import tempfile
 
     import onnx
@@ -335,7 +336,8 @@ def chart(report: dict[str, Any], path: Path) -> None:
     shown = [kv for kv in report["ceiling_gb_s"].items() if kv[0] != "int4"][:3]
     shown += [("int4", report["ceiling_gb_s"]["int4"])] if "int4" in report["ceiling_gb_s"] else []
     for (kernel, v), color in zip(shown, ("tab:red", "tab:orange", "tab:green", "tab:purple")):
-        ax.axhline(v, color=color, ls="--", lw=1, label=f"probe {kernel} {v:.1f} GB/s")
+        name = "int4 kernel (MatMulNBits, batch 1)" if kernel == "int4" else f"probe {kernel}"
+        ax.axhline(v, color=color, ls="--", lw=1, label=f"{name} {v:.1f} GB/s")
     ax.set_xticks(range(len(rows)), [f"{r['engine']}\nbs{r['batch_size']}" for r in rows], fontsize=7)
     ax.set_ylabel("GB/s read per decode step")
     ax.set_title(f"decode vs measured memory bandwidth ({report['machine']['cpu']}, "
