@@ -327,3 +327,76 @@ def test_a_closed_engine_refuses_work_and_frees_its_session(tiny_engine):
         with pytest.raises(EngineLoadError, match="is closed; load it again"):
             call()
     eng.close()  # twice is fine
+    ctx = (eng := trtinfer.load(tiny_engine("llama"))).context(capacity=16)
+    stream = eng.stream(input_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)
+    next(stream)
+    eng.close()  # a context made before, a stream under way: one clear line, not an AttributeError inside
+    with pytest.raises(EngineLoadError, match="engine was closed"):
+        ctx.forward().input([5, 6]).execute()
+    with pytest.raises(EngineLoadError, match="engine was closed"):
+        list(stream)
+
+
+@pytest.mark.parametrize(("call", "needle"), [
+    (lambda e: e.generate(5), "prompts must be a string or a list of strings, got int"),
+    (lambda e: e.generate(input_ids=np.array([1, 2, 3])), r"wrap one prompt's ids as \[ids\]"),
+    (lambda e: e.generate(input_ids=[["a"]]), r"input_ids\[0\] must hold integer token ids, got 'a'"),
+    (lambda e: e.generate(input_ids=[[1, None]]), "must hold integer token ids, got None"),
+    (lambda e: e.generate(input_ids=[[1.5, 2.7]]), "got 1.5 .float."),  # refused, not rounded to [1, 2]
+    (lambda e: e.generate(input_ids=[[True, 2]]), "got True .bool."),
+    (lambda e: next(e.stream(input_ids=[[1, 2]])), r"input_ids must hold integer token ids, got \[1, 2\]"),
+    (lambda e: next(e.stream(["a", "b"])), "stream_batch"),
+    (lambda e: e.perplexity(input_ids=[[1, 2, 3]]), "must hold integer token ids"),
+    (lambda e: e.perplexity(input_ids=[1, 2, 3], max_tokens=2.5), "max_tokens must be at least 2"),
+    (lambda e: e.perplexity(input_ids=[1, 2, 3, 4], window=3.5), "window must be a whole number of tokens"),
+    (lambda e: e.context(capacity=0), "capacity must be between 2"),  # not silently the default
+    (lambda e: e.generate([""], num_beams=2), "prompt 0 is empty"),  # not the scheduler's internals
+    (lambda e: e.generate(input_ids=[[5, 6]], num_return_sequences=3, do_sample=True),
+     "3 rows .prompts x num_return_sequences. exceed the engine's max batch size 2"),
+])
+def test_wrong_types_and_values_are_one_clear_line(small_engine, call, needle):
+    with trtinfer.load(small_engine) as eng, pytest.raises(InputError, match=needle):
+        call(eng)
+
+
+def test_prompts_may_be_any_iterable(small_engine):
+    with trtinfer.load(small_engine) as eng:  # a generator is read once (its emptiness was checked first)
+        got = eng.generate((p for p in ["a b", "c"]), max_new_tokens=2, do_sample=False)
+        assert [r.token_ids for r in got] == [r.token_ids for r in eng.generate(["a b", "c"], max_new_tokens=2,
+                                                                                 do_sample=False)]
+
+
+def test_load_refuses_what_is_not_a_runtime_option(small_engine):
+    with pytest.raises(InputError, match=r"unknown runtime option\(s\) \['foo'\]"):
+        trtinfer.load(small_engine, foo=1)
+    with pytest.raises(InputError, match="config must be a RuntimeConfig, got dict"):
+        trtinfer.load(small_engine, config={"provider": "cpu"})
+    with pytest.raises(InputError, match="engine_dir must be a path"):
+        trtinfer.load(None)
+
+
+def test_a_released_context_refuses_fork_and_truncate(small_engine):
+    """A released context's fork used to return a context of the right length over an empty KV cache (its logits
+    20 away from the truth); now it and truncate refuse, as execute does."""
+    with trtinfer.load(small_engine) as eng:
+        ctx = eng.context(capacity=16)
+        ctx.forward().input([5, 6, 7]).execute()
+        ctx.release()
+        for call in (ctx.fork, lambda: ctx.truncate(1), lambda: ctx.forward().input([8]).execute()):
+            with pytest.raises(InputError, match="this context was released"):
+                call()
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda x: np.where(np.arange(x.shape[-1]) == 100, np.nan, x), "returned NaN"),
+    (lambda x: np.full_like(x, -np.inf), "-inf for every token of a row"),
+])
+def test_a_processor_returning_no_choosable_token_is_refused(small_engine, edit, needle):
+    with trtinfer.load(small_engine) as eng:
+        for sample in (False, True):
+            with pytest.raises(InputError, match=needle):
+                eng.generate(input_ids=[[5, 6, 7]], max_new_tokens=3, do_sample=sample,
+                             logits_processor=lambda ids, x: edit(x))
+        forced = eng.generate(input_ids=[[5, 6, 7]], max_new_tokens=2, do_sample=False,  # +inf forces a token
+                              logits_processor=lambda ids, x: np.where(np.arange(x.shape[-1]) == 9, np.inf, x))
+        assert forced[0].token_ids == [9, 9]

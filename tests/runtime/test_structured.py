@@ -94,7 +94,7 @@ def test_scheduler_equals_generate(engine):
 
 
 @pytest.mark.parametrize("bad", [{"type": "yaml"}, {"type": "json_schema"}, {"type": "choice", "choice": []},
-                                 {"type": "regex"}, "not json", 5])
+                                 {"type": "choice", "choice": ["a", ""]}, {"type": "regex"}, "not json", 5])
 def test_bad_formats_are_one_line(bad):
     with pytest.raises(ConfigError, match="response_format"):
         GenerationConfig(response_format=bad)
@@ -106,6 +106,23 @@ def test_malformed_schema_and_unsupported_combinations(engine):
                         response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}})
     with pytest.raises(InputError, match="drop num_beams"):
         engine.generate(["x"], max_new_tokens=4, num_beams=2, response_format={"type": "json_object"})
+    with pytest.raises(InputError, match="not a usable grammar") as e:  # llguidance's excerpt, folded to one line
+        engine.generate(["x"], max_new_tokens=4, response_format={"type": "grammar", "grammar": "start: (\n"})
+    assert "\n" not in str(e.value)
+
+
+def test_a_processor_cannot_choose_what_the_grammar_refuses(engine):
+    """The grammar's mask applies after the user's logits processor: one that sets a refused token's logit high
+    (as force-token processors do) no longer breaks the format (it ran into llguidance's error mid-generation)."""
+    forced = engine.tokenizer.encode("x")[-1]
+
+    def force(ids, scores):
+        scores[:, forced] = 50.0
+        return scores
+
+    for r in engine.generate(PROMPTS, max_new_tokens=8, logits_processor=force,
+                             response_format={"type": "regex", "regex": "[0-9]{3}"}):
+        assert re.fullmatch(r"[0-9]{3}", r.text) and r.finish_reason == "stop", r.text
     assert normalize_format({"type": "text"}) is None
     assert normalize_format(FORMAT) == normalize_format(json.dumps(FORMAT))
 

@@ -109,16 +109,22 @@ class Emission:
     @staticmethod
     def _choose(reqs: list[Request], logits: np.ndarray) -> np.ndarray:
         """The next token of each request (same settings, same step) from its row of ``logits [B, V]``: each grammar's
-        mask first (a draft token outside it can then never be kept), then :func:`select_next` with each request's
-        own generator."""
+        mask (a draft token outside it can then never be kept; after the user's processor where there is one, so no
+        processor can choose a token the grammar refuses), then :func:`select_next` with each request's own
+        generator."""
         cfg, first = reqs[0].cfg, reqs[0]
-        x = logits if all(r.matcher is None for r in reqs) else np.stack(
-            [row if r.matcher is None else r.matcher.mask(row) for r, row in zip(reqs, logits)])
+
+        def masked(x: np.ndarray) -> np.ndarray:
+            return x if all(r.matcher is None for r in reqs) else np.stack(
+                [row if r.matcher is None else r.matcher.mask(row) for r, row in zip(reqs, x)])
+
         seen = [r._seen for r in reqs]
-        # the user's processor runs after the built-in ones, before the warpers (transformers' order)
-        hook = None if first.logits_processor is None else partial(run_logits_processor, first.logits_processor, seen)
         rngs = [r._rng for r in reqs if r._rng is not None]
-        return select_next(x, cfg, seen, len(first.generated), first.eos, rngs, hook=hook)
+        if first.logits_processor is None:
+            return select_next(masked(logits), cfg, seen, len(first.generated), first.eos, rngs)
+        # the user's processor runs after the built-in ones, before the warpers (transformers' order)
+        user = partial(run_logits_processor, first.logits_processor, seen)
+        return select_next(logits, cfg, seen, len(first.generated), first.eos, rngs, hook=lambda x: masked(user(x)))
 
     def _record(self, req: Request, tok: int, logits: np.ndarray) -> None:
         """The request's next token ``tok`` (chosen from ``logits [V]``): push its event, finish it if it ends here.

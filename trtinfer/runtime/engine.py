@@ -7,13 +7,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trtinfer.artifact import Manifest, read_manifest
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
 from trtinfer.runtime.forward import Context, Forward, Group, Output
 from trtinfer.runtime.forward import execute as execute_passes
 from trtinfer.runtime.gen_defaults import read_generation_defaults_and_keys
-from trtinfer.runtime.generator import GenerationResult, StreamEvent, warn_length_budget
+from trtinfer.runtime.generator import GenerationResult, StreamEvent, token_ids, warn_length_budget
 from trtinfer.runtime.offline import BeamGeneration, Generation
 from trtinfer.runtime.scoring import PerplexityResult, ScoreResult, check_ids, score_ids, windowed_perplexity
 from trtinfer.runtime.session import DecoderSession, open_session
@@ -65,12 +67,20 @@ class Engine:
         if (prompts is None) == (input_ids is None):
             raise InputError("give exactly one of prompts (list of strings) or input_ids (list of token-id lists)")
         if input_ids is not None:
-            if not all(isinstance(row, (list, tuple)) or hasattr(row, "tolist") for row in input_ids):
-                raise InputError("input_ids must be a list of token-id lists, one per prompt")
-            return [[int(t) for t in row] for row in input_ids]
+            if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
+                raise InputError(f"input_ids must be a list of token-id lists, one per prompt, got "
+                                 f"{type(input_ids).__name__}")
+            rows = list(input_ids)
+            if rows and all(isinstance(t, (int, np.integer)) for t in rows):
+                raise InputError("input_ids must be a list of token-id lists, one per prompt: wrap one prompt's ids "
+                                 "as [ids]")
+            return [token_ids(row, f"input_ids[{i}]") for i, row in enumerate(rows)]
         assert prompts is not None
         if isinstance(prompts, str):
             prompts = [prompts]
+        elif isinstance(prompts, bytes) or not hasattr(prompts, "__iter__"):
+            raise InputError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
+        prompts = list(prompts)  # a generator is read once
         if chat:  # each prompt: one user message (a string) or a conversation (a list of {"role", "content"} dicts)
             return [self.tokenizer.encode_chat(_messages(p, i)) for i, p in enumerate(prompts)]
         if not all(isinstance(p, str) for p in prompts):
@@ -139,7 +149,10 @@ class Engine:
     def stream(self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None, chat: bool = False,
                config: GenerationConfig | None = None, **kwargs: Any) -> Iterator[str]:
         """Generate for one prompt, yielding text deltas as tokens arrive; options as for :meth:`generate`."""
-        rows = None if input_ids is None else [list(input_ids)]
+        rows = None if input_ids is None else [token_ids(input_ids, "input_ids")]
+        if prompt is not None and not isinstance(prompt, str):
+            raise InputError(f"stream() takes one prompt (a string), got {type(prompt).__name__}; for a batch use "
+                             "stream_batch()")
         prompts = None if prompt is None else [prompt]
         for ev in self._generation(prompts, rows, chat, config, kwargs, streaming="one").events():
             if ev.text:
@@ -191,9 +204,9 @@ class Engine:
             check_text(text, "the text")
             ids = self.tokenizer.encode(text)
         else:
-            ids = [int(t) for t in input_ids]
+            ids = token_ids(input_ids, "input_ids")
         if max_tokens is not None:
-            if max_tokens < 2:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
                 raise InputError(f"max_tokens must be at least 2 (the first token has no context), got {max_tokens}")
             ids = ids[:max_tokens]
         return windowed_perplexity(self.session, ids, window, stride)
@@ -203,7 +216,7 @@ class Engine:
         (default: the engine's max sequence length; buffer layouts allocate that many KV slots)."""
         self._check_open()
         self.session.check_can_score()  # a context's passes read logits at chosen positions
-        return Context(self.session, capacity or self.manifest.max_seq_len)
+        return Context(self.session, self.manifest.max_seq_len if capacity is None else capacity)
 
     def contexts(self, n: int, capacity: int | None = None) -> list[Context]:
         """``n`` empty sequences whose KV caches are the rows of one batch: :meth:`execute` runs their passes as one
@@ -212,7 +225,7 @@ class Engine:
         if not (isinstance(n, int) and 1 <= n <= self.manifest.max_batch_size):
             raise InputError(f"contexts(n): n must be within 1..{self.manifest.max_batch_size} (the engine's max "
                              f"batch size), got {n!r}")
-        return Group(self.session, n, capacity or self.manifest.max_seq_len).contexts
+        return Group(self.session, n, self.manifest.max_seq_len if capacity is None else capacity).contexts
 
     def execute(self, passes: Sequence[Forward]) -> list[Output]:
         """Run several contexts' passes: one batched step for contexts of one :meth:`contexts` batch that all start
@@ -246,8 +259,16 @@ def load(engine_dir: str | Path, config: RuntimeConfig | None = None, **override
     Decoder engines give an :class:`Engine` (generate/stream); encoder engines an
     :class:`~trtinfer.runtime.encoder.EncoderEngine` (embed).
     """
+    if config is not None and not isinstance(config, RuntimeConfig):
+        raise InputError(f"config must be a RuntimeConfig, got {type(config).__name__}; or pass its fields as "
+                         "keywords (trtinfer.load(dir, provider='cpu'))")
     if overrides:
+        known = {f.name for f in dataclasses.fields(RuntimeConfig)}
+        if unknown := sorted(set(overrides) - known):
+            raise InputError(f"unknown runtime option(s) {unknown}; known: {sorted(known)}")
         config = dataclasses.replace(config or RuntimeConfig(), **overrides)
+    if not isinstance(engine_dir, (str, Path)):
+        raise InputError(f"engine_dir must be a path (str or pathlib.Path), got {type(engine_dir).__name__}")
     kind = read_manifest(Path(engine_dir)).kind
     if kind == "encoder":
         from trtinfer.runtime.encoder import EncoderEngine

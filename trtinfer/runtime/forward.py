@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer.errors import InputError
+from trtinfer.runtime.generator import token_ids
 from trtinfer.runtime.probes import Argmax, Distribution, Entropy, Logits, Logprob, Logprobs, Sampler
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.slots import SlotCache
@@ -94,10 +95,11 @@ class Forward:
     def input(self, ids: Sequence[int]) -> Forward:
         """Append tokens at the next positions."""
         vocab = int(self.ctx.session.manifest.geometry["vocab_size"])
-        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        ids = token_ids(ids, "input()")
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        self.tokens.extend(int(t) for t in ids)
+        self.tokens.extend(ids)
         return self
 
     def input_at(self, ids: Sequence[int], positions: Sequence[int]) -> Forward:
@@ -141,8 +143,7 @@ class Forward:
             raise InputError("this forward pass already ran; start another with ctx.forward()")
         if not self.tokens:
             raise InputError("nothing to run: feed tokens with .input() first")
-        if self.ctx.released:
-            raise InputError("this context was released; make a new one with engine.context()")
+        self.ctx._check_alive()
 
     def execute(self) -> Output:
         """Run the pass: the context takes the tokens; the asked values are computed from their positions' logits."""
@@ -254,8 +255,13 @@ class Context:
         logits = self.cache.feed(self.slot, tokens, want)
         return {p: logits[i] for i, p in enumerate(want)}
 
+    def _check_alive(self) -> None:
+        if self.released:
+            raise InputError("this context was released; make a new one with engine.context()")
+
     def fork(self) -> Context:
         """A copy of this context (tokens and KV cache, copied on the backend); the two then go their own ways."""
+        self._check_alive()
         other = Context(self.session, self.capacity)
         if self.tokens:
             self.cache.copy_prefix(self.slot, 0, len(self.tokens), into=other.cache)
@@ -263,6 +269,7 @@ class Context:
 
     def truncate(self, n: int) -> None:
         """Roll back to the first ``n`` tokens (e.g. rejected draft tokens); later passes continue from there."""
-        if not 0 <= n <= len(self.tokens):
+        self._check_alive()
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= len(self.tokens):
             raise InputError(f"truncate({n}): the context holds {len(self.tokens)} tokens")
         self.cache.keep(self.slot, n)

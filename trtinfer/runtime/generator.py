@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -118,6 +119,17 @@ class StreamEvent:
     finish_reason: str | None = None
 
 
+def token_ids(row: Any, what: str) -> list[int]:
+    """``row`` as a list of token ids: InputError unless it is a list, tuple or 1-D array of integers (a float, a bool
+    or a string is refused, not rounded or read as an id)."""
+    if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or getattr(row, "ndim", 1) != 1:
+        raise InputError(f"{what} must be a list of token ids (ints), got {type(row).__name__}")
+    for t in row:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise InputError(f"{what} must hold integer token ids, got {t!r} ({type(t).__name__})")
+    return [int(t) for t in row]
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], vocab: int, max_seq_len: int) -> list[list[int]]:
     """The prompts as int lists; InputError for none, an empty one, one too long, or ids outside the vocabulary."""
     if not prompts:
@@ -167,6 +179,11 @@ def run_logits_processor(fn: LogitsProcessor, seen: list[np.ndarray], logits: np
     if out.shape != logits.shape or not np.issubdtype(out.dtype, np.floating):
         raise InputError(f"logits_processor must return float logits of shape {logits.shape}, got "
                          f"{out.dtype} {out.shape}")
+    top = out.max(axis=-1)  # NaN anywhere in a row makes its max NaN; -inf: every token masked
+    if not (top > -np.inf).all():
+        what = "NaN" if np.isnan(top).any() else "-inf for every token of a row"
+        raise InputError(f"logits_processor returned {what}: no token can be chosen from that (mask tokens with "
+                         "-inf, keep at least one finite or +inf)")
     return out
 
 

@@ -45,9 +45,10 @@ class Generation:
                  logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None,
                  assistant: Any = None) -> None:
         limit = int(engine.manifest.max_batch_size)
-        if len(prompts) > limit:
-            raise InputError(f"batch of {len(prompts)} prompts exceeds the engine's max batch size {limit}; "
-                             "split it, or rebuild with a larger --max-batch-size")
+        if len(prompts) > limit:  # rows: prompts x num_return_sequences (engine.generate repeats each prompt)
+            raise InputError(f"{len(prompts)} rows (prompts x num_return_sequences) exceed the engine's max batch "
+                             f"size {limit}; split the batch, ask for fewer sequences, or rebuild with a larger "
+                             "--max-batch-size")
         self.engine, self.cfg, self.assistant = engine, cfg, assistant
         self.max_seq_len = int(engine.manifest.max_seq_len)
         self.prompts = check_prompts(prompts, int(engine.manifest.geometry["vocab_size"]), self.max_seq_len)
@@ -107,7 +108,9 @@ class BeamGeneration:
     def __init__(self, engine: Any, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, *,
                  logits_processor: LogitsProcessor | None = None,
                  should_stop: Callable[[], bool] | None = None) -> None:
-        self.engine, self.prompts, self.cfg = engine, prompts, cfg
+        self.engine, self.cfg = engine, cfg
+        self.prompts = check_prompts(prompts, int(engine.manifest.geometry["vocab_size"]),
+                                     int(engine.manifest.max_seq_len))
         self.logits_processor, self.should_stop = logits_processor, should_stop
 
     def run(self) -> list[GenerationResult]:

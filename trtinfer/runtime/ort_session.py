@@ -127,6 +127,8 @@ class OrtDecoderSession(DecoderSession):
         if (self.prefill_sess is not None and feeds["input_ids"].shape[1] > 1
                 and not getattr(self._on_decoder, "active", False)):
             return self.prefill_sess
+        if self.sess is None:  # closed (engine.close()) while a context, stream or other thread still used it
+            raise EngineLoadError("the engine was closed; load it again with trtinfer.load()")
         return self.sess
 
     @contextlib.contextmanager

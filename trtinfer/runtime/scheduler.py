@@ -284,6 +284,9 @@ class Scheduler(Emission):
             if self._closed:
                 raise ServingError("the scheduler is closed")
             if queue_limit and len(self._waiting) >= self.max_queue:
+                for req in reqs:  # an assistant's KV buffers go with the refused request
+                    if req.proposer is not None:
+                        req.proposer.close()
                 raise QueueFullError(f"{len(self._waiting)} sequences are waiting for a slot (max_queue "
                                      f"{self.max_queue}); retry later")
             for req in reqs:

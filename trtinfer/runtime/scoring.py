@@ -144,6 +144,9 @@ def windowed_perplexity(session: DecoderSession, ids: Sequence[int], window: int
     With ``stride == window`` the windows do not overlap and each window's first token goes unscored.
     """
     max_len = session.manifest.max_seq_len
+    for name, v in (("window", window), ("stride", stride)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+            raise InputError(f"{name} must be a whole number of tokens, got {v!r}")
     window = max_len if window is None else int(window)
     if not 2 <= window <= max_len:
         raise InputError(f"window must be between 2 and the engine's max sequence length {max_len}, got {window}")

@@ -81,7 +81,7 @@ def normalize_format(value: Any) -> str | None:
         inner = dict(spec.get("schema") or {})
     elif kind == "choice":
         inner = value.get("choice")
-        if not (isinstance(inner, list) and inner and all(isinstance(c, str) for c in inner)):
+        if not (isinstance(inner, list) and inner and all(isinstance(c, str) and c for c in inner)):
             raise InputError("response_format choice needs {\"choice\": [\"a\", \"b\", ...]} (non-empty strings)")
     else:
         inner = value.get(kind)
@@ -130,7 +130,8 @@ class Grammars:
         llg = _llguidance()
         m = llg.LLMatcher(self.tokenizer(), _grammar_cached(fmt), log_level=0)
         if m.is_error():  # a grammar llguidance cannot build: the matcher says why (compiled once, not twice)
-            raise GrammarError(f"response_format is not a usable grammar: {m.get_error()}", m.get_error())
+            reason = " ".join(str(m.get_error()).split())  # one line: llguidance's caret excerpt spans several
+            raise GrammarError(f"response_format is not a usable grammar: {reason}", reason)
         return Matcher(m, self.vocab_size)
 
 
