@@ -47,7 +47,8 @@ _CHANGE_CACHE = "point TRTINFER_CACHE at another folder"
 
 def cache_path() -> Path:
     """Where the cache is (``$TRTINFER_CACHE``, default ``~/.cache/trtinfer``), not created: :func:`cache_root` creates it."""
-    return Path(os.environ.get("TRTINFER_CACHE", Path.home() / ".cache" / "trtinfer"))
+    given = os.environ.get("TRTINFER_CACHE")
+    return Path(given) if given else Path.home() / ".cache" / "trtinfer"  # empty: the default, not the cwd
 
 
 def cache_root() -> Path:
@@ -58,6 +59,11 @@ def cache_root() -> Path:
     except (FileExistsError, NotADirectoryError) as e:  # a file where the cache or a folder above it should be
         check_output_dir(root, overwrite=True, alternative=_CHANGE_CACHE)
         err = OutputError(f"cannot create the trtinfer cache {root}: it is a file; {_CHANGE_CACHE}")
+        err.path = str(root)
+        raise err from e
+    except OSError as e:  # read-only, no permission, no space: one line naming the cache
+        reason = e.strerror.lower() if e.strerror else str(e)
+        err = OutputError(f"cannot create the trtinfer cache {root}: {reason}; {_CHANGE_CACHE}")
         err.path = str(root)
         raise err from e
     return root

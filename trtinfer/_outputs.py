@@ -15,7 +15,7 @@ import secrets
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -309,10 +309,20 @@ def _commit(tmp: Path, final: Path, overwrite: bool) -> None:
 
 
 def check_output_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
-                     alternative: str = _CHANGE_OUTPUT) -> None:
-    """Raise :class:`OutputError` now if ``final`` cannot become a new directory: it exists (unless ``overwrite``)
-    or a path above it is a file. Call it before long work whose result goes to ``final``."""
+                     alternative: str = _CHANGE_OUTPUT, inputs: Sequence[str | os.PathLike[str]] = (),
+                     copies_inputs: bool = False) -> None:
+    """Raise :class:`OutputError` now if ``final`` cannot become a new directory: it exists (unless ``overwrite``),
+    a path above it is a file, or it is one of ``inputs`` (the paths the work reads) or holds one (replacing it would
+    replace the input); with ``copies_inputs`` (the work copies an input folder into ``final``) also inside one. Call
+    it before long work whose result goes to ``final``."""
     final = Path(final)
+    for given in inputs:
+        here, there = final.resolve(), Path(given).resolve()
+        if here == there or here in there.parents or (copies_inputs and there in here.parents):
+            how = "is" if here == there else "is inside" if there in here.parents else "holds"
+            err = OutputError(f"the output {final} {how} the input {given}; write it outside the input")
+            err.path = str(final)
+            raise err
     if not overwrite and os.path.lexists(final):
         raise _exists_error(final)
     for above in final.parents:  # nearest first: the first one there must be a folder
@@ -326,17 +336,19 @@ def check_output_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
 
 
 @contextmanager
-def atomic_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
-               alternative: str = _CHANGE_OUTPUT) -> Iterator[Path]:
+def atomic_dir(final: str | os.PathLike[str], *, overwrite: bool = False, alternative: str = _CHANGE_OUTPUT,
+               inputs: Sequence[str | os.PathLike[str]] = (), copies_inputs: bool = False) -> Iterator[Path]:
     """Yield a locked temp folder beside ``final``; on success rename it to ``final``, on failure remove it.
 
     Readers never see a half-written ``final``: it either holds the previous content or the new one. Before
     starting, leftovers of killed runs for the same ``final`` (``.NAME.tmp-*``, ``.NAME.old-*`` no live process
     holds) are removed. The result gets the modes the umask asks for (not mkdtemp's 0o700). An unwritable, read-only
-    or full location raises :class:`OutputError` naming ``final`` and suggesting ``alternative``.
+    or full location raises :class:`OutputError` naming ``final`` and suggesting ``alternative``; so does a ``final``
+    that overlaps one of ``inputs`` (:func:`check_output_dir`).
     """
     final = Path(final)
-    check_output_dir(final, overwrite=overwrite, alternative=alternative)  # say so before the work, not after it
+    check_output_dir(final, overwrite=overwrite, alternative=alternative, inputs=inputs,  # before the work
+                     copies_inputs=copies_inputs)
     tmp: Path | None = None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -344,6 +356,9 @@ def atomic_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
         tmp, fd = _locked_temp_dir(final.parent, final.name)
     except OSError as e:
         err = output_error(e, final, None, alternative)
+        if err is None and isinstance(e, FileNotFoundError):  # a folder no file can be made in (-o /proc/x)
+            err = OutputError(f"cannot create {final}: {e.strerror.lower() if e.strerror else e}; {alternative}")
+            err.path = str(final)
         if err is None:
             raise
         raise err from e

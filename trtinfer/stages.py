@@ -71,11 +71,12 @@ def package_versions(*names: str) -> dict[str, str]:
     return {"trtinfer": __version__, **{n: version(n) for n in names}}
 
 
-def make_stage(output_dir: str | Path, make: Callable[[Path], StageDir], *, overwrite: bool = False) -> StageDir:
+def make_stage(output_dir: str | Path, make: Callable[[Path], StageDir], *, overwrite: bool = False,
+               source: str | Path | None = None) -> StageDir:
     """A stage written by ``make(tmp)`` into a temp folder beside ``output_dir``, renamed there at the end (nothing is
-    left at ``output_dir`` if ``make`` fails)."""
+    left at ``output_dir`` if ``make`` fails); ``output_dir`` may not overlap ``source``, the stage's input."""
     out = Path(output_dir)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, inputs=() if source is None else (source,)) as tmp:
         done = make(tmp)
     return StageDir(out, done.info)
 

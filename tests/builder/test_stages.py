@@ -89,6 +89,37 @@ def test_stage_mismatches_are_one_line_errors(chain, tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+def test_an_output_that_is_its_input_is_refused(chain, tmp_path):
+    """-o naming the input (or a folder holding it) with --force replaced the input: optimize ex -o ex --force left no
+    export; now refused before any work, the input as it was. Inside the input is allowed (it replaces nothing)."""
+    import shutil
+
+    from trtinfer.errors import OutputError
+
+    root, _, _ = chain
+    exp = shutil.copytree(root / "exp", tmp_path / "exp")
+    before = sorted(p.name for p in exp.iterdir())
+    for out in (exp, tmp_path):
+        with pytest.raises(OutputError, match=f"the output {out} (is|holds) the input {exp}"):
+            optimize_stage(exp, out, overwrite=True)
+    p = cli("build", exp, "-o", exp, "--force")
+    assert p.returncode == 2 and "is the input" in p.stderr and "Traceback" not in p.stderr
+    assert sorted(p.name for p in exp.iterdir()) == before and read_stage(exp).stage == "export"
+    assert optimize_stage(exp, exp / "opt").stage == "optimize"
+
+
+def test_max_seq_len_within_the_model_and_the_check(tiny_model_dir, tmp_path):
+    """--max-seq-len past the model's positions, or too short for the engine check's sequences (ONNX Runtime's
+    attention refused them mid-check: 'internal error', exit 1), is one line naming the bound."""
+    src = tiny_model_dir("llama")
+    positions = json.loads((src / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ConfigError, match=f"exceeds the model's {positions} positions"):
+        build(src, tmp_path / "a", BuildConfig(max_seq_len=positions + 1), progress=False)
+    with pytest.raises(ConfigError, match="shorter than the engine check's sequences .* use at least"):
+        build(src, tmp_path / "b", BuildConfig(max_seq_len=3), progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_modified_stage_directory_is_refused(chain, tmp_path):
     import shutil
 

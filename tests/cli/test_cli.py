@@ -83,3 +83,44 @@ def test_generate_bad_options_one_line(tiny_engine):
     assert_one_line_error(cli("generate", eng, "-p", "a", "-p", "b", "--stream", check=False), "exactly one")
     p = cli("generate", eng, "-p", "hi", "--top-p", "2", "--debug", check=False)
     assert p.returncode != 0 and "Traceback" in p.stderr  # --debug shows it
+
+
+def test_inspect_a_manifest_short_of_its_summary(tiny_engine, tmp_path):
+    """A manifest that loads (generate runs) but lacks a part of inspect's summary: one line pointing at --json
+    (was 'internal error: KeyError: 'export'', exit 1)."""
+    import shutil
+
+    eng = shutil.copytree(tiny_engine("llama"), tmp_path / "eng")
+    m = json.loads((eng / "manifest.json").read_text())
+    del m["export"]
+    (eng / "manifest.json").write_text(json.dumps(m))
+    p = cli("inspect", eng, check=False)
+    assert p.returncode == 2
+    assert_one_line_error(p, "manifest.json lacks or mistypes 'export' for the summary; rebuild the engine, or read "
+                             "it whole with --json")
+    assert json.loads(cli("inspect", eng, "--json").stdout)["limits"]
+
+
+def test_outputs_that_cannot_be_made_are_one_line(tiny_engine, tmp_path):
+    """A cache or an output where no folder can be made (/proc): one line naming it (was 'internal error')."""
+    p = subprocess.run([sys.executable, "-m", "trtinfer", "cache", "info"], check=False, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": os.getcwd(), "TRTINFER_CACHE": "/proc/trtinfer-x"})
+    assert_one_line_error(p, "cannot create the trtinfer cache /proc/trtinfer-x")
+    assert p.returncode == 2
+    p = cli("triton", tiny_engine("llama"), "-o", "/proc/trtinfer-repo", check=False)
+    assert_one_line_error(p, "cannot create /proc/trtinfer-repo")
+    assert p.returncode == 2
+
+
+def test_config_errors_read_in_flags_without_garbling_words():
+    from trtinfer.cli._flags import config_from_flags
+    from trtinfer.cli.serve import SERVE_FLAGS
+    from trtinfer.errors import ConfigError
+    from trtinfer.serving.config import ServeConfig
+
+    with pytest.raises(ConfigError) as e:
+        config_from_flags(ServeConfig, SERVE_FLAGS, host="")
+    assert str(e.value).startswith("--host must be a host name or address"), e.value  # not "a --host name"
+    with pytest.raises(ConfigError) as e:
+        config_from_flags(ServeConfig, SERVE_FLAGS, max_slots=0)
+    assert str(e.value).startswith("--max-slots must be an integer >= 1, got 0") and "None" not in str(e.value)

@@ -793,6 +793,20 @@ def test_cli_serve_refuses(engine_dir, args, words):
     assert len(lines) == 1 and words in lines[0] and lines[0].startswith("trtinfer serve: error:"), r.stderr
 
 
+def test_cli_serve_load_failure_is_said_once(engine_dir, tmp_path):
+    """An engine that fails while the server loads it (a garbage graph): the one error line, not the server's log
+    line and then the same error again."""
+    import shutil
+
+    broken = shutil.copytree(engine_dir, tmp_path / "broken")
+    (broken / "model.onnx").write_bytes(b"not a graph")
+    r = subprocess.run([sys.executable, "-m", "trtinfer.cli", "serve", str(broken), "--port", "0"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.strip().splitlines() if "error" in ln.lower()]
+    assert len(lines) == 1 and lines[0].startswith("trtinfer serve: error:"), r.stderr
+
+
 def test_cli_serve_port_in_use(engine_dir):
     import socket
 

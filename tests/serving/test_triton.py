@@ -196,6 +196,16 @@ def test_cli(decoder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["triton", str(tmp_path / "nope"), "-o", str(tmp_path / "r4")]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert not (tmp_path / "r2").exists() and not (tmp_path / "r4").exists()
+    # a name that is a path (.., .) wrote the model beside -o; an output inside the engine copied the engine into
+    # itself without end; the engine as -o with --force replaced it
+    for name in ("..", "."):
+        assert main(["triton", str(decoder), "-o", str(tmp_path / "r5"), "--name", name]) == 2
+        assert "not only dots" in capsys.readouterr().err
+    before = sorted(p.name for p in decoder.iterdir())
+    for out, how in ((decoder / "repo", "is inside"), (decoder, "is")):
+        assert main(["triton", str(decoder), "-o", str(out), "--force"]) == 2
+        assert f"the output {out} {how} the input" in capsys.readouterr().err
+    assert sorted(p.name for p in decoder.iterdir()) == before and not (tmp_path / "r5").exists()
 
 
 def test_missing_tritonclient(decoder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -150,6 +150,23 @@ def _stage_accuracy(stage: StageDir) -> dict[str, Any] | None:
     return {**acc, "scored": "quantize-stage graph"} if acc and "ratio" in acc else None
 
 
+def _check_max_seq(max_seq: int, stage: StageDir) -> None:
+    """``--max-seq-len`` within the model's positions (its rotary tables end there) and long enough for the engine
+    check's sequences (a shorter engine cannot run them: ONNX Runtime's attention refuses them mid-check)."""
+    positions = stage.geometry.get("max_position_embeddings")
+    if positions and max_seq > positions:
+        raise ConfigError(f"--max-seq-len {max_seq} exceeds the model's {positions} positions "
+                          f"(max_position_embeddings); use at most {positions}", field="max_seq_len")
+    if max_seq < 64 and stage.reference_path is not None:
+        from trtinfer.export.reference import load_reference
+
+        prompts, tokens, _ = load_reference(stage.reference_path)
+        need = max(len(p) for p in prompts) + tokens.shape[1]
+        if max_seq < need:
+            raise ConfigError(f"--max-seq-len {max_seq} is shorter than the engine check's sequences ({need} "
+                              f"positions); use at least {need}", field="max_seq_len")
+
+
 def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: BuildConfig | None = None, *,
           overwrite: bool = False, progress: bool = True) -> Path:
     """Build an engine for MODEL (a model, or an export/optimize stage directory) into ``output_dir``.
@@ -161,9 +178,9 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
     config = config or BuildConfig()
     backend = get_build_backend(config.backend)
     out = Path(output_dir)
-    if out.exists() and not overwrite:
-        raise BuildError(f"{out} already exists; choose another -o or pass --force to replace it")
-    check_output_dir(out, overwrite=overwrite)  # a file above -o fails now, not after the whole build
+    # -o already there, a file above it, or MODEL itself (a folder: --force would replace it): now, not after the build
+    check_output_dir(out, overwrite=overwrite, inputs=[model] if isinstance(model, (str, Path)) and
+                     Path(model).exists() else [])
     t_start = time.perf_counter()
     if config.precision in ("fp16", "bf16") and config.target == "cpu":
         log.warning("%s on the CPU provider is for checking numerics: ONNX Runtime's CPU fp16 kernels are ~3x slower "
@@ -216,6 +233,7 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
             from trtinfer.passes.optimizer import optimize_cached
 
             max_seq = config.max_seq_len_for(stage.geometry)
+            _check_max_seq(max_seq, stage)
             pcfg = PassConfig(target=backend.pass_target(config), max_seq_len=max_seq, precision=config.pass_precision,
                               keep_io_types=config.keep_io_types, keep_fp32=config.keep_fp32,
                               disable=config.disable_passes)

@@ -44,8 +44,9 @@ def add_prefill_graph_flag(parser: argparse.ArgumentParser, default: bool | None
 def config_from_flags(factory: Callable[..., T], flags: Mapping[str, str], **values: object) -> T:
     """``factory(**values)``; a :class:`ConfigError` about a field is re-raised in the words of its flag.
 
-    ``temperature must be > 0, got -1.0`` becomes ``--temperature must be > 0, got -1.0``; every field name in the
-    message that has a flag is renamed, so cross-field messages read in flags too.
+    ``temperature must be > 0, got -1.0`` becomes ``--temperature must be > 0, got -1.0``; the field that opens the
+    message and every other field name with an underscore in it (``min_tokens must be <= max_tokens``) is renamed,
+    so cross-field messages read in flags too, while plain words (``host must be a host name``) stay words.
     """
     try:
         return factory(**values)
@@ -53,7 +54,10 @@ def config_from_flags(factory: Callable[..., T], flags: Mapping[str, str], **val
         if e.field not in flags:
             raise
         names = re.compile(r"\b(" + "|".join(re.escape(f) for f in sorted(flags, key=len, reverse=True)) + r")\b")
-        raise ConfigError(names.sub(lambda m: flags[m.group(1)], str(e)), field=e.field) from e
+        text = str(e)
+        said = names.sub(lambda m: flags[m.group(1)] if m.start() == 0 or "_" in m.group(1) else m.group(0), text)
+        said = said.replace(" or None", "")  # the Python API's "unset"; a flag left out is that
+        raise ConfigError(said, field=e.field) from e
 
 
 def check_text_flag(flag: str, values: Sequence[str] | None) -> None:

@@ -84,7 +84,6 @@ def _shape(t: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
     from trtinfer.artifact import read_manifest
-    from trtinfer.cli.summary import fused_text
 
     if args.target:
         return check_target(args)
@@ -93,6 +92,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(m, indent=2))
         return 0
+    try:
+        return _print(args, m)
+    except (KeyError, TypeError, AttributeError) as e:  # a manifest that loads but lacks what this summary shows
+        from trtinfer.errors import EngineLoadError
+
+        raise EngineLoadError(f"{args.engine}/manifest.json lacks or mistypes {e} for the summary; rebuild the "
+                              "engine, or read it whole with --json") from e
+
+
+def _print(args: argparse.Namespace, m: dict[str, Any]) -> int:
+    from trtinfer.cli.summary import fused_text
+
     g, lim = m["geometry"], m["limits"]
     if m.get("kind") == "encoder":
         fused = fused_text(m.get("fused_ops", {}))

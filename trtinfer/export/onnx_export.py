@@ -314,7 +314,8 @@ def export(model: str | Path | ResolvedModel, output_dir: str | Path, config: Ex
     """
     config = config or ExportConfig()
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
-    return make_stage(output_dir, lambda tmp: _export_into(resolved, tmp, config), overwrite=overwrite)
+    return make_stage(output_dir, lambda tmp: _export_into(resolved, tmp, config), overwrite=overwrite,
+                      source=resolved.path)
 
 
 def stack_versions() -> dict[str, str]:

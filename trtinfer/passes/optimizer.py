@@ -129,7 +129,8 @@ def optimize_stage(src: str | Path | StageDir, output_dir: str | Path, config: P
     """
     config = config or PassConfig()
     stage = src if isinstance(src, StageDir) else read_stage(src)
-    return make_stage(output_dir, lambda tmp: _optimize_into(stage, tmp, config), overwrite=overwrite)
+    return make_stage(output_dir, lambda tmp: _optimize_into(stage, tmp, config), overwrite=overwrite,
+                      source=stage.path)
 
 
 def optimize_cached(src: StageDir, config: PassConfig, *, stats: dict[str, Any] | None = None) -> StageDir:

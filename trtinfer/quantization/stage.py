@@ -119,7 +119,8 @@ def quantize_stage(src: str | Path | StageDir, output_dir: str | Path, config: Q
     config = config or QuantConfig()
     stage = src if isinstance(src, StageDir) else read_stage(src)
     check_input(stage)
-    return make_stage(output_dir, lambda tmp: _quantize_into(stage, tmp, config, progress), overwrite=overwrite)
+    return make_stage(output_dir, lambda tmp: _quantize_into(stage, tmp, config, progress), overwrite=overwrite,
+                      source=stage.path)
 
 
 def _calibration_key(config: QuantConfig) -> Any:

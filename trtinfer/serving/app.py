@@ -119,7 +119,9 @@ class Service:
             if engine is not None and self._owns_engine:
                 engine.close()
             self.error = e
-            log.error("the engine failed to load: %s", e, exc_info=not isinstance(e, TrtInferError))
+            # said once: by whoever stops on it (trtinfer serve prints the one error line), else here
+            log.log(logging.DEBUG if self.on_failure else logging.ERROR, "the engine failed to load: %s", e,
+                    exc_info=not isinstance(e, TrtInferError))
             for fn in self.on_failure:
                 fn(e)
             return

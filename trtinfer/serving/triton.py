@@ -85,9 +85,9 @@ class TritonConfig:
     max_queue_delay_us: int = 100
 
     def __post_init__(self) -> None:
-        if self.model_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.model_name or ""):
-            raise ConfigError(f"model_name must be letters, digits, '_', '-' or '.', got {self.model_name!r}",
-                              field="model_name")
+        if self.model_name is not None and not re.fullmatch(r"(?!\.+$)[A-Za-z0-9_.-]+", self.model_name or ""):
+            raise ConfigError(f"model_name must be letters, digits, '_', '-' or '.' and not only dots (a folder of "
+                              f"the repository), got {self.model_name!r}", field="model_name")
         for name, low in (("version", 1), ("instances", 1), ("max_queue_delay_us", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -209,7 +209,8 @@ MODEL_FORMS: dict[tuple[str, str], Callable[..., Any]] = {
 
 def default_model_name(engine_dir: Path) -> str:
     """The engine directory's name as a Triton model name (other characters become ``_``)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", Path(engine_dir).resolve().name) or "model"
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(engine_dir).resolve().name)
+    return "model" if not name.strip(".") else name
 
 
 def write_repository(engine_dir: str | Path, repo_dir: str | Path, config: TritonConfig | None = None, *,
@@ -230,7 +231,7 @@ def write_repository(engine_dir: str | Path, repo_dir: str | Path, config: Trito
                               f"{known}")
     name = config.model_name or default_model_name(engine_dir)
     repo = Path(repo_dir)
-    with atomic_dir(repo, overwrite=overwrite) as tmp:
+    with atomic_dir(repo, overwrite=overwrite, inputs=(engine_dir,), copies_inputs=True) as tmp:
         (tmp / name / str(config.version)).mkdir(parents=True)
         msg = MODEL_FORMS[form](engine_dir, manifest, name, config, tmp / name / str(config.version))
         (tmp / name / CONFIG_NAME).write_text(config_text(msg))
