@@ -397,7 +397,8 @@ def read_manifest(engine_dir: Path) -> Manifest:
     """Read and check ``engine_dir/manifest.json``: its structure, its types and that its files are present."""
     path = Path(engine_dir) / MANIFEST_NAME
     if not Path(engine_dir).is_dir():
-        raise EngineLoadError(f"engine directory {engine_dir} does not exist; build one with `trtinfer build`")
+        there = "is a file, not an engine directory" if Path(engine_dir).exists() else "does not exist"
+        raise EngineLoadError(f"engine directory {engine_dir} {there}; build one with `trtinfer build`")
     if not path.is_file():
         raise EngineLoadError(f"{engine_dir} has no {MANIFEST_NAME}: not an engine directory (build one with `trtinfer build`)")
     try:

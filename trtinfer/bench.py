@@ -33,6 +33,7 @@ PROMPT_TEXT = ("The history of the city of Paris begins in antiquity, when a Cel
 
 #: eager dtype name (the engines' precision names) -> torch dtype attribute
 EAGER_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+_SAID = 3  # the worker's exit code for an error it reports on stdout as JSON
 ENGINE_PROVIDERS = ("cpu", "cuda", "tensorrt")  # RuntimeConfig's providers (not imported: keeps this module light)
 
 
@@ -65,7 +66,8 @@ def _prompt_ids(engine_dir: Path, prompt_len: int) -> list[int]:
     tok = EngineTokenizer(engine_dir, read_manifest(engine_dir).tokenizer_info)
     ids = tok.encode(PROMPT_TEXT)
     if len(ids) < prompt_len:
-        raise InputError(f"prompt_len {prompt_len} exceeds the {len(ids)}-token benchmark text")
+        raise InputError(f"prompt length {prompt_len} exceeds the {len(ids)}-token benchmark text; use at most "
+                         f"{len(ids)}")
     return ids[:prompt_len]
 
 
@@ -245,21 +247,49 @@ def _in_subprocess(kind: str, engine_dir: Path, bs: int, prompt_len: int, new_to
            *flags]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
+    said = json.loads((proc.stdout.strip().splitlines() or ["{}"])[-1]) if proc.returncode in (0, _SAID) else {}
+    if proc.returncode == _SAID:  # the worker's own one-line error, raised again here as what it was
+        import trtinfer.errors
+
+        cls = getattr(trtinfer.errors, said.get("error_type", ""), TrtInferError)
+        raise (cls if isinstance(cls, type) and issubclass(cls, TrtInferError) else TrtInferError)(said["error"])
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise TrtInferError(f"{kind} benchmark failed: {last}")
-    return BenchResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+        raise TrtInferError(f"the {kind} benchmark's process failed (exit {proc.returncode}): {last}")
+    return BenchResult(**said)
 
 
 def _check_sizes(batch_size: int, prompt_len: int, new_tokens: int) -> None:
-    if batch_size < 1 or prompt_len < 1 or new_tokens < 2:
-        raise InputError("batch_size and prompt_len must be >= 1 and new_tokens >= 2")
+    for what, value, low in (("batch size", batch_size, 1), ("prompt length", prompt_len, 1),
+                             ("new tokens", new_tokens, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InputError(f"the {what} must be an integer >= {low}, got {value!r}")
+
+
+def check_engine(engine_dir: str | Path, batch_size: int, prompt_len: int, new_tokens: int, *,
+                 limits: bool = True) -> None:
+    """Raise a one-line error now, before any process starts, when ``engine_dir`` is not a decoder engine or the
+    sizes do not fit it (the benchmark text's length; with ``limits``, its batch and sequence limits)."""
+    from trtinfer.artifact import read_manifest
+    from trtinfer.errors import EngineLoadError
+
+    _check_sizes(batch_size, prompt_len, new_tokens)
+    manifest = read_manifest(Path(engine_dir))
+    if manifest.kind != "decoder":
+        raise EngineLoadError(f"{engine_dir} is an {manifest.kind} engine; the benchmark times decoders (generation)")
+    if limits and batch_size > manifest.max_batch_size:
+        raise InputError(f"batch size {batch_size} exceeds the engine's maximum {manifest.max_batch_size}; bench at "
+                         f"most {manifest.max_batch_size} or rebuild with --max-batch-size {batch_size}")
+    if limits and prompt_len + new_tokens > manifest.max_seq_len:
+        raise InputError(f"prompt length {prompt_len} + new tokens {new_tokens} exceed the engine's "
+                         f"{manifest.max_seq_len} positions; ask for fewer or rebuild with a larger --max-seq-len")
+    _prompt_ids(Path(engine_dir), prompt_len)  # the benchmark text is long enough
 
 
 def measure_engine(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
                    provider: str | None = None) -> BenchResult:
     """:func:`run_engine` in its own process (its memory figures are its own)."""
-    _check_sizes(batch_size, prompt_len, new_tokens)
+    check_engine(engine_dir, batch_size, prompt_len, new_tokens)
     if provider is not None and provider not in ENGINE_PROVIDERS:
         raise InputError(f"provider must be one of {ENGINE_PROVIDERS} or None, got {provider!r}")
     flags = ["--provider", provider] if provider else []
@@ -269,7 +299,7 @@ def measure_engine(engine_dir: str | Path, batch_size: int = 1, prompt_len: int 
 def measure_eager(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
                   device: str = "cpu", dtype: str = "fp32") -> BenchResult:
     """:func:`run_eager` in its own process."""
-    _check_sizes(batch_size, prompt_len, new_tokens)
+    check_engine(engine_dir, batch_size, prompt_len, new_tokens, limits=False)  # eager: the engine's limits aside
     _check_eager(device, dtype)
     flags = [] if (device, dtype) == ("cpu", "fp32") else ["--device", device, "--dtype", dtype]
     return _in_subprocess("eager", Path(engine_dir), batch_size, prompt_len, new_tokens, flags)
@@ -291,7 +321,7 @@ def compare(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, 
     ``provider`` loads the engine on that execution provider (None: the engine's default, the CPU);
     ``eager_device``/``eager_dtype`` place PyTorch eager (``"cuda"``, ``"fp16"``: the same GPU, half precision).
     """
-    _check_sizes(batch_size, prompt_len, new_tokens)
+    check_engine(engine_dir, batch_size, prompt_len, new_tokens)
     if eager:
         _check_eager(eager_device, eager_dtype)  # before the engine's run, not after it
     rows = [measure_engine(engine_dir, batch_size, prompt_len, new_tokens, provider)]
@@ -335,4 +365,8 @@ def _worker(argv: Sequence[str]) -> BenchResult:
 
 
 if __name__ == "__main__":  # worker: python -m trtinfer.bench engine|eager DIR BS PROMPT_LEN NEW_TOKENS [flags]
-    print(json.dumps(_worker(sys.argv[1:]).to_dict()))
+    try:
+        print(json.dumps(_worker(sys.argv[1:]).to_dict()))
+    except TrtInferError as e:  # said to the parent as data: it raises it again, one line
+        print(json.dumps({"error": str(e), "error_type": type(e).__name__}))
+        sys.exit(_SAID)

@@ -57,8 +57,16 @@ def test_build_generate_inspect_round_trip(tiny_model_dir, tmp_path):
     (["build", "{src}", "-o", "{tmp}/x", "--precision", "fp16", "--keep-fp32", "norms,attn"], "unknown --keep-fp32"),
     (["optimize", "{tmp}/none.onnx", "-o", "{tmp}/x.onnx", "--precision", "fp16"], "does not exist"),
     (["generate", "{tmp}/none", "-p", "hi"], "does not exist"),
+    (["generate", "{src}/config.json", "-p", "hi"], "is a file, not an engine directory"),
+    (["build", "", "-o", "{tmp}/x"], "argument model: an empty path"),
+    (["triton", "{tmp}", "-o", " "], "argument -o/--output: an empty path"),
     (["inspect", "{tmp}"], "manifest.json"),
     (["bench", "{tmp}/none"], "does not exist"),
+    (["build", "{src}", "-o", "{tmp}/x", "--method", "rtn"], "--method applies to a quantized --precision"),
+    (["build", "{src}", "-o", "{tmp}/x", "--include", "q_proj"], "--include applies to a quantized --precision"),
+    (["build", "{src}", "-o", "{tmp}/x", "--opt-batch-size", "2"], "--opt-batch-size applies to --backend tensorrt"),
+    (["build", "{src}", "-o", "{tmp}/x", "--keep-fp32", "norms"], "--keep-fp32 applies to fp16/bf16 and quantized"),
+    (["build", "{src}", "-o", "{tmp}/x", "--precision", "int4", "--keep-io-types"], "--keep-io-types applies"),
 ])
 def test_bad_input_is_one_line(args, needle, tiny_model_dir, tmp_path):
     args = [a.format(tmp=tmp_path, src=tiny_model_dir("llama")) for a in args]
@@ -124,3 +132,18 @@ def test_config_errors_read_in_flags_without_garbling_words():
     with pytest.raises(ConfigError) as e:
         config_from_flags(ServeConfig, SERVE_FLAGS, max_slots=0)
     assert str(e.value).startswith("--max-slots must be an integer >= 1, got 0") and "None" not in str(e.value)
+
+
+def test_bench_misuse_is_said_before_any_run(tiny_engine, tmp_path):
+    eng = tiny_engine("llama")
+    limits = json.loads((eng / "manifest.json").read_text())["limits"]
+    too_big = cli("bench", eng, "-b", limits["max_batch_size"] + 1, "--no-eager", check=False)
+    assert_one_line_error(too_big, f"batch size {limits['max_batch_size'] + 1} exceeds the engine's maximum")
+    assert too_big.returncode == 2 and "--max-batch-size" in too_big.stderr
+    too_long = cli("bench", eng, "--prompt-len", limits["max_seq_len"], "--no-eager", check=False)
+    assert_one_line_error(too_long, "positions")
+    small = cli("bench", eng, "--new-tokens", "1", "--no-eager", check=False)
+    assert_one_line_error(small, "the new tokens must be an integer >= 2, got 1")
+    (tmp_path / "enc").mkdir()
+    (tmp_path / "enc" / "manifest.json").write_text("{}")
+    assert_one_line_error(cli("bench", tmp_path / "enc", check=False), "rebuild the engine")

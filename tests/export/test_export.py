@@ -76,6 +76,16 @@ def test_unknown_architecture_is_refused_listing_supported(tmp_path):
     assert torch  # imported for the model save above
 
 
+def test_a_type_transformers_does_not_know_is_one_line(tmp_path):
+    """Not transformers' several paragraphs about upgrading it: our list of what exports."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "foo", "architectures": ["FooForCausalLM"]}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"^architecture 'foo' is not supported for export; "
+                                                           r"supported: .*llama") as e:
+        export(tmp_path / "m", tmp_path / "out")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
 def test_supported_types_cover_issue_list():
     assert {"llama", "gemma3_text", "qwen2", "qwen3", "mistral", "phi3", "gpt2"} <= set(supported_model_types())
 

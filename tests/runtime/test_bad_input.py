@@ -77,6 +77,20 @@ def test_bad_engine_dirs(small_engine, tmp_path):
         trtinfer.load(old)
     with pytest.raises(ConfigError, match="provider"):
         trtinfer.load(small_engine, provider="tpu")
+    garbage = tmp_path / "garbage"
+    shutil.copytree(small_engine, garbage)
+    (garbage / "model.onnx").write_bytes(b"not a graph\nat all")
+    with pytest.raises(EngineLoadError, match=r"ONNX Runtime could not load .*; rebuild the engine$") as err:
+        trtinfer.load(garbage)
+    assert "\n" not in str(err.value)
+    template = tmp_path / "template"
+    shutil.copytree(small_engine, template)
+    (template / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    with trtinfer.load(template) as eng:
+        with pytest.raises(EngineLoadError, match=r"chat_template.jinja is not a valid jinja template .*rebuild"):
+            eng.generate(["hi"], chat=True, max_new_tokens=2)
+        with pytest.raises(InputError, match="chat template failed to render"):  # a template given: the input's fault
+            eng.tokenizer.apply_chat_template("hi", template="{% if %}")
 
 
 # --- text that is not UTF-8 ------------------------------------------------------------------------------------

@@ -807,6 +807,18 @@ def test_cli_serve_load_failure_is_said_once(engine_dir, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("trtinfer serve: error:"), r.stderr
 
 
+@pytest.mark.parametrize("flag, limit, words", [("--max-model-len", "max_seq_len", "max sequence length"),
+                                                ("--max-slots", "max_batch_size", "max batch size")])
+def test_cli_serve_refuses_more_than_the_engine_holds(engine_dir, flag, limit, words):
+    """Asking for more positions or rows than the engine has is said, not clamped silently."""
+    engine_limit = json.loads((engine_dir / "manifest.json").read_text())["limits"][limit]
+    r = subprocess.run([sys.executable, "-m", "trtinfer.cli", "serve", str(engine_dir), "--port", "0", flag,
+                        str(engine_limit + 1)], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if "error" in ln.lower()]
+    assert len(lines) == 1 and f"{flag}) {engine_limit + 1} exceeds the engine's {words} {engine_limit}" in lines[0]
+
+
 def test_cli_serve_port_in_use(engine_dir):
     import socket
 

@@ -69,3 +69,10 @@ def check_text_flag(flag: str, values: Sequence[str] | None) -> None:
 
     for i, value in enumerate(values or (), start=1):
         check_text(value, f"{flag} {i}", fix="pass UTF-8 text")
+
+
+def path_arg(text: str) -> str:
+    """An argparse ``type`` for paths: an empty one would mean the current folder (``Path("")`` is ``.``)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file or folder")
+    return text

@@ -5,11 +5,13 @@ import argparse
 import json
 from typing import Any
 
+from trtinfer.cli._flags import path_arg
+
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
     p = sub.add_parser("bench", help="benchmark an engine against PyTorch eager on the same model")
-    p.add_argument("engine", help="engine directory")
+    p.add_argument("engine", type=path_arg, help="engine directory")
     p.add_argument("-b", "--batch-size", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)

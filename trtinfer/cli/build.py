@@ -4,15 +4,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from trtinfer.cli._flags import path_arg
 from trtinfer.passes.config import DEFAULT_KEEP_FP32, KEEP_FP32_GROUPS
 
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
     p = sub.add_parser("build", help="build an engine directory from MODEL")
-    p.add_argument("model", help="HF folder, .gguf file, alias (gemma-3-270m, smollm2-135m), or a directory from "
+    p.add_argument("model", type=path_arg, help="HF folder, .gguf file, alias (gemma-3-270m, smollm2-135m), or a directory from "
                                   "`trtinfer export` / `trtinfer optimize`")
-    p.add_argument("-o", "--output", required=True, help="engine directory to create")
+    p.add_argument("-o", "--output", type=path_arg, required=True, help="engine directory to create")
     p.add_argument("--backend", default="onnxruntime",
                    help="engine backend: onnxruntime (default) or tensorrt (needs TensorRT >= 10.15 and a GPU)")
     p.add_argument("--precision", default="fp32",
@@ -37,19 +38,41 @@ def add_parser(sub: Any) -> None:
                    help="int8: CPU engines (fp32, int4, int8, gguf): add a prefill graph whose GEMMs run on int8 activations "
                         "and weights, 2-3x faster prompts for one int8 copy of the weights more in memory")
     trt = p.add_argument_group("TensorRT (--backend tensorrt)")
-    trt.add_argument("--opt-batch-size", type=int, default=None,
-                     help="batch size the optimization profiles are tuned for (default: max batch size capped at 8)")
-    trt.add_argument("--opt-seq-len", type=int, default=None,
-                     help="prompt length the prefill profile is tuned for (default: max seq len capped at 512)")
-    trt.add_argument("--workspace-mib", type=int, default=None, help="builder workspace limit in MiB (default 4096)")
-    trt.add_argument("--timing-cache", default=None, metavar="FILE",
-                     help="timing cache file reused across builds (default: one per TensorRT version and GPU in the "
-                          "trtinfer cache)")
+    tensorrt = [
+        trt.add_argument("--opt-batch-size", type=int, default=None,
+                         help="batch size the optimization profiles are tuned for (default: max batch size capped at 8)"),
+        trt.add_argument("--opt-seq-len", type=int, default=None,
+                         help="prompt length the prefill profile is tuned for (default: max seq len capped at 512)"),
+        trt.add_argument("--workspace-mib", type=int, default=None, help="builder workspace limit in MiB (default 4096)"),
+        trt.add_argument("--timing-cache", default=None, metavar="FILE",
+                         help="timing cache file reused across builds (default: one per TensorRT version and GPU in "
+                              "the trtinfer cache)")]
     p.add_argument("--force", action="store_true", help="replace an existing engine directory")
     from trtinfer.cli.quantize import add_quant_args
 
-    add_quant_args(p)
-    p.set_defaults(func=run)
+    quantized = add_quant_args(p)
+    p.set_defaults(func=run, only_for={"tensorrt": tensorrt, "quantized": quantized})
+
+
+def _refuse_unused(args: argparse.Namespace, quantized: bool) -> None:
+    """A flag of a group that this build does not use (quantization flags on fp32, TensorRT's on ONNX Runtime, ...)
+    is refused rather than silently ignored."""
+    from trtinfer.errors import ConfigError
+    from trtinfer.quantization.config import PRECISIONS as QUANTIZED
+
+    used = {"tensorrt": args.backend == "tensorrt", "quantized": quantized}
+    needs = {"tensorrt": "--backend tensorrt", "quantized": f"a quantized --precision ({', '.join(QUANTIZED)})"}
+    for group, actions in args.only_for.items():
+        given = [a.option_strings[-1] for a in actions if getattr(args, a.dest) != a.default]
+        if given and not used[group]:
+            raise ConfigError(f"{given[0]} applies to {needs[group]}, not this {args.backend} {args.precision} build; "
+                              f"drop it", field=given[0])
+    if args.keep_io_types and args.precision not in ("fp16", "bf16"):
+        raise ConfigError(f"--keep-io-types applies to fp16/bf16 builds, not {args.precision}; drop it",
+                          field="--keep-io-types")
+    if args.keep_fp32 is not None and not quantized and args.precision not in ("fp16", "bf16"):
+        raise ConfigError(f"--keep-fp32 applies to fp16/bf16 and quantized builds, not {args.precision} (all of it is "
+                          "fp32 already); drop it", field="--keep-fp32")
 
 
 def groups(text: str) -> tuple[str, ...]:
@@ -67,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from trtinfer.quantization.accuracy import accuracy_text
     from trtinfer.quantization.config import PRECISIONS as QUANTIZED
 
+    _refuse_unused(args, args.precision in QUANTIZED)
     keep = groups(args.keep_fp32) if args.keep_fp32 is not None else None
     quant = quant_config(args, args.precision, keep or ()) if args.precision in QUANTIZED else None
     cfg = BuildConfig(backend=args.backend, precision=args.precision, target=args.target,

@@ -5,11 +5,13 @@ import argparse
 import json
 from typing import Any
 
+from trtinfer.cli._flags import path_arg
+
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
     p = sub.add_parser("embed", help="print sentence embeddings from an encoder engine")
-    p.add_argument("engine", help="encoder engine directory (trtinfer build all-minilm-l6-v2 -o DIR)")
+    p.add_argument("engine", type=path_arg, help="encoder engine directory (trtinfer build all-minilm-l6-v2 -o DIR)")
     p.add_argument("--text", action="append", required=True, help="a text to embed (repeatable)")
     p.add_argument("--json", action="store_true", help="print full vectors as JSON")
     p.add_argument("--no-normalize", action="store_true", help="skip L2 normalization even if the model uses it")

@@ -11,13 +11,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag
+from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag, path_arg
 
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
     p = sub.add_parser("eval", help="perplexity of a text file with a decoder engine")
-    p.add_argument("engine", help="decoder engine directory from `trtinfer build`")
+    p.add_argument("engine", type=path_arg, help="decoder engine directory from `trtinfer build`")
     p.add_argument("--text-file", required=True, help="UTF-8 text file, tokenized as one sequence like tokenizer(text)")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the file's first N tokens (default: all)")
     p.add_argument("--window", type=int, default=None,

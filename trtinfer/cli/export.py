@@ -5,12 +5,14 @@ import argparse
 import json
 from typing import Any
 
+from trtinfer.cli._flags import path_arg
+
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
     p = sub.add_parser("export", help="export MODEL to a validated ONNX graph with KV cache I/O (a stage directory)")
-    p.add_argument("model", help="HF folder, .gguf file, or alias (gemma-3-270m, smollm2-135m)")
-    p.add_argument("-o", "--output", required=True, help="output folder (must not exist unless --force)")
+    p.add_argument("model", type=path_arg, help="HF folder, .gguf file, or alias (gemma-3-270m, smollm2-135m)")
+    p.add_argument("-o", "--output", type=path_arg, required=True, help="output folder (must not exist unless --force)")
     p.add_argument("--opset", type=int, default=17)
     p.add_argument("--logits", choices=("last", "all"), default="last",
                    help="emit logits of the last position only (fast prefill) or of all positions")

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag
+from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag, path_arg
 
 #: fields whose checks depend on fields the engine's generation_config.json may set (num_beams, do_sample)
 _COMBINED = frozenset({"num_return_sequences"})
@@ -17,7 +17,7 @@ _COMBINED = frozenset({"num_return_sequences"})
 def add_parser(sub: Any) -> None:
     """Register the verb."""
     p = sub.add_parser("generate", help="generate text with an engine directory")
-    p.add_argument("engine", help="engine directory from `trtinfer build`")
+    p.add_argument("engine", type=path_arg, help="engine directory from `trtinfer build`")
     p.add_argument("-p", "--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     # generation flags default to None: the engine's generation_config.json (then transformers' defaults) decide
     p.add_argument("-n", "--max-new-tokens", type=int, default=None, help="default 64")

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trtinfer.cli._flags import path_arg
+
 CHECK_TARGETS = ("tensorrt",)
 
 
@@ -19,7 +21,7 @@ def add_parser(sub: Any) -> None:
                     "ONNX parser (weights are not read) and print one line per rejected node: name, op, reason.",
         epilog="exit status with --target: 0 when TensorRT's parser takes every node, 1 when it would reject some, "
                "2 when DIR is not a stage, engine or .onnx file")
-    p.add_argument("engine", metavar="DIR", help="engine directory (with --target also a stage directory or .onnx file)")
+    p.add_argument("engine", type=path_arg, metavar="DIR", help="engine directory (with --target also a stage directory or .onnx file)")
     p.add_argument("--target", choices=CHECK_TARGETS,
                    help="list the nodes this target's parser would reject instead (exit 1 when there are any)")
     p.add_argument("--json", action="store_true", help="print the manifest (with --target: the rejected nodes) as JSON")
@@ -61,7 +63,9 @@ def check_target(args: argparse.Namespace) -> int:
     try:
         model = ir.load(str(path))  # the graph only: external weights stay on disk, mapped if a check reads one
     except (OSError, DecodeError) as e:
-        raise ModelSourceError(f"{path} could not be read as ONNX ({e}); produce {path.parent} again") from e
+        given = Path(args.engine)
+        again = "export it again" if path == given else f"export or build {given} again"
+        raise ModelSourceError(f"{path} could not be read as ONNX ({e}); {again}") from e
     problems = tensorrt_problems(model)
     if args.json:
         print(json.dumps([asdict(p) for p in problems], indent=2))

@@ -10,14 +10,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trtinfer.cli._flags import path_arg
+
 
 def add_parser(sub: Any) -> None:
     """Register the verb."""
     from trtinfer.passes.config import DEFAULT_KEEP_FP32, KEEP_FP32_GROUPS, PRECISIONS, TARGETS
 
     p = sub.add_parser("optimize", help="run a target's pass pipeline on an export directory (or an ONNX file)")
-    p.add_argument("input", nargs="?", help="directory from `trtinfer export`, or an .onnx file")
-    p.add_argument("-o", "--output", help="directory to write (an .onnx path when the input is an .onnx file)")
+    p.add_argument("input", type=path_arg, nargs="?", help="directory from `trtinfer export`, or an .onnx file")
+    p.add_argument("-o", "--output", type=path_arg, help="directory to write (an .onnx path when the input is an .onnx file)")
     p.add_argument("--target", default="onnxruntime-cpu", choices=TARGETS)
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--keep-fp32", default=",".join(DEFAULT_KEEP_FP32), metavar="GROUPS",

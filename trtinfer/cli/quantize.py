@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from trtinfer.cli._flags import config_from_flags
+from trtinfer.cli._flags import config_from_flags, path_arg
 
 CALIBRATION_FLAGS = {"method": "--calibrator", "percentile": "--percentile", "source": "--calibration-data",
                      "num_samples": "--calibration-samples", "seq_len": "--calibration-seq-len",
@@ -29,9 +29,17 @@ def smooth_alpha(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1] or 'none', got {text!r}") from None
 
 
-def add_quant_args(p: argparse.ArgumentParser) -> None:
-    """The quantization flags (``quantize`` and ``build`` share them)."""
-    g = p.add_argument_group("quantization (int4, int8, int8-static, gguf)")
+def add_quant_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The quantization flags (``quantize`` and ``build`` share them); returns them (``build`` refuses them on
+    precisions that are not quantized)."""
+    group = p.add_argument_group("quantization (int4, int8, int8-static, gguf)")
+    made: list[argparse.Action] = []
+
+    class _Collect:  # the group's add_argument, keeping what it returns
+        def add_argument(self, *names: str, **kw: Any) -> None:
+            made.append(group.add_argument(*names, **kw))
+
+    g = _Collect()
     g.add_argument("--method", default="gptq", help="int4: gptq (default, calibrated) or rtn (round to nearest)")
     g.add_argument("--block-size", type=int, default=None,
                    help="int4/int8 weight block along K (default 32; int4 for --target tensorrt: 128, or 64)")
@@ -53,6 +61,7 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration-decode-steps", type=int, default=8, help="decode steps after each window")
     g.add_argument("--calibration-cache", default=None, metavar="FILE",
                    help="reuse a calibration.json / calibration.cache instead of calibrating")
+    return made
 
 
 def quant_config(args: argparse.Namespace, precision: str, keep_fp32: tuple[str, ...]) -> Any:
@@ -75,8 +84,8 @@ def add_parser(sub: Any) -> None:
     from trtinfer.quantization.config import PRECISIONS
 
     p = sub.add_parser("quantize", help="quantize an optimized fp32 graph (int4, int8, int8-static, gguf)")
-    p.add_argument("input", help="directory from `trtinfer optimize` (fp32)")
-    p.add_argument("-o", "--output", required=True, help="stage directory to write (`trtinfer build` takes it)")
+    p.add_argument("input", type=path_arg, help="directory from `trtinfer optimize` (fp32)")
+    p.add_argument("-o", "--output", type=path_arg, required=True, help="stage directory to write (`trtinfer build` takes it)")
     p.add_argument("--precision", required=True, choices=PRECISIONS)
     p.add_argument("--keep-fp32", default="", metavar="PATTERNS",
                    help="comma-separated node-name patterns left in fp32 ('lm_head' names the LM head)")

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag
+from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag, path_arg
 
 log = logging.getLogger("trtinfer.serve")
 
@@ -35,7 +35,7 @@ API_KEY_ENV = "TRTINFER_API_KEY"
 def add_parser(sub: Any) -> None:
     """Register the verb."""
     p = sub.add_parser("serve", help="serve an engine over an OpenAI-compatible HTTP API")
-    p.add_argument("engine", help="engine directory from `trtinfer build`")
+    p.add_argument("engine", type=path_arg, help="engine directory from `trtinfer build`")
     # flags default to None: ServeConfig holds the defaults (one place)
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000; 0: any free port)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from trtinfer.cli._flags import add_provider_flag
+from trtinfer.cli._flags import add_provider_flag, path_arg
 
 TRITON_FLAGS = {"model_name": "--name", "version": "--version", "link": "--link", "instances": "--instances",
                 "provider": "--provider", "max_queue_delay_us": "--max-queue-delay-us"}
@@ -14,8 +14,8 @@ def add_parser(sub: Any) -> None:
     """Register the verb."""
     p = sub.add_parser("triton", help="write a Triton model repository for an engine (generated and checked here, "
                                       "served by tritonserver elsewhere)")
-    p.add_argument("engine", help="engine directory (from `trtinfer build`)")
-    p.add_argument("-o", "--output", required=True, help="model repository to write (tritonserver --model-repository)")
+    p.add_argument("engine", type=path_arg, help="engine directory (from `trtinfer build`)")
+    p.add_argument("-o", "--output", type=path_arg, required=True, help="model repository to write (tritonserver --model-repository)")
     p.add_argument("--name", default=None, help="model name in Triton (default: the engine directory's name)")
     p.add_argument("--version", type=int, default=1, help="version folder (default 1)")
     p.add_argument("--link", action="store_true", help="symlink the engine files instead of copying them")

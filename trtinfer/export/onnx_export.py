@@ -51,8 +51,17 @@ def io_spec(geometry: dict[str, Any], logits_mode: str) -> dict[str, list[dict[s
 
 def load_hf_config(path: Path) -> Any:
     """The model's transformers config; unknown architectures are refused here, before any weight is read."""
+    import json
+    from types import SimpleNamespace
+
     from transformers import AutoConfig
 
+    try:  # model_type first: transformers' own refusal of a type it does not know is several paragraphs
+        said = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        said = None  # no readable config: AutoConfig says what is wrong with it
+    if isinstance(said, dict) and isinstance(said.get("model_type"), str):
+        spec_for(SimpleNamespace(model_type=said["model_type"]))
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:

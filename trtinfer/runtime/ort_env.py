@@ -323,7 +323,8 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
         # MLAS packs the weights it reads: the mapped originals need not stay resident beside the packed copy
         sess = cpu_session(str(model), so, model.parent, providers, row_packed=row_packed(manifest, graph))
     except Exception as e:
-        raise EngineLoadError(f"ONNX Runtime could not load {model}: {e}") from e
+        said = " ".join(str(e).split())  # ONNX Runtime's message, on one line
+        raise EngineLoadError(f"ONNX Runtime could not load {model}: {said}; rebuild the engine") from e
     if config.provider == "cpu":
         return sess
     started = sess.get_providers()

@@ -94,6 +94,7 @@ class EngineTokenizer:
         """Render ``messages`` (or one user message) through the model's chat template (or ``template``, a
         template's text), as transformers does; ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``)
         reach the template as its ``tools`` variable, and messages may carry ``tool_calls`` / ``tool_call_id``."""
+        own = template is None  # the engine's chat_template.jinja: a broken one is the engine's fault, not the input's
         template = template if template is not None else self.chat_template
         if template is None:
             raise InputError("this model has no chat template; drop --chat / chat=True and give plain prompts")
@@ -104,6 +105,9 @@ class EngineTokenizer:
         try:
             compiled, takes_tools = _compiled(template)
         except jinja2.TemplateError as e:
+            if own:
+                raise EngineLoadError(f"{self.engine_dir / 'chat_template.jinja'} is not a valid jinja template ({e}); "
+                                      "fix it or rebuild the engine") from e
             raise InputError(f"chat template failed to render: {e}") from e
         if tools and not takes_tools:
             raise InputError("this model's chat template does not render tools; give a template that does (trtinfer "

@@ -77,7 +77,19 @@ class ServeConfig:
                              prefill_graph=self.prefill_graph)
 
     def slots_for(self, max_batch_size: int) -> int:
+        """Rows of the server's KV cache: ``max_slots``, which may not pass the engine's max batch size, or the
+        default (at most 8)."""
+        _within("max_slots (--max-slots)", self.max_slots, max_batch_size, "max batch size", "--max-batch-size")
         return min(self.max_slots or 8, max_batch_size)
 
     def model_len_for(self, max_seq_len: int) -> int:
+        """Positions of a row: ``max_model_len``, which may not pass the engine's, or the default (at most 2048)."""
+        _within("max_model_len (--max-model-len)", self.max_model_len, max_seq_len, "max sequence length",
+                "--max-seq-len")
         return min(self.max_model_len or 2048, max_seq_len)
+
+
+def _within(name: str, value: int | None, limit: int, what: str, flag: str) -> None:
+    if value is not None and value > limit:
+        raise ConfigError(f"{name} {value} exceeds the engine's {what} {limit}; ask for at most {limit}, or rebuild the "
+                          f"engine with a larger {flag}", field=name.partition(" ")[0])
