@@ -151,12 +151,17 @@ def _stage_accuracy(stage: StageDir) -> dict[str, Any] | None:
 
 
 def _check_max_seq(max_seq: int, stage: StageDir) -> None:
-    """``--max-seq-len`` within the model's positions (its rotary tables end there) and long enough for the engine
-    check's sequences (a shorter engine cannot run them: ONNX Runtime's attention refuses them mid-check)."""
+    """``--max-seq-len`` within the model's positions where they are a learned table (GPT-2's: a position past it
+    has no row), past them with a warning for rotary models (the rotary tables are made for ``max_seq`` positions;
+    the model was not trained that long, as llama.cpp warns for a context past the training one), and long enough
+    for the engine check's sequences (a shorter engine cannot run them: ONNX Runtime's attention refuses them)."""
     positions = stage.geometry.get("max_position_embeddings")
     if positions and max_seq > positions:
-        raise ConfigError(f"--max-seq-len {max_seq} exceeds the model's {positions} positions "
-                          f"(max_position_embeddings); use at most {positions}", field="max_seq_len")
+        if stage.geometry.get("rotary") is False:
+            raise ConfigError(f"--max-seq-len {max_seq} exceeds the model's {positions} learned positions "
+                              f"(max_position_embeddings); use at most {positions}", field="max_seq_len")
+        log.warning("--max-seq-len %d is past the %d positions the model was trained for (max_position_embeddings): "
+                    "text past them may degrade", max_seq, positions)
     if max_seq < 64 and stage.reference_path is not None:
         from trtinfer.export.reference import load_reference
 
