@@ -298,6 +298,33 @@ def test_cancel_frees_the_slot_for_a_waiting_request(llama):
     assert sched.stats()["requests_finished"] == {"cancelled": 2, "length": 1}
 
 
+def test_a_cancelled_request_whose_text_fails_to_finish_ends_with_the_error(llama, monkeypatch):
+    """Retiring a cancelled request flushes its detokenizer; if that raises, the request ends with the error (a
+    waiting one has already left the queue: nothing else would end it) and the others run on."""
+    from trtinfer.runtime.tokenizer import IncrementalDecoder
+
+    p1, p2 = prompts((5, 7), seed=11)
+    sched = Scheduler(llama, max_slots=1)
+    running = sched.submit(p1, GREEDY)
+    waiting = sched.submit(p2, GREEDY)
+    sched.step()
+    assert running.slot == 0 and waiting.slot is None
+
+    def finish(self):
+        raise RuntimeError("detokenizer broke")
+
+    monkeypatch.setattr(IncrementalDecoder, "finish", finish)
+    waiting.cancel()
+    sched.step()
+    with pytest.raises(ServingError, match="detokenizer broke") as err:
+        waiting.result(timeout=5)
+    assert err.value.status == 500
+    monkeypatch.undo()
+    run_all(sched)
+    same(running.result(), alone(llama, p1, GREEDY))
+    assert sched.stats()["requests_finished"] == {"error": 1, "length": 1}
+
+
 def test_decodes_are_not_stalled_by_a_long_prefill(llama):
     """While a 40-token prompt prefills 4 tokens per step, the running request gets one token every step."""
     short, longp = prompts((3, 40), seed=9)

@@ -51,6 +51,7 @@ from trtinfer.runtime.generator import (
     check_prompts,
     eos_ids,
 )
+from trtinfer.runtime.prefill_plan import chunk_size, fresh_runs, head, tail_due
 from trtinfer.runtime.prefix_cache import MIN_REUSE, common_prefix
 from trtinfer.runtime.proposers import AssistantProposer, NgramProposer, Proposer, check_assistant
 from trtinfer.runtime.request import Event, Request
@@ -218,9 +219,7 @@ class Scheduler(Emission):
         (:attr:`Request.last_logits`); ``min_reuse``: the shortest cached prefix worth taking (beam search's
         continuations reuse any); ``decode_tail``: the prompt's last token may follow a reused prefix alone, fed in
         the step's decode call (beam search's continuations: one call a step). Otherwise a prompt's last token is
-        always prefilled with at least one token before it, as a whole prompt's is: a graph's one-token pass may
-        round differently from a chunk (SmolLM2-135M int4: 0.30 on the logits, which changed greedy answers;
-        chunks of 2+ tokens after a prefix equal the one-shot prefill exactly).
+        always prefilled with at least one token before it (:mod:`~trtinfer.runtime.prefill_plan` says why).
         """
         return self._enqueue([self._request(prompt_ids, cfg, clip=clip, seed=seed, logits_processor=logits_processor,
                                             assistant=assistant, text=text, keep_logits=keep_logits,
@@ -337,7 +336,11 @@ class Scheduler(Emission):
             for r in gone:
                 self._waiting.remove(r)
         for req in gone + [r for r in self._running() if r.cancelled]:
-            tail = "" if req._decoder is None else req._decoder.finish()
+            try:
+                tail = "" if req._decoder is None else req._decoder.finish()
+            except Exception as e:  # noqa: BLE001  it ends with the error (a waiting one is no longer queued: were
+                self._error(req, e)  # the step to fail instead, nothing would ever end it and its reader would hang)
+                continue
             self._finish(req, "cancelled", None, Event(None, tail, None, "cancelled", None, time.perf_counter()))
 
     def _admit(self) -> None:
@@ -363,14 +366,14 @@ class Scheduler(Emission):
         prompt, clients sharing a system prompt): once that prefix is in a row it is copied, not computed twice."""
         return self.prefix_caching and any(
             other is not None and other.num_computed < len(other.prompt_ids)
-            and (common := common_prefix(self._head(req), other.prompt_ids)) >= req.min_reuse
+            and (common := common_prefix(head(req), other.prompt_ids)) >= req.min_reuse
             and common > other.num_computed
             for other in self._slots)
 
     def _place(self, req: Request, free: list[int]) -> int:
         """The free row a request takes, holding the longest reusable prefix of its prompt (its ``num_computed``)."""
         busy = [s for s, r in enumerate(self._slots) if r is not None]
-        row, n = self.cache.index.longest(self._head(req), free + busy, decoded=req.decode_tail)
+        row, n = self.cache.index.longest(head(req), free + busy, decoded=req.decode_tail)
         if n < req.min_reuse:
             row, n = None, 0
         # a free row holding the prefix is taken as it is; else the least recently used one, the prefix copied in
@@ -412,9 +415,9 @@ class Scheduler(Emission):
             if budget <= 0 or (one_call and calls):
                 break
             todo = len(req.prompt_ids) - req.num_computed
-            if req.slot is None or todo == 0 or self._tail(req):
+            if req.slot is None or todo == 0 or tail_due(req):
                 continue
-            n = self._chunk(req, todo, budget, first=not calls)
+            n = chunk_size(req, todo, budget, first=not calls)
             if not n:
                 continue
             calls += 1
@@ -426,46 +429,13 @@ class Scheduler(Emission):
             except Exception as e:  # noqa: BLE001  one request's failure ends that request only
                 self._error(req, e)
 
-    @staticmethod
-    def _chunk(req: Request, todo: int, budget: int, first: bool) -> int:
-        """How many of ``req``'s ``todo`` prompt tokens to prefill now, at most ``budget``: never a one-token pass
-        short of the prompt's end, nor a chunk that leaves one token (see :meth:`submit`: a one-token pass may round
-        differently from a chunk; SmolLM2-135M int4 served with ``--prefill-chunk 12`` answered 1 of 32 chat
-        requests differently from the same request alone when a step's budget left one token for the next prompt).
-        0: the request waits for the next step; the step's first call may go over a budget of 1-2 tokens instead."""
-        n = min(todo, budget)
-        if todo - n == 1 and n > 1 and not req.decode_tail:  # the last chunk keeps two tokens
-            n -= 1
-        if n == 1 and todo > 1:
-            n = (3 if todo == 3 and not req.decode_tail else 2) if first else 0
-        return n
-
     def _fresh_runs(self, budget: int) -> list[list[Request]]:
-        """Groups of >= 2 requests with nothing in their rows yet, in neighbouring slots, whose whole prompts fit
-        ``budget`` together (counted as the call computes them: rows x the longest prompt). Never a one-token prompt:
-        alone it is a one-token pass (on the decoder graph), in such a call a row of a several-token one (on the
-        prefill graph, where the engine has one: SmolLM2-135M int4's logits 6.4 apart, and answers changed)."""
+        """:func:`~trtinfer.runtime.prefill_plan.fresh_runs` over the admitted requests with empty rows (none where
+        the graph gives logits at the last position only: its rows could not be read apart)."""
         if not self.cache.every_position:
             return []
-        fresh = sorted((r for r in self._running() if r.num_computed == 0 and r.slot is not None
-                        and len(r.prompt_ids) > 1 and not self.cache.length(r.slot)), key=lambda r: r.slot or 0)
-        runs: list[list[Request]] = []
-        run: list[Request] = []
-
-        def cost(group: list[Request]) -> int:
-            return len(group) * max(len(r.prompt_ids) for r in group)
-
-        for req in fresh:
-            if run and run[-1].slot == (req.slot or 0) - 1 and cost([*run, req]) <= budget:
-                run.append(req)
-                continue
-            if len(run) > 1:
-                runs.append(run)
-                budget -= cost(run)
-            run = [req] if len(req.prompt_ids) <= budget else []
-        if len(run) > 1:
-            runs.append(run)
-        return runs
+        return fresh_runs([r for r in self._running() if r.num_computed == 0 and r.slot is not None
+                           and not self.cache.length(r.slot)], budget)
 
     def _prefilled(self, req: Request, n: int) -> bool:
         """``n`` more prompt tokens of ``req`` are in its row; True at the prompt's end (its first token is due)."""
@@ -477,24 +447,12 @@ class Scheduler(Emission):
         req._batch_size = sum(r is not None for r in self._slots)
         return True
 
-    @staticmethod
-    def _head(req: Request) -> list[int]:
-        """The part of the prompt a reused prefix may cover: its end is always prefilled (its logits choose the first
-        new token), 2 tokens, 1 for a ``decode_tail`` request."""
-        return req.prompt_ids[:-1 if req.decode_tail else -2]
-
-    @staticmethod
-    def _tail(req: Request) -> bool:
-        """Whether only the last prompt token of a ``decode_tail`` request (a beam's continuation) is left after a
-        reused prefix: it joins the decode step, as one more row of that call."""
-        return req.decode_tail and req.num_computed > 0 and req.num_computed == len(req.prompt_ids) - 1
-
     def _decode(self) -> None:
         """One batched step over every request with a token to feed (its last token, or a prompt's last after a
         reused prefix); a request with a draft (prompt lookup, an assistant) instead verifies it in its own pass
         (its token and the draft, logits at each)."""
         running = self._running()
-        tails = [r for r in running if self._tail(r)]
+        tails = [r for r in running if tail_due(r)]
         batch = []
         for req in [r for r in running if r.next_token is not None]:
             try:
