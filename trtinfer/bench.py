@@ -241,6 +241,11 @@ def _check_eager(device: str, dtype: str) -> None:
         raise InputError(f"eager device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
+def _check_provider(provider: str | None) -> None:
+    if provider is not None and provider not in ENGINE_PROVIDERS:
+        raise InputError(f"provider must be one of {ENGINE_PROVIDERS} or None, got {provider!r}")
+
+
 def _in_subprocess(kind: str, engine_dir: Path, bs: int, prompt_len: int, new_tokens: int,
                    flags: Sequence[str] = ()) -> BenchResult:
     cmd = [sys.executable, "-m", "trtinfer.bench", kind, str(engine_dir), str(bs), str(prompt_len), str(new_tokens),
@@ -260,10 +265,11 @@ def _in_subprocess(kind: str, engine_dir: Path, bs: int, prompt_len: int, new_to
 
 
 def _check_sizes(batch_size: int, prompt_len: int, new_tokens: int) -> None:
-    for what, value, low in (("batch size", batch_size, 1), ("prompt length", prompt_len, 1),
-                             ("new tokens", new_tokens, 2)):
+    for what, value, low in (("batch_size", batch_size, 1), ("prompt_len", prompt_len, 1),
+                             ("new_tokens", new_tokens, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InputError(f"the {what} must be an integer >= {low}, got {value!r}")
+            flag = "--" + what.replace("_", "-")
+            raise InputError(f"{what} ({flag}) must be an integer >= {low}, got {value!r}")
 
 
 def check_engine(engine_dir: str | Path, batch_size: int, prompt_len: int, new_tokens: int, *,
@@ -289,9 +295,8 @@ def check_engine(engine_dir: str | Path, batch_size: int, prompt_len: int, new_t
 def measure_engine(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
                    provider: str | None = None) -> BenchResult:
     """:func:`run_engine` in its own process (its memory figures are its own)."""
+    _check_provider(provider)
     check_engine(engine_dir, batch_size, prompt_len, new_tokens)
-    if provider is not None and provider not in ENGINE_PROVIDERS:
-        raise InputError(f"provider must be one of {ENGINE_PROVIDERS} or None, got {provider!r}")
     flags = ["--provider", provider] if provider else []
     return _in_subprocess("engine", Path(engine_dir), batch_size, prompt_len, new_tokens, flags)
 
@@ -299,8 +304,8 @@ def measure_engine(engine_dir: str | Path, batch_size: int = 1, prompt_len: int 
 def measure_eager(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
                   device: str = "cpu", dtype: str = "fp32") -> BenchResult:
     """:func:`run_eager` in its own process."""
+    _check_eager(device, dtype)  # the settings first, then the engine
     check_engine(engine_dir, batch_size, prompt_len, new_tokens, limits=False)  # eager: the engine's limits aside
-    _check_eager(device, dtype)
     flags = [] if (device, dtype) == ("cpu", "fp32") else ["--device", device, "--dtype", dtype]
     return _in_subprocess("eager", Path(engine_dir), batch_size, prompt_len, new_tokens, flags)
 
@@ -321,9 +326,10 @@ def compare(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, 
     ``provider`` loads the engine on that execution provider (None: the engine's default, the CPU);
     ``eager_device``/``eager_dtype`` place PyTorch eager (``"cuda"``, ``"fp16"``: the same GPU, half precision).
     """
-    check_engine(engine_dir, batch_size, prompt_len, new_tokens)
+    _check_provider(provider)  # every setting before the engine, and all of it before the engine's run
     if eager:
-        _check_eager(eager_device, eager_dtype)  # before the engine's run, not after it
+        _check_eager(eager_device, eager_dtype)
+    check_engine(engine_dir, batch_size, prompt_len, new_tokens)
     rows = [measure_engine(engine_dir, batch_size, prompt_len, new_tokens, provider)]
     if eager:
         rows.append(measure_eager(engine_dir, batch_size, prompt_len, new_tokens, eager_device, eager_dtype))

@@ -143,7 +143,7 @@ def test_bench_misuse_is_said_before_any_run(tiny_engine, tmp_path):
     too_long = cli("bench", eng, "--prompt-len", limits["max_seq_len"], "--no-eager", check=False)
     assert_one_line_error(too_long, "positions")
     small = cli("bench", eng, "--new-tokens", "1", "--no-eager", check=False)
-    assert_one_line_error(small, "the new tokens must be an integer >= 2, got 1")
+    assert_one_line_error(small, "new_tokens (--new-tokens) must be an integer >= 2, got 1")
     (tmp_path / "enc").mkdir()
     (tmp_path / "enc" / "manifest.json").write_text("{}")
     assert_one_line_error(cli("bench", tmp_path / "enc", check=False), "rebuild the engine")
