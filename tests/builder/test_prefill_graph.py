@@ -43,7 +43,7 @@ def test_int8_gemm_matches_per_token_arithmetic(tmp_path):
     assert files == {"prefill": PREFILL_NAME, "prefill_data": "prefill.onnx.data"}
     graph = onnx.load(str(tmp_path / PREFILL_NAME), load_external_data=False).graph
     ops = [n.op_type for n in graph.node]
-    assert ops.count("MatMulIntegerToFloat") == 1 and ops.count("MatMul") == 1  # w2 (K=128, the widest) kept
+    assert ops.count("MatMulInteger") == 1 and ops.count("MatMul") == 1  # w2 (K=128, the widest) kept
     used = {i for n in graph.node for i in n.input}
     assert "w1" not in {t.name for t in graph.initializer} and {t.name for t in graph.initializer} <= used
     # the kept weight is read from the decoder's data file, only the int8 weights are written anew

@@ -2,11 +2,11 @@
 
 A prompt's prefill is compute-bound, a decode step bandwidth-bound. The engines' decode GEMMs (fp32 ``MatMul``,
 4-bit ``MatMulNBits`` with int8 compute) run a 128-token prefill at 160-280 GFLOPS on 2 cores; ONNX Runtime's
-``MatMulIntegerToFloat`` (MLAS's u8s8 GEMM, VNNI where the CPU has it) runs 600-1,900 GOPS on the same shapes. So a
+``MatMulInteger`` (MLAS's u8s8 GEMM, VNNI where the CPU has it) runs 600-1,300 GOPS on the same shapes. So a
 ``--prefill int8`` engine carries a second graph for passes of several tokens, every GEMM of the decoder rewritten as
 
     s = max|x| / 127 per token (row)       q = round(x / s) + 128  (uint8)
-    y = MatMulIntegerToFloat(q, Wq, 1, ws, 128) * s              Wq [K, N] int8, ws [N]: per-output-channel scales
+    y = (MatMulInteger(q, Wq, 128) as float) * s * ws            Wq [K, N] int8, ws [N]: per-output-channel scales
 
 Per-token activation scales are what keep the accuracy (one scale per tensor, ``DynamicQuantizeMatMul``, costs
 SmolLM2 x1.27 perplexity). The MLPs' down projections keep the decoder's kernel: their input (the gated activation)
@@ -21,6 +21,12 @@ to int8 rounding. Everything else (attention, norms, the KV interface) is the de
 read from the decoder's data file: the runtime runs passes of several tokens on this graph and decode steps on the
 decoder, over the same KV values. The price is one int8 copy of the rewritten weights beside the decoder's. Measured:
 docs/benchmarks/cpu.md (128-token TTFT 0.32-0.54x eager's on two AVX-512 VNNI CPUs).
+
+Not kept either: ``MatMulIntegerToFloat`` (the int32 product, its cast and the weight's scales in one kernel, the
+token's scale one Mul after it) prefilled SmolLM2 int4 in 82 ms instead of 89 on a Xeon, the same arithmetic up to
+float rounding, but SmolLM2 fp32's check sits at the x1.03 bound and the rounding of each token's int8 codes turns
+any reordering of the float products into a different sample of the int8 noise: swapping the two Muls below alone
+moves its ratio from x1.026 to x1.030, the fused form gave x1.030 too, and the build refused the engine.
 """
 from __future__ import annotations
 
@@ -151,8 +157,6 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...]) -> int:
          "div": _const(graph, "prefill.div", np.array(127.0, np.float32)),
          "one": _const(graph, "prefill.one", np.array(1.0, np.float32)),
          "zp": _const(graph, "prefill.zp", np.array(_SHIFT, np.uint8))}
-    model.opset_imports.setdefault(MS_DOMAIN, 1)
-    graph.opset_imports.setdefault(MS_DOMAIN, 1)
     quantized: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(activation) -> (uint8 codes, per-token scale)
     done = 0
     for node, (k, n, read) in gemms:
@@ -177,12 +181,11 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...]) -> int:
         ws = ir.Value(name=f"{tag}.scale", const_value=w.scales)
         for v in (wq, ws):
             graph.register_initializer(v)
-        # int32 product, its float cast and the weight's scales in one kernel (ONNX Runtime's MatMulIntegerToFloat
-        # takes no per-row scale of A, so the token's scale is one Mul after it). SmolLM2 int4's 128-token prefill on
-        # a 2-vCPU Xeon: 89 -> 82 ms against MatMulInteger -> Cast -> Mul -> Mul; same arithmetic up to float rounding
-        mm = ir.node("MatMulIntegerToFloat", [xq, wq, c["one"], ws, c["zp"]], domain=MS_DOMAIN)
-        y = ir.node("Mul", [mm.outputs[0], xs])
-        tail = [mm, y]
+        mm = ir.node("MatMulInteger", [xq, wq, c["zp"]])
+        f = ir.node("Cast", [mm.outputs[0]], attributes={"to": ir.DataType.FLOAT})
+        per_token = ir.node("Mul", [f.outputs[0], xs])
+        y = ir.node("Mul", [per_token.outputs[0], ws])
+        tail = [mm, f, per_token, y]
         out = y.outputs[0]
         bias = node.inputs[5] if node.op_type == "MatMulNBits" and len(node.inputs) > 5 else None
         if bias is not None:
