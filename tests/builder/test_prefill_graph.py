@@ -65,6 +65,49 @@ def test_int8_gemm_matches_per_token_arithmetic(tmp_path):
     np.testing.assert_allclose(y, h @ w2, rtol=1e-4, atol=1e-4 * np.abs(y).max())
 
 
+def test_head_adds_its_rounding_residual(tmp_path):
+    """The LM head (the GEMM after the gather of the asked positions) computes its int8 product twice in one GEMM:
+    each row's codes and the codes of its rounding residual at 1/254 of the scale, added up: exactly that arithmetic,
+    its activations' rounding error under 2% of one pass of int8 codes'."""
+    import onnxruntime as ort
+
+    from trtinfer.builder.prefill_graph import PREFILL_NAME, write_prefill_graph
+
+    rng = np.random.default_rng(1)
+    w1 = rng.standard_normal((64, 128)).astype(np.float32) * 0.1
+    w2 = rng.standard_normal((128, 64)).astype(np.float32) * 0.1  # the widest K: kept
+    head = rng.standard_normal((64, 256)).astype(np.float32) * 0.1
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 64])
+    pos = helper.make_tensor_value_info("pos", TensorProto.INT64, ["p"])
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("MatMul", ["h", "w2"], ["y"]),
+                           helper.make_node("Gather", ["y", "pos"], ["at"], axis=1),
+                           helper.make_node("MatMul", ["at", "head"], ["logits"])],
+                          "g", [x, pos], [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None),
+                                          helper.make_tensor_value_info("at", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (w2, "w2"), (head, "head"))])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "model.onnx"), save_as_external_data=True, location="model.onnx.data",
+              size_threshold=0)
+    write_prefill_graph(tmp_path, "model.onnx", "fp32")
+    ops = [n.op_type for n in onnx.load(str(tmp_path / PREFILL_NAME), load_external_data=False).graph.node]
+    assert ops.count("MatMulInteger") == 2 and ops.count("Split") == 1  # w1, and the head once for both halves
+    xs = rng.standard_normal((2, 6, 64)).astype(np.float32)
+    logits, at = ort.InferenceSession(str(tmp_path / PREFILL_NAME), providers=["CPUExecutionProvider"]).run(
+        None, {"x": xs, "pos": np.array([5, 2], np.int64)})
+    assert logits.shape == (2, 2, 256)
+    s = np.abs(at).max(-1, keepdims=True) / 127
+    hs = np.abs(head).max(0) / 127
+    wq = np.clip(np.rint(head / hs), -127, 127)
+    hi = np.rint(at / s)
+    lo = np.clip(np.rint((at / s - hi) * 254), -127, 127)
+    want = (hi @ wq * s + lo @ wq * (s / 254)) * hs
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    exact = at @ (wq * hs)  # the activations' part of the error: against the int8 weights' exact product
+    one_pass = (hi @ wq * s) * hs
+    assert np.abs(logits - exact).max() < 0.02 * np.abs(one_pass - exact).max()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_engine_with_prefill_graph(tiny_engine, precision):
     """The engine carries the graph and the build's check of it; passes of several tokens run on it (a prompt gives the

@@ -2,7 +2,7 @@
 
 A prompt's prefill is compute-bound, a decode step bandwidth-bound. The engines' decode GEMMs (fp32 ``MatMul``,
 4-bit ``MatMulNBits`` with int8 compute) run a 128-token prefill at 160-280 GFLOPS on 2 cores; ONNX Runtime's
-``MatMulInteger`` (MLAS's u8s8 GEMM, VNNI where the CPU has it) runs 600-1,300 GOPS on the same shapes. So a
+``MatMulInteger`` (MLAS's u8s8 GEMM, VNNI where the CPU has it) runs 600-1,900 GOPS on the same shapes. So a
 ``--prefill int8`` engine carries a second graph for passes of several tokens, every GEMM of the decoder rewritten as
 
     s = max|x| / 127 per token (row)       q = round(x / s) + 128  (uint8)
@@ -15,18 +15,24 @@ decoder alone: x1.033 with every GEMM in int8, x1.014 with the down projections 
 kept: K split in 4 groups with a scale each, x1.028 but slower than the decoder's kernel; a 64- or 512-wide block
 Hadamard rotation of their input and weight, x1.042 / x1.030; the rounding residual quantized again as a second int8
 GEMM, x1.016 on SmolLM2 int4 but x1.039 fp32 and x1.025 Gemma-3 int4, where the weights' int8 rounding per output
-channel is what costs). ``Wq`` is the decoder's own weight (a quantized engine's blocks dequantized; a tied head
-read through ``FusedMatMul`` transposed) rounded per output channel, so prefill and decode compute the same model up
-to int8 rounding. Everything else (attention, norms, the KV interface) is the decoder's graph unchanged, its weights
+channel is what costs). The LM head's activations (its input is gathered at the positions whose logits are asked:
+one row in a prefill) go in twice, as more rows of the same GEMM: their codes and the codes of their rounding
+residual, ``x / s - round(x / s)`` at ``s / 254``, added up after it: ~15-bit activations where one more row costs
+nothing (the GEMM reads the weight once), and the head's one-pass rounding was the largest single cost in the
+check (held-out perplexity over the decoder's: SmolLM2 fp32 x1.026 -> x1.018, int4 x1.014 -> x1.006; Gemma-3 fp32
+x1.009 -> x1.008, int4 x1.003 -> x1.001; scoring every position pays a head GEMM of twice the rows). ``Wq`` is the
+decoder's own weight (a quantized engine's blocks dequantized; a tied head read through ``FusedMatMul`` transposed)
+rounded per output channel, so prefill and decode compute the same model up to int8 rounding. Everything else (attention, norms, the KV interface) is the decoder's graph unchanged, its weights
 read from the decoder's data file: the runtime runs passes of several tokens on this graph and decode steps on the
 decoder, over the same KV values. The price is one int8 copy of the rewritten weights beside the decoder's. Measured:
 docs/benchmarks/cpu.md (128-token TTFT 0.32-0.54x eager's on two AVX-512 VNNI CPUs).
 
-Not kept either: ``MatMulIntegerToFloat`` (the int32 product, its cast and the weight's scales in one kernel, the
-token's scale one Mul after it) prefilled SmolLM2 int4 in 82 ms instead of 89 on a Xeon, the same arithmetic up to
-float rounding, but SmolLM2 fp32's check sits at the x1.03 bound and the rounding of each token's int8 codes turns
-any reordering of the float products into a different sample of the int8 noise: swapping the two Muls below alone
-moves its ratio from x1.026 to x1.030, the fused form gave x1.030 too, and the build refused the engine.
+Not kept: ``MatMulIntegerToFloat`` (the int32 product, its cast and the weight's scales in one kernel, the token's
+scale one Mul after it) prefilled SmolLM2 int4 in 82 ms instead of 89 on a Xeon, the same arithmetic up to float
+rounding, but each token's int8 rounding makes any reordering of the float products another sample of the int8
+noise, and the check moved with it: swapping the two Muls below alone took SmolLM2 fp32 from x1.026 to x1.030 (the
+bound; the fused form also x1.030), and with the head's residual codes in place the fused form gave SmolLM2 fp32
+x1.024 and Gemma-3 int4 x1.021 against x1.018 and x1.001 unfused.
 """
 from __future__ import annotations
 
@@ -143,6 +149,39 @@ def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return value
 
 
+def _is_head(x: ir.Value) -> bool:
+    """Whether ``x`` feeds the LM head: gathered at the positions whose logits are asked (one row in a prefill)."""
+    producer = x.producer()
+    return producer is not None and producer.op_type in ("Gather", "GatherND")
+
+
+def _row_codes(graph: ir.Graph, x: ir.Value, c: dict[str, ir.Value], opset: int,
+               residual: bool) -> tuple[list[ir.Node], tuple[ir.Value, ir.Value]]:
+    """The nodes quantizing ``x`` per row (token) and ``(uint8 codes, per-row scale)``. With ``residual`` the rows are
+    doubled: each row's codes, then the codes of its rounding residual (``x / s - round(x / s)``, in [-1/2, 1/2],
+    at scale ``s / 254``), so one GEMM computes both and their halves add up to ~15-bit activations."""
+    mag = ir.node("Abs", [x])
+    amax = (ir.node("ReduceMax", [mag.outputs[0], c["axes"]], attributes={"keepdims": 1}) if opset >= 18 else
+            ir.node("ReduceMax", [mag.outputs[0]], attributes={"keepdims": 1, "axes": [-1]}))
+    floor = ir.node("Max", [amax.outputs[0], c["eps"]])
+    s = ir.node("Div", [floor.outputs[0], c["div"]])
+    scaled = ir.node("Div", [x, s.outputs[0]])
+    q = ir.node("QuantizeLinear", [scaled.outputs[0], c["one"], c["zp"]])  # rounds, saturates, shifts
+    nodes = [mag, amax, floor, s, scaled, q]
+    if not residual:
+        return nodes, (q.outputs[0], s.outputs[0])
+    if "residual" not in c:
+        c["residual"] = _const(graph, "prefill.residual", np.array(254.0, np.float32))
+    rounded = ir.node("Round", [scaled.outputs[0]])  # half to even, as QuantizeLinear rounds
+    rest = ir.node("Sub", [scaled.outputs[0], rounded.outputs[0]])
+    up = ir.node("Mul", [rest.outputs[0], c["residual"]])
+    q2 = ir.node("QuantizeLinear", [up.outputs[0], c["one"], c["zp"]])
+    s2 = ir.node("Div", [s.outputs[0], c["residual"]])
+    codes = ir.node("Concat", [q.outputs[0], q2.outputs[0]], attributes={"axis": -2})
+    scales = ir.node("Concat", [s.outputs[0], s2.outputs[0]], attributes={"axis": -2})
+    return nodes + [rounded, rest, up, q2, s2, codes, scales], (codes.outputs[0], scales.outputs[0])
+
+
 def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...]) -> int:
     """Rewrite ``model`` in place: every ``gemm_ops`` node with a constant weight becomes the int8 form of the module
     docstring (one activation quantization per distinct input), except the MLPs' down projections: the GEMMs with
@@ -164,17 +203,10 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...]) -> int:
         if x is None or k == keep_k:  # an MLP's down projection stays on the decoder's kernel (module docstring)
             continue
         tag = f"prefill.{done}"
+        twice = _is_head(x)  # the head's codes carry their rounding residual too (module docstring)
         new: list[ir.Node] = []
         if id(x) not in quantized:
-            mag = ir.node("Abs", [x])
-            amax = (ir.node("ReduceMax", [mag.outputs[0], c["axes"]], attributes={"keepdims": 1}) if opset >= 18 else
-                    ir.node("ReduceMax", [mag.outputs[0]], attributes={"keepdims": 1, "axes": [-1]}))
-            floor = ir.node("Max", [amax.outputs[0], c["eps"]])
-            s = ir.node("Div", [floor.outputs[0], c["div"]])
-            scaled = ir.node("Div", [x, s.outputs[0]])
-            q = ir.node("QuantizeLinear", [scaled.outputs[0], c["one"], c["zp"]])  # rounds, saturates, shifts
-            new = [mag, amax, floor, s, scaled, q]
-            quantized[id(x)] = (q.outputs[0], s.outputs[0])
+            new, quantized[id(x)] = _row_codes(graph, x, c, opset, twice)
         xq, xs = quantized[id(x)]
         w = _Int8Weight(read, k, n)
         wq = ir.Value(name=f"{tag}.weight", const_value=w.codes)
@@ -184,8 +216,13 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...]) -> int:
         mm = ir.node("MatMulInteger", [xq, wq, c["zp"]])
         f = ir.node("Cast", [mm.outputs[0]], attributes={"to": ir.DataType.FLOAT})
         per_token = ir.node("Mul", [f.outputs[0], xs])
-        y = ir.node("Mul", [per_token.outputs[0], ws])
-        tail = [mm, f, per_token, y]
+        tail = [mm, f, per_token]
+        if twice:  # rows [codes; residual codes]: the two halves add up
+            split = {"axis": -2, **({"num_outputs": 2} if opset >= 18 else {})}
+            halves = ir.node("Split", [per_token.outputs[0]], attributes=split, num_outputs=2)
+            tail += [halves, ir.node("Add", list(halves.outputs))]
+        y = ir.node("Mul", [tail[-1].outputs[0], ws])
+        tail.append(y)
         out = y.outputs[0]
         bias = node.inputs[5] if node.op_type == "MatMulNBits" and len(node.inputs) > 5 else None
         if bias is not None:
