@@ -297,6 +297,11 @@ def measure_engine(engine_dir: str | Path, batch_size: int = 1, prompt_len: int 
     """:func:`run_engine` in its own process (its memory figures are its own)."""
     _check_provider(provider)
     check_engine(engine_dir, batch_size, prompt_len, new_tokens)
+    return _engine_process(engine_dir, batch_size, prompt_len, new_tokens, provider)
+
+
+def _engine_process(engine_dir: str | Path, batch_size: int, prompt_len: int, new_tokens: int,
+                    provider: str | None) -> BenchResult:
     flags = ["--provider", provider] if provider else []
     return _in_subprocess("engine", Path(engine_dir), batch_size, prompt_len, new_tokens, flags)
 
@@ -306,6 +311,11 @@ def measure_eager(engine_dir: str | Path, batch_size: int = 1, prompt_len: int =
     """:func:`run_eager` in its own process."""
     _check_eager(device, dtype)  # the settings first, then the engine
     check_engine(engine_dir, batch_size, prompt_len, new_tokens, limits=False)  # eager: the engine's limits aside
+    return _eager_process(engine_dir, batch_size, prompt_len, new_tokens, device, dtype)
+
+
+def _eager_process(engine_dir: str | Path, batch_size: int, prompt_len: int, new_tokens: int, device: str,
+                   dtype: str) -> BenchResult:
     flags = [] if (device, dtype) == ("cpu", "fp32") else ["--device", device, "--dtype", dtype]
     return _in_subprocess("eager", Path(engine_dir), batch_size, prompt_len, new_tokens, flags)
 
@@ -329,10 +339,10 @@ def compare(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, 
     _check_provider(provider)  # every setting before the engine, and all of it before the engine's run
     if eager:
         _check_eager(eager_device, eager_dtype)
-    check_engine(engine_dir, batch_size, prompt_len, new_tokens)
-    rows = [measure_engine(engine_dir, batch_size, prompt_len, new_tokens, provider)]
+    check_engine(engine_dir, batch_size, prompt_len, new_tokens)  # once, for both runs (eager's limits are wider)
+    rows = [_engine_process(engine_dir, batch_size, prompt_len, new_tokens, provider)]
     if eager:
-        rows.append(measure_eager(engine_dir, batch_size, prompt_len, new_tokens, eager_device, eager_dtype))
+        rows.append(_eager_process(engine_dir, batch_size, prompt_len, new_tokens, eager_device, eager_dtype))
     out: dict[str, Any] = {"engine": str(Path(engine_dir)), "results": [r.to_dict() for r in rows]}
     if eager:
         out["ratios_vs_eager"] = ratios(out["results"][0], out["results"][1])

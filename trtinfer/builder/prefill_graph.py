@@ -22,9 +22,10 @@ nothing (the GEMM reads the weight once), and the head's one-pass rounding was t
 check (held-out perplexity over the decoder's: SmolLM2 fp32 x1.026 -> x1.018, int4 x1.014 -> x1.006; Gemma-3 fp32
 x1.009 -> x1.008, int4 x1.003 -> x1.001; scoring every position pays a head GEMM of twice the rows). ``Wq`` is the
 decoder's own weight (a quantized engine's blocks dequantized; a tied head read through ``FusedMatMul`` transposed)
-rounded per output channel, so prefill and decode compute the same model up to int8 rounding. Everything else (attention, norms, the KV interface) is the decoder's graph unchanged, its weights
-read from the decoder's data file: the runtime runs passes of several tokens on this graph and decode steps on the
-decoder, over the same KV values. The price is one int8 copy of the rewritten weights beside the decoder's. Measured:
+rounded per output channel, so prefill and decode compute the same model up to int8 rounding. Everything else
+(attention, norms, the KV interface) is the decoder's graph unchanged, its weights read from the decoder's data
+file: the runtime runs passes of several tokens on this graph and decode steps on the decoder, over the same KV
+values. The price is one int8 copy of the rewritten weights beside the decoder's. Measured:
 docs/benchmarks/cpu.md (128-token TTFT 0.32-0.54x eager's on two AVX-512 VNNI CPUs).
 
 Not kept: ``MatMulIntegerToFloat`` (the int32 product, its cast and the weight's scales in one kernel, the token's
