@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from enum import Enum
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -76,6 +77,32 @@ def test_bad_formats_are_400(client, extra, says, param):
     with pytest.raises(openai.BadRequestError, match=says) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
     assert e.value.body["param"] == param
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ('"guided_regex": "(\\ud800"', "guided_regex"),
+    ('"guided_grammar": "start: \\"a\\ud800\\""', "guided_grammar"),
+    ('"response_format": {"type": "regex", "regex": "a\\ud800"}', "response_format"),
+    ('"guided_json": {"type": "string", "pattern": "\\ud800"}', "guided_json"),
+    ('"guided_choice": []', "guided_choice"),
+])
+def test_formats_with_lone_surrogates_or_empty_are_400_naming_their_field(client, extra, param):
+    """A lone surrogate (JSON's \\ud800, which the openai client cannot even send) in a pattern reached the grammar
+    compiler and came back a 500; an empty guided_choice was reported under response_format."""
+    body = '{"model": "tiny", "prompt": "x", "max_tokens": 2, ' + extra + "}"
+    r = httpx.post(f"{client.base_url}completions", content=body.encode(), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_chat_logprobs_with_a_response_format(client):
+    """logprobs were dropped (null) whenever the chat request also asked for a structured output."""
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                       logprobs=True, top_logprobs=2, response_format={"type": "json_object"})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in content)
 
 
 def test_langchain_with_structured_output(client):

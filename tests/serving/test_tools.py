@@ -148,7 +148,8 @@ def test_parse_and_stream_filter():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
            '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
     parsed = T.parse(text)
-    assert parsed.content == "Let me check." and [c["function"]["name"] for c in parsed.calls] == ["get_weather", "add"]
+    assert parsed.content == "Let me check.\n"  # as written: what a stream of it sends
+    assert [c["function"]["name"] for c in parsed.calls] == ["get_weather", "add"]
     assert json.loads(parsed.calls[1]["function"]["arguments"]) == {"a": 1, "b": 2}
     assert T.parse("<tool_call>not json</tool_call>").calls == []
     assert T.parse("plain answer").content == "plain answer"
@@ -160,6 +161,30 @@ def test_parse_and_stream_filter():
     sent = f.feed("a < b and <tool") + f.feed("s>")  # a prefix of the tag is held back, then let go
     tail, calls = f.finish()
     assert sent + tail == "a < b and <tools>" and calls == []
+
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+
+
+@pytest.mark.parametrize("text", [
+    "Sure. " + CALL, "  " + CALL, CALL, "<tool_call>oops</tool_call> then " + CALL, CALL + " after",
+    "no call at all <tool_call>x</tool_call>", "a <tool_c",
+])
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_a_stream_of_an_answer_says_what_the_whole_answer_says(text, step):
+    """Streamed and whole answers differed: 'Sure. ' streamed against 'Sure.' whole, and the text before a valid
+    call that followed a broken one was lost from the stream."""
+    whole = T.parse(text)
+    f = T.StreamFilter()
+    sent = "".join(f.feed(text[i:i + step]) for i in range(0, len(text), step))
+    tail, calls = f.finish()
+    assert (sent + tail or None) == whole.content
+    assert [c["function"] for c in calls] == [c["function"] for c in whole.calls]
+
+
+def test_arguments_written_as_a_string_are_not_encoded_again():
+    [call] = T.parse('<tool_call>{"name": "add", "arguments": "{\\"a\\": 3}"}</tool_call>').calls
+    assert json.loads(call["function"]["arguments"]) == {"a": 3}
 
 
 def test_builtin_templates_render_a_tool_conversation():

@@ -257,6 +257,43 @@ def test_parse_request(engine) -> None:
         parse_request({"text_input": _s("hi"), "max_tokens": np.array([-1], np.int32)})
 
 
+@pytest.mark.parametrize(("inputs", "says"), [
+    ({"temperature": np.array([np.nan], np.float32)}, "temperature must be a finite number >= 0"),
+    ({"temperature": np.array([-1.0], np.float32)}, "temperature must be a finite number >= 0"),
+    ({"sampling_parameters": _s('{"temperature": "0.5"}')}, "temperature must be a finite number >= 0"),
+    ({"sampling_parameters": _s('{"temperature": true}')}, "temperature must be a finite number >= 0"),
+    ({"text_input": np.array([b"hi \xff"], dtype=np.object_)}, r"text_input is not UTF-8 text \(byte 0xff at 3\)"),
+    ({"stop_words": np.array([b"\xc3"], dtype=np.object_)}, "stop_words is not UTF-8 text"),
+])
+def test_parse_request_refuses_bad_values(engine, inputs, says) -> None:
+    """NaN or -1 passed as greedy, a string or null temperature was a TypeError, undecodable bytes a bare
+    UnicodeDecodeError."""
+    with pytest.raises(InputError, match=says):
+        parse_request({"text_input": _s("hi"), **inputs}, engine.generation_defaults)
+
+
+def test_parse_request_null_sampling_parameter_is_the_default(engine) -> None:
+    defaults = engine.generation_defaults
+    req = parse_request({"text_input": _s("hi"), "sampling_parameters": _s('{"temperature": null, "top_p": null}')},
+                        defaults)
+    assert req.config == parse_request({"text_input": _s("hi")}, defaults).config
+
+
+def test_prompt_near_the_model_length_gets_the_room_left_as_in_generate(engine) -> None:
+    """Without max_tokens a long prompt was refused (prompt + the default 64 tokens over the model length), where
+    engine.generate answers with the room left and finish_reason "length"."""
+    room = 5
+    ids = [7 + i % 50 for i in range(engine.manifest.max_seq_len - room)]
+    prompt = engine.tokenizer.decode(ids)
+    ids = engine.tokenizer.encode(prompt)
+    req = parse_request({"text_input": _s(prompt), "stream": np.array([False])}, engine.generation_defaults)
+    assert len(ids) + req.config.max_new_tokens > engine.manifest.max_seq_len
+    with Scheduler(engine, max_slots=1) as sched:
+        (text,) = response_texts(submit(sched, req), req.stream)
+    alone = engine.generate([prompt], config=req.config)[0]
+    assert text == alone.text and alone.finish_reason == "length"
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_response_texts_equal_generate(engine, stream: bool) -> None:
     inputs = {"text_input": _s(PROMPT), "max_tokens": np.array([12], np.int32), "stream": np.array([stream])}
@@ -351,6 +388,45 @@ def test_model_py_in_harness(decoder: Path, engine, tmp_path: Path, monkeypatch:
     want = [r.text for r in engine.generate(prompts, config=cfg)]
     assert [req.sender.sent[0][0].output_tensors[0].value[0].decode() for req in many] == want
     assert model.scheduler.stats()["steps"] - steps < 4 * 10  # one after another would take >= 4 x 10 steps
+    model.finalize()
+
+
+class _LeavingSender(_StandInSender):
+    """A client that goes away after ``after`` responses (Triton's ``is_cancelled`` then says True)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+
+    def is_cancelled(self) -> bool:
+        return len(self.sent) >= self.after
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_model_py_stops_a_cancelled_request(decoder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            stream: bool) -> None:
+    """A request whose client left kept decoding to max_tokens in one of the instance's slots."""
+    model_dir = write_repository(decoder, tmp_path / "repo", TritonConfig(model_name="tiny"))
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in_pb_utils())
+    spec = importlib.util.spec_from_file_location("tiny_triton_model_cancel", model_dir / "1" / "model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    model.initialize({"model_config": "{}", "model_repository": str(model_dir), "model_version": "1"})
+    req = _StandInRequest({"text_input": _s(PROMPT), "max_tokens": np.array([200], np.int32),
+                           "sampling_parameters": _s('{"ignore_eos": true}'), "stream": np.array([stream])})
+    req.sender = _LeavingSender(after=2 if stream else 0)
+    model.execute([req])
+    _wait_final(req.sender)
+    *responses, last = req.sender.sent
+    assert last == (None, 1) and len(responses) == (2 if stream else 0)
+    deadline = time.monotonic() + 30
+    while model.scheduler.stats()["slots_used"]:
+        assert time.monotonic() < deadline, "the cancelled request still holds its slot"
+        time.sleep(0.01)
+    assert model.scheduler.stats()["requests_finished"].get("cancelled") == 1
+    assert model.scheduler.stats()["generation_tokens"] < 100
     model.finalize()
 
 

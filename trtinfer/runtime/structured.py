@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer.errors import BackendUnavailableError, GrammarError, InputError
+from trtinfer.runtime.tokenizer import check_text
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ def normalize_format(value: Any) -> str | None:
         inner = value.get(kind)
         if not (isinstance(inner, str) and inner.strip()):
             raise InputError(f"response_format {kind} needs {{\"{kind}\": \"...\"}} (a non-empty string)")
+    # a lone surrogate (JSON's "\ud800") would reach the grammar compiler, which cannot encode it
+    check_text(inner if isinstance(inner, str) else json.dumps(inner, ensure_ascii=False), f"response_format {kind}",
+               "write the pattern as valid Unicode text")
     return json.dumps({"type": kind, "value": inner}, separators=(",", ":"))  # schema order kept: it is the output order
 
 

@@ -279,7 +279,7 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
         fields["do_sample"] = False
     if (fmt := response_format_of(req)) is not None:
         fields["response_format"] = fmt
-    elif isinstance(req, ChatCompletionRequest) and req.logprobs:
+    if isinstance(req, ChatCompletionRequest) and req.logprobs:
         fields["logprobs"], fields["top_logprobs"] = True, req.top_logprobs or 0
     try:
         return GenerationConfig(**fields)
@@ -290,6 +290,8 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
             param = "top_logprobs"
         elif name == "max_new_tokens":
             param = max_param
+        elif name == "response_format":  # the field the client wrote (guided_regex, ...), not what it became
+            param = format_field(req) or name
         message = str(e)
         for field, shown in PARAM_OF.items():
             message = message.replace(field, shown)

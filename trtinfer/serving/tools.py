@@ -112,7 +112,9 @@ class Parsed:
 def parse(text: str) -> Parsed:
     """``text`` with its ``<tool_call>`` blocks taken out as OpenAI ``tool_calls`` (each ``{"id", "type",
     "function": {"name", "arguments"}}``, arguments as JSON text); a block that is not a JSON object with a string
-    ``name`` stays text. ``content`` is what is left before the first call (None when nothing is)."""
+    ``name`` stays text. ``content`` is the text before the first call, as written (None when there is none), what
+    a stream of the same answer sends (:class:`StreamFilter`); arguments the model wrote as a string are that string
+    (JSON text already), not encoded again."""
     calls, start = [], None
     for m in _BLOCK.finditer(text):
         try:
@@ -122,13 +124,13 @@ def parse(text: str) -> Parsed:
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
             continue
         args = obj.get("arguments", obj.get("parameters", {}))
+        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+                      "function": {"name": obj["name"], "arguments": arguments}})
         start = m.start() if start is None else start
     if not calls:
         return Parsed(text)
-    content = text[:start].strip()
-    return Parsed(content or None, calls)
+    return Parsed(text[:start] or None, calls)
 
 
 class StreamFilter:
@@ -149,13 +151,13 @@ class StreamFilter:
         return out
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The text held back that is not a call, and the calls."""
+        """The text held back that is not a call (up to the first call; all of it when there is none: a block
+        that is not a call is text), and the calls: together with what :meth:`feed` sent, :func:`parse`'s answer."""
         parsed = parse(self.text)
-        if not parsed.calls:
-            rest = self.text[self.sent:]
-            self.sent = len(self.text)
-            return rest, []
-        return "", parsed.calls
+        end = len(parsed.content or "") if parsed.calls else len(self.text)
+        rest = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return rest, parsed.calls
 
 
 def _safe_end(text: str) -> int:

@@ -250,20 +250,31 @@ class TritonRequest:
     stream: bool = True
 
 
+def _text(name: str, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"input {name} is not UTF-8 text (byte 0x{raw[e.start]:02x} at {e.start}); send UTF-8") from e
+
+
 def _scalar(name: str, value: np.ndarray) -> Any:
     arr = np.asarray(value).reshape(-1)
     if arr.size != 1:
         raise InputError(f"input {name} should hold one value, found {arr.size}")
     item = arr[0]
-    return item.decode("utf-8") if isinstance(item, bytes) else item.item() if hasattr(item, "item") else item
+    return _text(name, item) if isinstance(item, bytes) else item.item() if hasattr(item, "item") else item
 
 
 def _strings(name: str, value: np.ndarray) -> tuple[str, ...]:
-    return tuple(v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in np.asarray(value).reshape(-1))
+    return tuple(_text(name, v) if isinstance(v, bytes) else str(v) for v in np.asarray(value).reshape(-1))
 
 
-def _temperature(fields: dict[str, Any], temperature: float) -> None:
-    """vLLM's and TensorRT-LLM's meaning: temperature 0 is greedy decoding; above 0, sampling at that temperature."""
+def _temperature(fields: dict[str, Any], temperature: Any) -> None:
+    """vLLM's and TensorRT-LLM's meaning: temperature 0 is greedy decoding; above 0, sampling at that temperature.
+    Anything but a finite number >= 0 is an InputError (NaN or -1 would otherwise pass as greedy)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0 <= temperature < float("inf"):
+        raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if temperature > 0:
         fields.update(do_sample=True, temperature=float(temperature))
     else:
@@ -297,6 +308,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
         if bad := sorted(set(params) - set(_VLLM_FIELDS)):
             raise InputError(f"unknown sampling_parameters {bad}; known: {sorted(_VLLM_FIELDS)}")
         for key, value in params.items():
+            if value is None:  # an explicit null is the default, as in the OpenAI server
+                continue
             if key == "temperature":
                 _temperature(fields, value)
             else:
@@ -325,15 +338,27 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
 
 def submit(scheduler: Any, request: TritonRequest) -> Any:
     """Queue a parsed request on the instance's :class:`~trtinfer.runtime.scheduler.Scheduler` (the prompt encoded
-    as ``engine.generate`` encodes it); the scheduler's request, to read with :func:`response_texts`."""
-    return scheduler.submit(scheduler.tokenizer.encode(request.prompt), request.config)
+    as ``engine.generate`` encodes it, and as there a prompt near the model length gets the room left, ending with
+    ``"length"``); the scheduler's request, to read with :func:`response_texts`."""
+    return scheduler.submit(scheduler.tokenizer.encode(request.prompt), request.config, clip=True)
 
 
-def response_texts(submitted: Any, stream: bool = True) -> Iterator[str]:
+def response_texts(submitted: Any, stream: bool = True, cancelled: Callable[[], bool] | None = None) -> Iterator[str]:
     """The ``text_output`` of each response of a submitted request: every non-empty text delta when streaming, else
-    the whole text once (blocking as the scheduler makes them; its error is raised)."""
-    deltas = (ev.text for ev in submitted if ev.text)
-    yield from deltas if stream else ["".join(deltas)]
+    the whole text once (blocking as the scheduler makes them; its error is raised). ``cancelled`` (Triton's
+    ``response_sender.is_cancelled``) is asked at each token: once it says so, the request is cancelled (its slot
+    frees at the scheduler's next step) and nothing more is given."""
+    parts: list[str] = []
+    for ev in submitted:
+        if cancelled is not None and cancelled():
+            submitted.cancel()
+            return
+        if ev.text and stream:
+            yield ev.text
+        elif ev.text:
+            parts.append(ev.text)
+    if not stream:
+        yield "".join(parts)
 
 
 def text_tensor(text: str) -> np.ndarray:

@@ -60,7 +60,8 @@ class TritonPythonModel:
 def _respond(sender, queued, stream):
     """Send a queued request's text responses, then the final flag (or its error)."""
     try:
-        for text in response_texts(queued, stream):
+        # a client that went away (Triton >= 23.10 says so) stops its request instead of decoding to max_tokens
+        for text in response_texts(queued, stream, getattr(sender, "is_cancelled", None)):
             sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", text_tensor(text))]))
     except Exception as e:  # noqa: BLE001
         _fail(sender, e)
