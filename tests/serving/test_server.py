@@ -528,6 +528,12 @@ def test_bad_json(live):
     ({"prompt": "word " * 300}, 400, "prompt"),
     ({"prompt": None}, 400, "prompt"),
     ({"model": "gpt-4"}, 404, "model"),
+    # JSON's true is not 1, nor "5" five (pydantic's lax mode took both): numbers and flags are strict
+    ({"n": True}, 400, "n"),
+    ({"max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": [True, 5]}, 400, "prompt"),
+    ({"stream": 1}, 400, "stream"),
+    ({"temperature": "0.5"}, 400, "temperature"),
 ])
 def test_bad_completion_parameters(live, body, status, param):
     request = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **body}

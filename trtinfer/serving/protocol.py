@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from trtinfer.errors import ConfigError, ServingError
 from trtinfer.runtime.config import GenerationConfig
@@ -46,7 +46,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 class _Body(BaseModel):
-    # unknown fields are kept in model_extra and reported, not refused: clients send fields we do not know
+    # unknown fields are kept in model_extra and reported, not refused: clients send fields we do not know. Numbers
+    # and flags are strict (StrictInt, ...): JSON true is not n=1, "5" is not max_tokens 5 (OpenAI refuses both)
     model_config = ConfigDict(extra="allow")
 
 
@@ -54,8 +55,8 @@ class StreamOptions(_Body):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices; with it, vLLM's
     ``continuous_usage_stats`` puts the usage so far on every chunk too."""
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _Sampling(_Body):
@@ -71,24 +72,24 @@ class _Sampling(_Body):
         return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    repetition_penalty: float | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    repetition_penalty: StrictFloat | None = None
     # structured outputs: OpenAI's response_format, and vLLM's guided decoding extras (one of them at a time)
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -96,19 +97,19 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM's beam search: the n best of n beams (trtinfer.runtime.beam over the server's scheduler)
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
+    use_beam_search: StrictBool = False
+    length_penalty: StrictFloat = 1.0
+    early_stopping: StrictBool | Literal["never"] = False
 
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a prompt (text, token ids, or a batch of either) to continue."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
 
 class ContentPart(_Body):
@@ -137,14 +138,14 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``: a conversation rendered through the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: StrictInt | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None  # OpenAI's legacy form of tools
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 def unknown_fields(req: BaseModel) -> list[str]:
