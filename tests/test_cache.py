@@ -297,6 +297,38 @@ def test_sigkill_mid_build_leaves_nothing_after_the_next_build(tiny_model_dir, t
     assert _leftovers(work, cache_root) == []
 
 
+def test_scratch_dirs_are_left_alone_while_live_and_swept_once_their_process_dies(cache_dir, tmp_path):
+    """Whole-model copies, calibration pieces and the reduced-depth check were made in unlocked ``.materialized-*``
+    / ``.piece-*`` / ``.reduced-depth-*`` dirs: `trtinfer cache clean` removed a live build's (which then failed),
+    and a killed build left them (full fp32 copies) for good, invisible to every sweep."""
+    work = tmp_path / "work"
+    for d in (cache_dir / "onnx", work):
+        d.mkdir(parents=True)
+    holder = textwrap.dedent(f"""
+        import time
+        from trtinfer._outputs import scratch_dir
+        with scratch_dir({str(cache_dir / 'onnx')!r}, "somekey") as a, scratch_dir({str(work)!r}, "exp") as b:
+            (a / "model.onnx.data").write_bytes(b"x" * 1000)
+            time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", holder], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 60
+        while not (_leftovers(cache_dir) and _leftovers(work)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.2)  # the holder writes its file inside the locked dir
+        assert clean_cache() == [] and sweep_stale(work, "exp") == []
+        assert len(_leftovers(cache_dir)) == 1 and len(_leftovers(work)) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    assert [e.status for e in clean_cache()] == ["stale temp dir"]
+    with atomic_dir(work / "exp") as tmp:  # the next write of that output sweeps the dead one's scratch
+        (tmp / "a").write_text("1")
+    assert _leftovers(cache_dir) == [] and _leftovers(work) == []
+
+
 # --- modes ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("umask,dir_mode,file_mode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])

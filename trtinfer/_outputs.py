@@ -103,6 +103,29 @@ def _locked_temp_dir(parent: Path, name: str) -> tuple[Path, int]:
     raise OSError(errno.EAGAIN, "could not create a temp dir that stays", str(parent))
 
 
+_TEMP_PARTS = re.compile(r"^\.(.+?)\.(?:tmp|old)-")
+
+
+def final_name(path: Path) -> str:
+    """The name directory ``path`` has when done: NAME for :func:`atomic_dir`'s ``.NAME.tmp-PID-RANDOM``."""
+    m = _TEMP_PARTS.match(path.name)
+    return m.group(1) if m else path.name
+
+
+@contextmanager
+def scratch_dir(parent: str | os.PathLike[str], name: str) -> Iterator[Path]:
+    """A directory for work files, ``parent/.NAME.tmp-PID-RANDOM``, removed on exit. Named and locked as
+    :func:`atomic_dir`'s temp dirs are: no sweep touches it while this process lives (``trtinfer cache clean``,
+    another build), and once it dies (SIGKILL included) the next sweep of ``parent`` (the next build of NAME, the
+    cache's) removes it. Whole-model copies, calibration pieces and the reduced-depth check's build live in these."""
+    tmp, fd = _locked_temp_dir(Path(parent), name)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+
+
 def dir_size(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):

@@ -20,8 +20,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from trtinfer._outputs import final_name, scratch_dir
 from trtinfer.artifact import DATA_NAME, ONNX_NAME, STAGE_FILE, StageDir
 from trtinfer.checkpoint import Checkpoint, to_float32
 from trtinfer.errors import ModelSourceError, TrtInferError
@@ -264,13 +263,11 @@ def materialized_file(path: Path, rewrite: Callable[[ir.Model], bool] | None = N
     if not (refs or changed):
         yield path
         return
-    tmp = Path(tempfile.mkdtemp(prefix=".materialized-", dir=path.parent.parent))
-    try:
+    stage_dir = path.parent
+    with scratch_dir(stage_dir.parent, final_name(stage_dir)) as tmp:
         save_graph(model, tmp / path.name, keep_references=False)
         del model
         yield tmp / path.name
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from trtinfer.artifact import DATA_NAME, ONNX_NAME, StageDir
 from trtinfer.errors import ModelSourceError
 from trtinfer.export import ExportConfig, export
+from trtinfer._outputs import lock_dir
 from trtinfer.stage_weights import CHECKPOINT_KEY, load_graph, materialized_file, save_graph
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -203,6 +204,11 @@ def test_slice_export_matches_transformers_eager(preset, checkpoint, exported):
     g = record["geometry"]
     with materialized_file(stage.onnx_path) as whole:  # the export's weights are read from the checkpoint
         sess = ort.InferenceSession(str(whole), providers=["CPUExecutionProvider"])
+        # the whole copy sits in a scratch dir named and locked as the stage's own temp dirs: a sweep (another
+        # build, `trtinfer cache clean`) leaves it alone now and removes it if this process is killed
+        assert whole.parent.name.startswith(f".{stage.path.name}.tmp-{os.getpid()}-")
+        assert lock_dir(whole.parent) is None
+    assert not whole.parent.exists()
     feed: dict[str, np.ndarray] = {
         "input_ids": np.array([ids[:prefill]]), "attention_mask": np.ones((1, prefill), np.int64),
         "position_ids": np.arange(prefill)[None]}

@@ -259,7 +259,7 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
                         and stage.history.get("export", {}).get("reference_skipped")):
                     from trtinfer.builder.piece_check import reduced_depth_check
 
-                    piece = reduced_depth_check(resolved, config, stage.geometry, out.parent)
+                    piece = reduced_depth_check(resolved, config, stage.geometry, out)
                 prefill = (None if config.prefill is None else
                            _check_prefill(tmp, _manifest(config, stage, files, tmp, max_seq), stage))
             if accuracy is not None:

@@ -15,11 +15,11 @@ import contextlib
 import dataclasses
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trtinfer._outputs import scratch_dir
 from trtinfer.builder.config import BuildConfig
 from trtinfer.errors import BuildError, TrtInferError
 
@@ -47,8 +47,8 @@ def _cache_at(root: Path) -> Iterator[None]:
 
 def reduced_depth_check(resolved: Any, config: BuildConfig, geometry: dict[str, Any], near: Path) -> dict[str, Any]:
     """Build ``resolved`` (a :class:`~trtinfer.export.sources.ResolvedModel`) cut to :data:`LAYERS` layers and
-    :data:`VOCAB` tokens with ``config`` in a temporary folder beside ``near``; returns its checks. A failed check
-    fails this build."""
+    :data:`VOCAB` tokens with ``config`` in a scratch folder beside ``near`` (the engine's output path: a leftover
+    of a killed build goes with the next build's sweep); returns its checks. A failed check fails this build."""
     from trtinfer.artifact import read_manifest
     from trtinfer.builder.engine_builder import build
 
@@ -57,7 +57,7 @@ def reduced_depth_check(resolved: Any, config: BuildConfig, geometry: dict[str, 
     cut = dataclasses.replace(config, export=dataclasses.replace(config.export, layers=layers, vocab=vocab))
     log.info("checking the pipeline on the model's first %d of %d layers (the whole model does not fit in fp32)",
              layers, num_layers)
-    with tempfile.TemporaryDirectory(prefix=".reduced-depth-", dir=near) as tmp, _cache_at(Path(tmp) / "cache"):
+    with scratch_dir(near.parent, near.name) as tmp, _cache_at(tmp / "cache"):
         try:
             engine = build(resolved, Path(tmp) / "engine", cut, progress=False)
         except TrtInferError as e:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any, TypeGuard
 import numpy as np
 import onnx_ir as ir
 
+from trtinfer._outputs import final_name, scratch_dir
 from trtinfer.artifact import ONNX_NAME, StageDir
 from trtinfer.errors import CalibrationError
 
@@ -217,8 +216,7 @@ def collect_in_pieces(stage: StageDir, feeds: Any, tensors: Sequence[str],
     total = len(feeds) * len(pieces)
     with tqdm(total=total, desc=what, unit="run", leave=False, disable=None if progress else True) as bar:
         for i, piece in enumerate(pieces):
-            tmp = Path(tempfile.mkdtemp(prefix=".piece-", dir=scratch or stage.path.parent))
-            try:
+            with scratch_dir(scratch or stage.path.parent, final_name(stage.path)) as tmp:
                 model = piece_model(stage.onnx_path, piece, kinds)
                 floats = _float_weights(model)
                 save_graph(model, tmp / ONNX_NAME, keep_references=False)
@@ -237,8 +235,6 @@ def collect_in_pieces(stage: StageDir, feeds: Any, tensors: Sequence[str],
                 for _ in iter_feeds(stage, feeds.cset, runner, on_outputs=hand_over, all_logits=feeds.all_logits):
                     pass
                 del session, runner
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
             if not carried:
                 raise CalibrationError("calibration got no feeds: the calibration data produced no samples")
             for held in carried:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,7 @@ from typing import Any
 import onnx_ir as ir
 
 from trtinfer._cache import key_of
+from trtinfer._outputs import scratch_dir
 from trtinfer.artifact import ONNX_NAME, StageDir, is_stage_dir, read_stage, write_stage
 from trtinfer.errors import ConfigError, InputError
 from trtinfer.passes.config import PassConfig
@@ -77,14 +76,11 @@ def optimize(in_path: str | Path, out_path: str | Path, config: PassConfig | Non
     report = optimize_model(model, config, geometry)
     # write into a temp folder beside the destination, then move the files in: no half-written model on failure
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
+    with scratch_dir(dst.parent, dst.name) as tmp:
         save_graph(model, tmp / dst.name)  # the weights the passes left as they were stay in the checkpoint
         release_weights(model)
         for f in tmp.iterdir():
             f.replace(dst.parent / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return report
 
 
