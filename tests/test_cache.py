@@ -481,6 +481,32 @@ def test_cache_cli_info_clean_verify(cache_dir):
     assert _leftovers(cache_dir) == [str(live)]
 
 
+@pytest.mark.parametrize("verb", ["info", "clean", "verify"])
+def test_cache_cli_takes_a_damaged_entry_record(cache_dir, verb):
+    """An entry record with "created": null crashed all three verbs (the one meant to clean it up included)."""
+    cached_dir("onnx", "good", Maker())
+    bad = cache_dir / "onnx" / "bad"
+    bad.mkdir()
+    (bad / ".entry.json").write_text('{"files": {}, "created": null}')
+    out = cli("cache", verb, root=cache_dir)
+    if verb == "info":
+        assert "damaged" in out
+    else:
+        assert not bad.exists() and (cache_dir / "onnx" / "good").is_dir()
+
+
+@pytest.mark.parametrize("memo", ["[]", '"x"', '{"k": 5}'])
+def test_a_damaged_hash_memo_is_started_again(tiny_model_dir, cache_dir, memo):
+    """A hashes.json that was valid JSON but not the memo's object broke every export and build."""
+    from trtinfer.export.sources import resolve_model
+
+    cache_dir.mkdir()
+    (cache_dir / "hashes.json").write_text(memo)
+    first = resolve_model(tiny_model_dir("llama")).sha256
+    assert json.loads((cache_dir / "hashes.json").read_text())  # written again, as an object
+    assert resolve_model(tiny_model_dir("llama")).sha256 == first
+
+
 def test_cache_functions_match_the_cli(cache_dir):
     cached_dir("onnx", "a", Maker())
     assert [(e.kind, e.key, e.status) for e in list_entries()] == [("onnx", "a", "ok")]

@@ -184,7 +184,8 @@ def _read_entry(folder: Path) -> dict[str, Any] | None:
         return None
     entry = json.loads(text)
     if not (isinstance(entry, dict) and isinstance(entry.get("files"), dict)
-            and all(isinstance(r, dict) for r in entry["files"].values())):
+            and all(isinstance(r, dict) for r in entry["files"].values())
+            and type(entry.get("created", 0)) in (int, float)):
         raise TypeError("not an entry record")
     return entry
 

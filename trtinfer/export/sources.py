@@ -97,11 +97,13 @@ def _hash_memo(path: Path, compute: Callable[[Path], str]) -> str:
         memo = json.loads(memo_file.read_text())
     except (OSError, ValueError):
         memo = {}
+    if not isinstance(memo, dict):  # damaged: it is only a memo, so start it again
+        memo = {}
     st = path.stat()
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     stamp = "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
     key = f"{path.resolve()}|{st.st_mtime_ns}|{stamp}"
-    if key not in memo:
+    if not isinstance(memo.get(key), str):
         memo[key] = compute(path)
         tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(memo))
