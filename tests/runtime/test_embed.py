@@ -76,6 +76,34 @@ def test_embed_bad_input(minilm_engine: Path, tiny_engine, capsys: pytest.Captur
 
 
 @pytest.mark.slow
+def test_generate_refuses_an_encoder_engine(minilm_engine: Path, tiny_engine, capsys: pytest.CaptureFixture[str]) -> None:
+    """generate loaded the encoder, then failed with an internal AttributeError."""
+    capsys.readouterr()
+    assert main(["generate", str(minilm_engine), "-p", "hi", "-n", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is an encoder engine" in err[0] and "trtinfer embed" in err[0]
+    decoder = tiny_engine("llama")
+    capsys.readouterr()
+    assert main(["generate", str(decoder), "-p", "hi", "-n", "2", "--assistant", str(minilm_engine)]) == 2
+    assert "(--assistant) is an encoder engine" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--precision", "int8"], "precision ('int8') applies to decoder builds"),
+    (["--precision", "fp16"], "precision ('fp16') applies to decoder builds"),
+    (["--disable-pass", "rotary"], "disable passes"),
+])
+def test_encoder_build_refuses_decoder_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+                                                says: str) -> None:
+    """An encoder build ignored --precision, --prefill and --disable-pass: exit 0 with an fp32 engine whose manifest
+    recorded the precision asked."""
+    assert main(["build", "all-minilm-l6-v2", "-o", str(tmp_path / "e"), *flags]) != 0
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.slow
 def test_encoder_provider_and_close(minilm_engine: Path) -> None:
     import onnxruntime as ort
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from trtinfer.artifact import DATA_NAME, new_manifest, write_manifest
 from trtinfer.builder.config import BuildConfig
-from trtinfer.errors import BuildError
+from trtinfer.errors import BuildError, ConfigError
 from trtinfer.export.encoder import ENCODER_TYPES, export_encoder_cached
 from trtinfer.export.sources import ResolvedModel
 from trtinfer.passes.report import FusionReport, PassRecord
@@ -90,13 +90,19 @@ def build_encoder(resolved: ResolvedModel, out: Path, config: BuildConfig, t_sta
 
     if config.backend != "onnxruntime":
         raise BuildError(f"encoders build for the onnxruntime backend only, not '{config.backend}'")
+    # what an encoder build does not do is refused, not ignored (the manifest would record settings never used)
+    ignored = {"precision": config.precision != "fp32", "prefill": config.prefill is not None,
+               "disable_passes": bool(config.disable_passes), "keep_io_types": config.keep_io_types}
+    for name in (n for n, given in ignored.items() if given):
+        raise ConfigError(f"an encoder engine is the fp32 graph with its fusions; {name.replace('_', ' ')} "
+                          f"({getattr(config, name)!r}) applies to decoder builds: drop it", field=name)
     exported = export_encoder_cached(resolved, config.export.atol)
     info, geo = exported.info, exported.geometry
     report = _fuse(exported.onnx_path, out / "model.onnx", geo, info["model_type"])
     diff = _check(exported.onnx_path, out / "model.onnx")
     if diff > 1e-3:
-        raise BuildError(f"the fused encoder graph differs from the unfused one by {diff:.2e}; "
-                         "rebuild with --disable-pass to narrow it down")
+        raise BuildError(f"the fused encoder graph differs from the unfused one by {diff:.2e}: a fusion is wrong for "
+                         "this model; please report it with the model's config.json")
     (out / "fusion_report.json").write_text(json.dumps(report.to_dict(), indent=2))
     tok = AutoTokenizer.from_pretrained(resolved.path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

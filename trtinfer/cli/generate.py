@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag, path_arg
@@ -67,6 +68,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
     import trtinfer
+    from trtinfer.artifact import read_manifest
     from trtinfer.cli._flags import GENERATION_FLAGS, RUNTIME_FLAGS, check_text_flag, config_from_flags
     from trtinfer.errors import ConfigError, InputError
     from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
@@ -98,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
                                 prefill_graph=args.prefill_graph)
     if args.assistant is None and "num_assistant_tokens" in chosen:
         raise InputError("--num-assistant-tokens needs --assistant ENGINE_DIR")
+    for flag, folder in (("ENGINE", args.engine), ("--assistant", args.assistant)):
+        if folder is not None and read_manifest(Path(folder)).kind == "encoder":  # before loading it
+            raise InputError(f"{folder} ({flag}) is an encoder engine; `trtinfer generate` needs a decoder engine "
+                             "(`trtinfer embed` runs encoders)")
     with contextlib.ExitStack() as stack:
         engine = stack.enter_context(trtinfer.load(args.engine, config=runtime))
         extra = {} if args.assistant is None else {
