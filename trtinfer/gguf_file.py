@@ -44,10 +44,13 @@ class GGUFTensor:
 class _Header:
     """A cursor over the start of a GGUF file, reading more as values need it."""
 
-    def __init__(self, f: Any, path: Path) -> None:
-        self.f, self.path, self.buf, self.pos = f, path, b"", 0
+    def __init__(self, f: Any, path: Path, size: int) -> None:
+        self.f, self.path, self.size, self.buf, self.pos = f, path, size, b"", 0
 
     def need(self, n: int) -> None:
+        if self.pos + n > self.size:  # a damaged length or count: say so before reading (or allocating) it
+            raise ModelSourceError(f"the GGUF header of {self.path} is damaged: a length at byte {self.pos} runs past "
+                                   f"the end of the file ({self.size} bytes); download it again")
         while self.pos + n > len(self.buf):
             more = self.f.read(max(1 << 20, n))
             if not more:
@@ -102,7 +105,7 @@ class GGUFFile:
         self.path = Path(path)
         size = self.path.stat().st_size
         with open(self.path, "rb") as f:
-            h = _Header(f, self.path)
+            h = _Header(f, self.path, size)
             h.need(24)
             if h.buf[:4] != MAGIC:
                 raise ModelSourceError(f"{self.path} does not start with the GGUF magic bytes: not a GGUF file")
@@ -143,6 +146,26 @@ class GGUFFile:
         t = self.tensors[name]
         rows = t.nbytes // t.row_bytes
         return np.memmap(self.path, np.uint8, mode="r", offset=t.offset, shape=(rows, t.row_bytes))
+
+    def check_dequantizable(self) -> None:
+        """Raise ModelSourceError naming the first tensor whose ggml type the installed gguf package cannot
+        dequantize (one block of each type is tried), before any work that would fail on it midway."""
+        from importlib.metadata import version
+
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+        tried: set[int] = set()
+        for t in self.tensors.values():
+            if t.type_id in tried:
+                continue
+            tried.add(t.type_id)
+            qtype = GGMLQuantizationType(t.type_id)
+            try:
+                quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+            except NotImplementedError:
+                raise ModelSourceError(f"tensor {t.name} of {self.path} is ggml {t.qtype}, which gguf {version('gguf')} "
+                                       "cannot dequantize; upgrade it (pip install -U gguf) or use another "
+                                       "quantization of the model") from None
 
     def dequantize(self, name: str, rows: slice = slice(None)) -> np.ndarray:
         """float32 values of ``name`` (of its ``rows`` when given, for a 2-D tensor), as ggml computes them."""

@@ -3,6 +3,7 @@ tensor's GGUF origin (name, ggml type, row order) recorded for GGUF-exact quanti
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,49 @@ def test_truncated_gguf_is_one_clear_error(tmp_path: Path) -> None:
     path.write_bytes(b"GGUF" + bytes(20))
     with pytest.raises(ModelSourceError, match="version 0"):
         GGUFFile(path)
+
+
+@pytest.mark.parametrize(("at", "value", "fmt"), [
+    (24, 2**62, "<Q"),  # the first key's length: MemoryError, reading it
+    (8, 2**40, "<Q"),  # the tensor count: OverflowError
+    (16, 2**40, "<Q"),  # the key count
+])
+def test_a_damaged_length_or_count_is_one_clear_error(tmp_path: Path, at: int, value: int, fmt: str) -> None:
+    path = tmp_path / "m.gguf"
+    _write(path)
+    data = bytearray(path.read_bytes())
+    struct.pack_into(fmt, data, at, value)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelSourceError, match="header of .* is damaged: .* past the end of the file"):
+        GGUFFile(path)
+
+
+def test_a_type_gguf_cannot_dequantize_is_refused_before_any_work(tmp_path: Path) -> None:
+    """A tensor type gguf-py has no dequantizer for (Q1_0 in gguf 0.19) failed midway through the conversion with
+    NotImplementedError; now one line naming the tensor, before any work."""
+    from gguf import GGML_QUANT_SIZES
+
+    _write(tmp_path / "ok.gguf")
+    GGUFFile(tmp_path / "ok.gguf").check_dequantizable()  # Q8_0 and F32
+    missing = GGMLQuantizationType.Q1_0
+    try:
+        quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[missing][1]), np.uint8), missing)
+        pytest.skip("this gguf dequantizes Q1_0")
+    except NotImplementedError:
+        pass
+    elems, block = GGML_QUANT_SIZES[missing]
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), arch="llama")
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(256, np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((64, 256 // elems * block), np.uint8), raw_dtype=missing)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f = GGUFFile(tmp_path / "m.gguf")
+    assert f.tensors["blk.0.attn_q.weight"].shape == (64, 256)
+    with pytest.raises(ModelSourceError, match="blk.0.attn_q.weight of .* is ggml Q1_0, which gguf .* cannot "
+                                               "dequantize; upgrade it"):
+        f.check_dequantizable()
 
 
 @pytest.mark.slow

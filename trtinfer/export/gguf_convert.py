@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer.errors import ModelSourceError
+from trtinfer.export.architectures import spec_for
 from trtinfer.export.quiet import quiet_third_party
 from trtinfer.gguf_file import GGUFFile, describe_rows
 
@@ -76,7 +77,9 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
     log.info("converting %s to a Hugging Face folder, tensor by tensor (once; cached)", gguf.name)
     file = GGUFFile(gguf)
+    file.check_dequantizable()
     config, tok = _load_config_and_tokenizer(gguf)
+    spec_for(config)  # an architecture we do not export is refused before its conversion, not after
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     arch = str(file.metadata.get("general.architecture") or config.model_type)
