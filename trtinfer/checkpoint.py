@@ -58,11 +58,20 @@ def _read_header(shard: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise ModelSourceError(f"{shard}'s header is not JSON ({e}); re-download it") from e
+    if not isinstance(header, dict):
+        raise ModelSourceError(f"{shard}'s header is not a safetensors header (a JSON object); re-download it")
     out: dict[str, TensorInfo] = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, (start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        try:
+            dtype, shape, (start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+            if not (isinstance(dtype, str) and all(d >= 0 for d in shape) and type(start) is int and type(end) is int
+                    and 0 <= start <= end):
+                raise ValueError("values out of range")
+        except (TypeError, KeyError, ValueError) as e:
+            raise ModelSourceError(f"tensor {name} in {shard.name} has a damaged header entry ({meta!r:.80}: "
+                                   f"{type(e).__name__} {e}); re-download the shard") from e
         if dtype not in DTYPES:
             raise ModelSourceError(f"tensor {name} in {shard.name} is {dtype}; checkpoints in "
                                    f"{', '.join(DTYPES)} can be exported")
@@ -86,8 +95,14 @@ class Checkpoint:
         if index.is_file():
             try:
                 weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
+                if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+                    raise ValueError("its weight_map is not an object of tensor -> shard file names")
+            except (ValueError, KeyError, TypeError) as e:
                 raise ModelSourceError(f"{index} is not a safetensors index ({e}); re-download it") from e
+            outside = [v for v in weight_map.values() if Path(v).name != v]
+            if outside:
+                raise ModelSourceError(f"{index} names a shard outside the checkpoint's folder ({outside[0]}); "
+                                       "shards are files beside the index")
             shards = sorted(set(weight_map.values()))
         elif (self.folder / SINGLE_NAME).is_file():
             weight_map, shards = {}, [SINGLE_NAME]

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -28,10 +29,10 @@ import torch
 from onnx import numpy_helper
 from safetensors import safe_open
 
+from trtinfer._outputs import lock_dir
 from trtinfer.artifact import DATA_NAME, ONNX_NAME, StageDir
 from trtinfer.errors import ModelSourceError
 from trtinfer.export import ExportConfig, export
-from trtinfer._outputs import lock_dir
 from trtinfer.stage_weights import CHECKPOINT_KEY, load_graph, materialized_file, save_graph
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -335,7 +336,71 @@ def _no_safetensors(folder: Path) -> str:
     return r"has no model\.safetensors nor model\.safetensors\.index\.json; give a folder with safetensors weights"
 
 
-@pytest.mark.parametrize("damage", [_missing_shard, _truncated_shard, _truncated_header, _no_safetensors],
+def _rewrite_header(folder: Path, change) -> Path:
+    """Rewrite the first shard's JSON header in place (padded with spaces to its length, as safetensors allows)."""
+    shard = min(folder.glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack_from("<Q", data)
+    text = json.dumps(change(json.loads(data[8:8 + n])), separators=(",", ":")).encode()
+    assert len(text) <= n
+    data[8:8 + n] = text.ljust(n)
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def _header_not_an_object(folder: Path) -> str:
+    shard = _rewrite_header(folder, lambda h: [])
+    return rf"{re.escape(shard.name)}'s header is not a safetensors header"
+
+
+def _entry_without_dtype(folder: Path) -> str:
+    def drop(h):
+        name = next(k for k in h if k != "__metadata__")
+        del h[name]["dtype"]
+        return h
+    _rewrite_header(folder, drop)
+    return r"has a damaged header entry .*KeyError 'dtype'.*; re-download the shard"
+
+
+def _negative_offset(folder: Path) -> str:
+    def move(h):
+        name = next(k for k in h if k != "__metadata__")
+        start, end = h[name]["data_offsets"]
+        h[name]["data_offsets"] = [start - 4, end - 4]  # read 4 bytes of the header as weights
+        return h
+    _rewrite_header(folder, move)
+    return r"has a damaged header entry .*; re-download the shard"
+
+
+def _index_of(folder: Path, body: str) -> str:
+    (folder / "model.safetensors.index.json").write_text(body)
+    return r"model\.safetensors\.index\.json is not a safetensors index .*; re-download it"
+
+
+def _index_a_list(folder: Path) -> str:
+    return _index_of(folder, "[]")
+
+
+def _weight_map_a_list(folder: Path) -> str:
+    return _index_of(folder, '{"weight_map": ["x"]}')
+
+
+def _weight_map_to_a_number(folder: Path) -> str:
+    return _index_of(folder, '{"weight_map": {"x": 5}}')
+
+
+def _shard_outside(folder: Path) -> str:
+    index = folder / "model.safetensors.index.json"
+    body = json.loads(index.read_text())
+    first = next(iter(body["weight_map"]))
+    body["weight_map"][first] = "../elsewhere.safetensors"
+    index.write_text(json.dumps(body))
+    return r"names a shard outside the checkpoint's folder \(\.\./elsewhere\.safetensors\)"
+
+
+@pytest.mark.parametrize("damage", [_missing_shard, _truncated_shard, _truncated_header, _no_safetensors,
+                                    _header_not_an_object, _entry_without_dtype, _negative_offset, _index_a_list,
+                                    _weight_map_a_list, _weight_map_to_a_number, _shard_outside],
                          ids=lambda f: f.__name__.strip("_"))
 def test_damaged_checkpoint_is_one_clear_error(damage, small_sharded, tmp_path):
     folder = tmp_path / "ckpt"
