@@ -398,7 +398,19 @@ def _shard_outside(folder: Path) -> str:
     return r"names a shard outside the checkpoint's folder \(\.\./elsewhere\.safetensors\)"
 
 
-@pytest.mark.parametrize("damage", [_missing_shard, _truncated_shard, _truncated_header, _no_safetensors,
+def _truncated_tokenizer(folder: Path) -> str:
+    tok = folder / "tokenizer.json"
+    tok.write_bytes(tok.read_bytes()[:1000])
+    return r"cannot read the tokenizer in .*\(.*Error: .*\); .*re-download them"
+
+
+def _no_tokenizer(folder: Path) -> str:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink(missing_ok=True)
+    return r"cannot read the tokenizer in .*; .*re-download them"
+
+
+@pytest.mark.parametrize("damage", [_truncated_tokenizer, _no_tokenizer, _missing_shard, _truncated_shard, _truncated_header, _no_safetensors,
                                     _header_not_an_object, _entry_without_dtype, _negative_offset, _index_a_list,
                                     _weight_map_a_list, _weight_map_to_a_number, _shard_outside],
                          ids=lambda f: f.__name__.strip("_"))

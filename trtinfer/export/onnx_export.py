@@ -234,6 +234,7 @@ def _traced(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> dict
     ckpt = Checkpoint(resolved.path)  # a missing shard or truncated tensor fails here, before the trace
     spec = spec_for(hf_config)
     geometry = spec.geometry(hf_config)
+    tokenizer = save_tokenizer(resolved.path, folder)  # a broken tokenizer fails here too, before the trace
     t0 = time.perf_counter()
     model = empty_model(hf_config)
     fp32_bytes = 4 * sum(p.numel() for p in model.parameters())  # meta tensors: sizes only
@@ -246,7 +247,6 @@ def _traced(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> dict
     del model
     export_s = time.perf_counter() - t0
     log.info("traced %s (%d layers) to ONNX in %.1f s", spec.name, geometry["num_layers"], export_s)
-    tokenizer = save_tokenizer(resolved.path, folder)
     from trtinfer.runtime.memory import return_freed_memory
 
     # where this runs in the build's own process (torch already loaded there): the trace and transformers' tokenizer

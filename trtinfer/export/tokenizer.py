@@ -5,7 +5,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from trtinfer.errors import ExportError
+from trtinfer.errors import ExportError, ModelSourceError
 from trtinfer.stages import TOKENIZER_FILES
 
 
@@ -17,7 +17,13 @@ def save_tokenizer(src: Path, out: Path) -> dict[str, Any]:
     """
     from transformers import AutoTokenizer, GenerationConfig
 
-    tok = AutoTokenizer.from_pretrained(src)
+    try:
+        tok = AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # transformers raises anything from a broken file (JSONDecodeError, OSError, ...)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelSourceError(f"cannot read the tokenizer in {src} ({type(e).__name__}: {first}); a model folder "
+                               "needs its tokenizer files (tokenizer.json or a slow tokenizer's files): re-download "
+                               "them") from e
     if not (src / "tokenizer.json").is_file():
         tok.save_pretrained(out)  # a slow tokenizer gets converted to tokenizer.json here
     if tok.chat_template and not (src / "chat_template.jinja").is_file():
