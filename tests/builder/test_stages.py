@@ -89,6 +89,24 @@ def test_stage_mismatches_are_one_line_errors(chain, tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+def test_settings_a_stage_input_would_ignore_are_refused(chain, tmp_path):
+    """From an optimize or quantize stage, --disable-pass and quantization flags were dropped silently, and the
+    manifest's build_config recorded the ignored settings (block_size 64 over weights quantized in blocks of 32)."""
+    root, _, _ = chain
+    p = cli("build", root / "opt", "-o", tmp_path / "x", "--disable-pass", "rotary")
+    assert p.returncode == 2 and "was optimized with disable passes []" in p.stderr, p.stderr
+    q = cli("quantize", root / "opt", "-o", tmp_path / "q", "--precision", "int4", "--method", "rtn")
+    assert q.returncode == 0, q.stderr
+    p = cli("build", tmp_path / "q", "-o", tmp_path / "x", "--precision", "int4", "--block-size", "64")
+    assert p.returncode == 2 and "was quantized with block_size=None" in p.stderr and "block_size=64" in p.stderr
+    assert not (tmp_path / "x").exists()
+    p = cli("build", tmp_path / "q", "-o", tmp_path / "e", "--precision", "int4", "--max-batch-size", "4")
+    assert p.returncode == 0, p.stderr
+    m = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert m["build_config"]["quantization"] == m["quantization"]["config"]
+    assert m["build_config"]["quantization"]["method"] == "rtn"  # the stage's, not the default (gptq)
+
+
 def test_an_output_that_is_its_input_is_refused(chain, tmp_path):
     """-o naming the input (or a folder holding it) with --force replaced the input: optimize ex -o ex --force left no
     export; now refused before any work, the input as it was. Inside the input is allowed (it replaces nothing)."""

@@ -51,7 +51,9 @@ def _manifest(config: BuildConfig, stage: StageDir, files: dict[str, str], engin
         export={"config": export.get("config"), "seconds": export.get("seconds"),
                 "validation": export.get("validation"),
                 **{k: export[k] for k in ("validation_skipped", "reference_skipped") if export.get(k)}},
-        build_config=config.to_dict(), op_histogram=hist, fusion_report=report,
+        build_config={**config.to_dict(), **({"quantization": history["quantize"]["config"]} if "quantize" in history
+                                              else {})},  # what the weights were quantized with
+        op_histogram=hist, fusion_report=report,
         fused_ops=fused_op_counts(hist, stage.geometry, report), versions=engine_versions(),
         quantization=({k: history["quantize"][k] for k in ("config", "target", "report", "accuracy")}
                       if "quantize" in history else None),
@@ -72,8 +74,28 @@ def _from_stage(stage: StageDir, config: BuildConfig) -> tuple[BuildConfig, int]
     if config.max_seq_len is not None and config.max_seq_len > opt["max_seq_len"]:
         raise ConfigError(f"--max-seq-len {config.max_seq_len} exceeds the {opt['max_seq_len']} positions "
                           f"{stage.path} was optimized for; optimize the export again with --max-seq-len")
-    config = dataclasses.replace(config, keep_io_types=bool(opt["keep_io_types"]),
-                                 keep_fp32=tuple(opt["keep_fp32"]), disable_passes=tuple(opt["disable"]))
+    # settings the stage was made with win; one asked otherwise (not left at its default) would be ignored: refused
+    made = {"keep_io_types": bool(opt["keep_io_types"]), "keep_fp32": tuple(opt["keep_fp32"]),
+            "disable_passes": tuple(opt["disable"])}
+    default = BuildConfig()
+    for name, value in made.items():
+        asked = getattr(config, name)
+        if asked != getattr(default, name) and asked != value:
+            shown = list(value) if isinstance(value, tuple) else value
+            raise ConfigError(f"{stage.path} was optimized with {name.replace('_', ' ')} {shown}; {asked!r} would be "
+                              "ignored: drop the flag, or optimize the export again with it", field=name)
+    if quant is not None and config.quantization is not None:
+        from trtinfer.quantization import QuantConfig
+
+        done, asked_q = stage.history["quantize"]["config"], config.quantization.to_dict()
+        unset = QuantConfig(precision=quant).to_dict()
+        diff = sorted(k for k in asked_q if asked_q[k] != unset.get(k) and asked_q[k] != done.get(k))
+        if diff:  # settings given (not left at their defaults) that differ from the stage's
+            was = ", ".join(f"{k}={done.get(k)!r}" for k in diff)
+            given = ", ".join(f"{k}={asked_q.get(k)!r}" for k in diff)
+            raise ConfigError(f"{stage.path} was quantized with {was}; the settings given ({given}) would be "
+                              "ignored: drop them, or quantize the optimized graph again with them")
+    config = dataclasses.replace(config, **made)
     return config, config.max_seq_len or int(opt["max_seq_len"])
 
 
