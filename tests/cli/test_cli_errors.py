@@ -146,3 +146,31 @@ def test_provider_flag_offers_the_runtimes_providers_and_parsing_loads_no_runtim
     probe = subprocess.run([sys.executable, "-c", code],
                            check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert probe.stdout.strip() == "[]", probe.stdout
+
+
+# --- a model folder or flags the build cannot use (found by a review) -------------------------------------------
+@pytest.mark.parametrize(("change", "says"), [
+    ({"model_type": None}, "has no model_type"),
+    ({"num_hidden_layers": 0}, "says num_hidden_layers 0: a model needs at least 1"),
+])
+def test_a_config_without_a_model_is_one_line(tiny_model_dir, tmp_path, change, says):
+    """model_type null printed transformers' paragraphs; 0 layers failed in the trace with an IndexError."""
+    src = shutil.copytree(tiny_model_dir("llama"), tmp_path / "m")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **change}))
+    line = error_line(cli("export", src, "-o", tmp_path / "out"))
+    assert says in line and "re-download" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_precision_needs_a_gguf(tiny_model_dir, tmp_path):
+    """--precision gguf on a safetensors folder was refused only after its export and optimize had run."""
+    line = error_line(cli("build", tiny_model_dir("llama"), "-o", tmp_path / "e", "--precision", "gguf"))
+    assert "--precision gguf keeps a GGUF file's own blocks" in line and "not a GGUF" in line
+
+
+def test_next_step_hints_quote_paths(tiny_model_dir, tmp_path):
+    out = tmp_path / "with space" / "exp"
+    p = cli("export", tiny_model_dir("llama"), "-o", out)
+    assert p.returncode == 0, p.stderr
+    assert f"trtinfer build '{out}' -o ENGINE" in p.stdout

@@ -231,6 +231,10 @@ def build(model: str | Path | ResolvedModel, output_dir: str | Path, config: Bui
                 build_encoder(resolved, tmp, config, t_start)
             log.debug("built encoder %s in %.1f s", out, time.perf_counter() - t_start)
             return out
+        if config.precision == "gguf" and resolved.kind not in ("gguf", "alias"):  # an alias may be a GGUF
+            raise ConfigError(f"--precision gguf keeps a GGUF file's own blocks; {model} is a "
+                              f"{resolved.kind}, not a GGUF: give the .gguf file, or choose int4/int8",
+                              field="precision")
     if stage is not None and stage.stage != "export":
         want = backend.pass_target(config)
         got = stage.history["optimize"]["config"]["target"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from typing import Any
 
 from trtinfer.cli._flags import path_arg
@@ -34,5 +35,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res.info, indent=2))
         return 0
     print(stage_summary(res))
-    print(f"next: trtinfer optimize {res.path} -o OPTIMIZED --target onnxruntime-cpu, or trtinfer build {res.path} -o ENGINE")
+    shown = shlex.quote(str(res.path))
+    print(f"next: trtinfer optimize {shown} -o OPTIMIZED --target onnxruntime-cpu, or trtinfer build {shown} -o ENGINE")
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(out.history["optimize"]["fusion_report"], indent=2))
         else:
             print(stage_summary(out))
-            print(f"next: trtinfer build {out.path} -o ENGINE")
+            print(f"next: trtinfer build {shlex.quote(str(out.path))} -o ENGINE")
         return 0
     if Path(args.input).is_dir():
         raise ConfigError(f"{args.input} is a directory without stage.json: give a directory from `trtinfer export` "

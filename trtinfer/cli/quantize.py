@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from typing import Any
 
 from trtinfer.cli._flags import config_from_flags, path_arg
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"quantized {out.path}: {quant_summary(rec)} in {rec['seconds']:.1f} s")
     print(accuracy_text(rec.get("accuracy")))
-    print(f"next: trtinfer build {out.path} -o ENGINE --precision {args.precision}")
+    print(f"next: trtinfer build {shlex.quote(str(out.path))} -o ENGINE --precision {args.precision}")
     return 0
 
 

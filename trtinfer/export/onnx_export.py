@@ -60,13 +60,21 @@ def load_hf_config(path: Path) -> Any:
         said = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         said = None  # no readable config: AutoConfig says what is wrong with it
-    if isinstance(said, dict) and isinstance(said.get("model_type"), str):
+    if isinstance(said, dict):
+        if not isinstance(said.get("model_type"), str):
+            raise ModelSourceError(f"{Path(path) / 'config.json'} has no model_type (a string such as \"llama\"); "
+                                   "re-download the model's config.json")
         spec_for(SimpleNamespace(model_type=said["model_type"]))
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:
         raise ModelSourceError(f"cannot read the config in {path}: {e}") from e
     spec_for(config)
+    for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        value = getattr(config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelSourceError(f"{Path(path) / 'config.json'} says {name} {value!r}: a model needs at least 1; "
+                                   "re-download the model's config.json")
     return config
 
 
