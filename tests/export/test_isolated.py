@@ -42,6 +42,52 @@ def test_a_child_that_dies_without_answering_is_one_clear_error():
         isolated.run(os._exit, 3, child=True)
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_the_child_dies_with_its_parent():
+    """SIGTERM (or SIGKILL) to a build left its export child running to the end, holding its memory."""
+    import signal
+    import time
+
+    program = "import time; from trtinfer.export import isolated; isolated.run(time.sleep, 600, child=True)"
+    parent = subprocess.Popen([sys.executable, "-c", program], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 60
+        while not (kids := _children(parent.pid)):
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1)  # the child is past its start-up (and its prctl)
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{kids[0]}") and _state(kids[0]) != "Z":
+            assert time.monotonic() < deadline, "the export child outlived its parent"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def test_a_build_in_a_fresh_process_keeps_torch_out_of_it(tiny_model_dir, tmp_path):
     src = tiny_model_dir("llama")
     script = textwrap.dedent(f"""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -30,7 +31,8 @@ T = TypeVar("T")
 IN_PROCESS_ENV = "TRTINFER_EXPORT_IN_PROCESS"
 _HEADER = struct.Struct(">I")
 #: the child's program (not ``-m`` this module: the package would import it first, and runpy warns)
-CHILD_MAIN = "import sys; from trtinfer.export.isolated import child_main; sys.exit(child_main(int(sys.argv[1])))"
+CHILD_MAIN = ("import sys; from trtinfer.export.isolated import child_main; "
+              "sys.exit(child_main(int(sys.argv[1]), int(sys.argv[2])))")
 
 
 def wanted() -> bool:
@@ -69,8 +71,8 @@ def run(fn: Callable[..., T], *args: Any, child: bool | None = None) -> T:
     read_fd, write_fd = os.pipe()
     try:
         # the child's stdout goes to this process's stderr: a verb printing its result on stdout gets only its own
-        proc = subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(write_fd)], stdin=subprocess.PIPE,
-                                 stdout=2, pass_fds=(write_fd,))
+        proc = subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(write_fd), str(os.getpid())],
+                                stdin=subprocess.PIPE, stdout=2, pass_fds=(write_fd,))
     finally:
         os.close(write_fd)
     outcome: tuple[str, Any] | None = None
@@ -119,8 +121,24 @@ class _PipeHandler(logging.Handler):
             self.handleError(record)
 
 
-def child_main(fd: int) -> int:
-    """The child's side of :func:`run`: read the task, answer over ``fd``."""
+def _die_with(parent: int) -> None:
+    """Linux: have the kernel kill this process when its parent dies (a build stopped with SIGTERM or SIGKILL left
+    its export child tracing, and holding its memory, to the end); exit now if the parent is already gone."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the line above: no signal will come
+        os._exit(1)
+
+
+def child_main(fd: int, parent: int) -> int:
+    """The child's side of :func:`run`: read the task, answer over ``fd``; killed with ``parent``."""
+    _die_with(parent)
     fn, args, levels = pickle.loads(sys.stdin.buffer.read())
     with os.fdopen(fd, "wb") as out:
         root = logging.getLogger()
