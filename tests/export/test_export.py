@@ -163,3 +163,18 @@ def test_the_eager_reference_keeps_every_token_a_special_id_needs():
     assert validation_vocab(SimpleNamespace(vocab_size=big, pad_token_id=0, eos_token_id=[1, 106])) == VALIDATION_VOCAB
     assert validation_vocab(SimpleNamespace(vocab_size=big, pad_token_id=big - 1)) == big  # a padding row past the cut
     assert validation_vocab(SimpleNamespace(vocab_size=VALIDATION_VOCAB - 5)) == VALIDATION_VOCAB - 5
+
+
+def test_a_broken_chat_template_is_a_warning_at_export(tiny_model_dir, tmp_path, caplog):
+    """A chat template that does not parse passed the export and the build silently and failed at the first chat
+    request; the export now says so (the model still exports: completions work without a template)."""
+    import logging
+    import shutil
+
+    src = shutil.copytree(tiny_model_dir("llama"), tmp_path / "m")
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    caplog.set_level(logging.WARNING, logger="trtinfer")
+    stage = export(src, tmp_path / "exp", ExportConfig(validate=False))
+    assert stage.path.is_dir()
+    said = [r.getMessage() for r in caplog.records if "chat template is not usable" in r.getMessage()]
+    assert len(said) == 1 and "does not parse" in said[0]

@@ -1,12 +1,15 @@
 """The tokenizer files an engine needs, taken from the model folder at export time (transformers only here)."""
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
 from trtinfer.errors import ExportError, ModelSourceError
 from trtinfer.stages import TOKENIZER_FILES
+
+log = logging.getLogger(__name__)
 
 
 def save_tokenizer(src: Path, out: Path) -> dict[str, Any]:
@@ -34,6 +37,15 @@ def save_tokenizer(src: Path, out: Path) -> dict[str, Any]:
     for extra in ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "added_tokens.json"):
         if (out / extra).exists():  # left by save_pretrained; the runtime reads tokenizer.json only
             (out / extra).unlink()
+    if (out / "chat_template.jinja").is_file():  # a broken one would first show at a chat request, months later
+        from trtinfer.errors import InputError
+        from trtinfer.runtime.tokenizer import load_chat_template
+
+        try:
+            load_chat_template(str(out / "chat_template.jinja"))
+        except InputError as e:
+            log.warning("the model's chat template is not usable (%s): its engines will refuse chat requests until "
+                        "chat_template.jinja is fixed in the model folder or the engine", e)
     if not (out / "tokenizer.json").is_file():
         raise ExportError(f"{src} has no fast tokenizer (tokenizer.json) and none could be made; the runtime needs one")
     try:

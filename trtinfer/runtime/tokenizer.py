@@ -107,7 +107,8 @@ class EngineTokenizer:
         except jinja2.TemplateError as e:
             if own:
                 raise EngineLoadError(f"{self.engine_dir / 'chat_template.jinja'} is not a valid jinja template ({e}); "
-                                      "fix it or rebuild the engine") from e
+                                      "fix that file (a rebuild copies the model's own again), or give a template "
+                                      "(serve --chat-template)") from e
             raise InputError(f"chat template failed to render: {e}") from e
         if tools and not takes_tools:
             raise InputError("this model's chat template does not render tools; give a template that does (trtinfer "
