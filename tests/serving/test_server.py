@@ -534,6 +534,7 @@ def test_bad_json(live):
     ({"prompt": [True, 5]}, 400, "prompt"),
     ({"stream": 1}, 400, "stream"),
     ({"temperature": "0.5"}, 400, "temperature"),
+    ({"prompt": [[1]] * 1025, "n": 2}, 400, "prompt"),  # 2,050 sequences in one request
 ])
 def test_bad_completion_parameters(live, body, status, param):
     request = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **body}

@@ -25,6 +25,8 @@ from trtinfer.runtime.generator import TokenLogprob
 #: below this a temperature means greedy decoding (vLLM's _SAMPLING_EPS)
 GREEDY_BELOW = 1e-5
 #: GenerationConfig field -> the request parameter that sets it, for error messages
+#: the most sequences (prompts x n) one request may queue (OpenAI caps a batch of inputs at 2048)
+MAX_SEQUENCES = 2048
 PARAM_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
 #: HTTP status -> OpenAI error type (any other: invalid_request_error, as 405 and 413 are)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -181,6 +183,11 @@ def check_unsupported(req: _Sampling, max_n: int) -> None:
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
     if isinstance(req, CompletionRequest):
+        prompts = 1 if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) \
+            else len(req.prompt)
+        if prompts * req.n > MAX_SEQUENCES:  # each queues whole: a 1 MiB body of [[1],[1],...] x n=16 was millions
+            raise BadRequest(f"a request holds at most {MAX_SEQUENCES} sequences (prompts x n), got {prompts} x "
+                             f"{req.n}; split it", param="prompt")
         if req.echo:
             raise BadRequest("echo is not supported by this server; prepend the prompt yourself", param="echo")
         if req.suffix:
