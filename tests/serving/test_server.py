@@ -867,3 +867,41 @@ def test_smollm2_concurrent_chat_equals_each_alone(real_engine):
         assert got == want
     finally:
         server.stop()
+
+
+def test_a_bug_in_the_handler_is_one_logged_500_through_the_apps_middleware(tiny_engine, monkeypatch, caplog):
+    """Starlette's catch-all answered a handler's bug outside the app's middleware (a Ray replica's 500 lost its
+    x-trtinfer-replica header) and re-raised it, so uvicorn logged the traceback a second time. Fault injected: the
+    prompt encoder raises."""
+    from trtinfer.serving import handler as handler_module
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("injected fault")
+
+    app = create_app(tiny_engine("llama"), ServeConfig(port=0, model_name=MODEL))
+
+    class Stamp:  # an app middleware, as ray_app's _ReplicaHeader
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            async def stamped(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), (b"x-stamp", b"1")]}
+                await send(message)
+            await self.inner(scope, receive, stamped)
+
+    app.add_middleware(Stamp)
+    server = Live(app)
+    server.wait_ready()
+    try:
+        monkeypatch.setattr(handler_module, "_encode", broken)
+        caplog.set_level(logging.ERROR)
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert r.headers.get("x-stamp") == "1"
+        failures = [rec for rec in caplog.records if "injected fault" in rec.getMessage() or
+                    "Exception in ASGI application" in rec.getMessage()]
+        assert len(failures) == 1 and failures[0].exc_info is not None
+    finally:
+        server.stop()

@@ -316,9 +316,20 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
                       {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFullError) else None)
 
     @app.exception_handler(Exception)
-    async def failed(_: Request, exc: Exception) -> JSONResponse:
+    async def failed(_: Request, exc: Exception) -> JSONResponse:  # only what escapes `answer` below reaches here
         log.error("request failed: %s", exc, exc_info=exc)
         return _error(500, "internal server error; the server log has the details")
+
+    async def answer(body: P.CompletionRequest | P.ChatCompletionRequest, request: Request) -> Response:
+        """The routes' handler, a bug in it answered here: Starlette's catch-all handler answers outside the app's
+        middleware (a Ray replica's 500 lost its x-trtinfer-replica header) and then re-raises (uvicorn logged the
+        traceback a second time)."""
+        try:
+            return await handler.handle(body, request)
+        except (TrtInferError, StarletteHTTPException, RequestValidationError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the client gets a 500; the log has the traceback once
+            return await failed(request, exc)
 
     @app.get("/health")
     async def health() -> Response:
@@ -344,11 +355,11 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request) -> Response:
-        return await handler.handle(body, request)
+        return await answer(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
-        return await handler.handle(body, request)
+        return await answer(body, request)
 
     app.add_middleware(_Gate, api_key=config.api_key, max_body=config.max_body_bytes)  # type: ignore[arg-type]
     return app
