@@ -135,3 +135,34 @@ def test_smollm2_instruct_json_schema_and_langchain(real_engine):
         assert isinstance(got, Pick)
     finally:
         server.stop()
+
+
+def test_grammars_compile_off_the_event_loop(tiny_engine, monkeypatch):
+    """submit_all (which compiles a response_format's grammar, and makes the tokenizer's llguidance form on first
+    use) ran on the server's event loop, stalling every other stream meanwhile."""
+    import asyncio
+
+    from trtinfer.runtime.scheduler import Scheduler
+
+    on_loop: list[bool] = []
+    real = Scheduler.submit_all
+
+    def spy(self, *args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "submit_all", spy)
+    server = Live(create_app(tiny_engine("llama"), ServeConfig(port=0, model_name="tiny")))
+    server.wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.completions.create(model="tiny", prompt="A date:", max_tokens=8,
+                                      extra_body={"guided_regex": "20[0-9]{2}"})
+        assert r.choices[0].text.startswith("20")
+    finally:
+        server.stop()
+    assert on_loop == [False]
