@@ -619,3 +619,19 @@ def test_smollm2_int4_conversation_turn_equals_generate_alone(real_engine):
             assert sched.stats()["prefix_cache_hits"] - before == fed
         same(got2, alone(eng, turn2, cfg))
 
+
+
+def test_a_seeded_sample_is_the_same_in_any_batch_and_as_the_servers_choice(engine):
+    """Row i of a seeded generate drew from SeedSequence(seed).spawn(rows)[i]: a prompt's sample depended on its
+    position in the batch, and generate's sample j of a prompt differed from the server's choice j (seed + j)."""
+    cfg = GenerationConfig(max_new_tokens=10, ignore_eos=True, do_sample=True, temperature=1.5, seed=3)
+    a, b = prompts((5, 9))
+    pair = engine.generate(input_ids=[a, b], config=cfg)
+    same(pair[1], alone(engine, b, cfg))
+    same(pair[0], alone(engine, a, cfg))
+    two = engine.generate(input_ids=[a], config=cfg, num_return_sequences=2)
+    assert two[0].token_ids != two[1].token_ids
+    with Scheduler(engine) as sched:  # the server: choice j of n is cfg.for_sample(j)
+        served = [r.result() for r in [sched.submit(a, cfg.for_sample(j)) for j in range(2)]]
+    for got, want in zip(served, two):
+        same(got, want)

@@ -1,6 +1,7 @@
 """Runtime and generation configuration (frozen, validated)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -218,6 +219,11 @@ class GenerationConfig:
         for name, ok, msg in checks:
             if not ok:
                 raise ConfigError(msg, field=name)
+
+    def for_sample(self, i: int) -> GenerationConfig:
+        """Sample ``i``'s settings among several of one prompt (``num_return_sequences``, the server's ``n``): a given
+        seed becomes ``seed + i``, so the samples differ and each is reproducible whatever it is batched with."""
+        return self if self.seed is None or i == 0 else dataclasses.replace(self, seed=self.seed + i)
 
     def _normalize_sequences(self) -> None:
         # frozen: object.__setattr__ is the dataclass way to normalize in __post_init__

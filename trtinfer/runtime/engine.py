@@ -132,7 +132,8 @@ class Engine:
                              "generate()")
         # independent samples: each prompt repeated, each copy its own request and generator
         ids = [row for row in ids for _ in range(cfg.num_return_sequences)]
-        return Generation(self, ids, dataclasses.replace(cfg, num_return_sequences=1), assistant=assistant, **hooks)
+        return Generation(self, ids, dataclasses.replace(cfg, num_return_sequences=1), assistant=assistant,
+                          samples=cfg.num_return_sequences, **hooks)
 
     def generate(self, prompts: Sequence[str] | str | None = None, *,
                  input_ids: Sequence[Sequence[int]] | None = None, chat: bool = False,

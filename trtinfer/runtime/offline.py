@@ -2,7 +2,8 @@
 call's rows and stepped in the caller's thread.
 
 There is one decode loop in the runtime: the scheduler's ``step()``. An offline generation submits its rows (each its
-own request, seeded ``SeedSequence(seed).spawn(rows)[i]``) to a scheduler with a slot per row and KV room for the
+own request; sample ``j`` of a prompt seeded as the server seeds choice ``j``, :meth:`GenerationConfig.for_sample`,
+whatever else is in the batch) to a scheduler with a slot per row and KV room for the
 longest prompt plus ``max_new_tokens``, without prefix caching, and steps it until every row ends. So a row's output is
 what the server returns for the same prompt and seed, and every feature of the loop (sampling, stop rules, logprobs,
 response formats, prompt lookup, assisted decoding) is the same code in both.
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-
-import numpy as np
 
 from trtinfer.errors import InputError
 from trtinfer.runtime.config import GenerationConfig
@@ -43,13 +42,13 @@ class Generation:
 
     def __init__(self, engine: Any, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, *,
                  logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None,
-                 assistant: Any = None) -> None:
+                 assistant: Any = None, samples: int = 1) -> None:
         limit = int(engine.manifest.max_batch_size)
         if len(prompts) > limit:  # rows: prompts x num_return_sequences (engine.generate repeats each prompt)
             raise InputError(f"{len(prompts)} rows (prompts x num_return_sequences) exceed the engine's max batch "
                              f"size {limit}; split the batch, ask for fewer sequences, or rebuild with a larger "
                              "--max-batch-size")
-        self.engine, self.cfg, self.assistant = engine, cfg, assistant
+        self.engine, self.cfg, self.assistant, self.samples = engine, cfg, assistant, samples  # rows: prompt x sample
         self.max_seq_len = int(engine.manifest.max_seq_len)
         self.prompts = check_prompts(prompts, int(engine.manifest.geometry["vocab_size"]), self.max_seq_len)
         self.logits_processor, self.should_stop = check_hooks(logits_processor, should_stop)
@@ -68,7 +67,6 @@ class Generation:
     def _steps(self, text: bool) -> Iterator[StreamEvent]:
         cfg, prompts = self.cfg, self.prompts
         longest = max(map(len, prompts))
-        seeds = np.random.SeedSequence(cfg.seed).spawn(len(prompts))
         # a slot per row, KV room for every token a row may feed (its last is never fed), every prompt prefilled
         # in the first step (one call for neighbouring fresh rows)
         sched = Scheduler(self.engine, max_queue=len(prompts), prefill_chunk=len(prompts) * longest,
@@ -76,8 +74,8 @@ class Generation:
                           prefix_caching=False, reserve=False)
         try:
             stopper = None if self.should_stop is None else _Stopper(self.should_stop)
-            reqs = [sched.submit(p, cfg, clip=True, seed=seed, logits_processor=self.logits_processor,
-                                 assistant=self.assistant, text=text) for p, seed in zip(prompts, seeds)]
+            reqs = [sched.submit(p, cfg.for_sample(i % self.samples), clip=True, logits_processor=self.logits_processor,
+                                 assistant=self.assistant, text=text) for i, p in enumerate(prompts)]
             for req in reqs:
                 req.should_stop = stopper
             read = [0] * len(reqs)

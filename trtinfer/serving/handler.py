@@ -155,7 +155,7 @@ class Handler:
                 # off the event loop: a response_format's grammar compiles here (and the tokenizer's llguidance form
                 # is made on first use), which would stall every other stream
                 submitted: list[Submitted] = await run_in_threadpool(scheduler.submit_all, [
-                    (ids, P.for_choice(cfg, j)) for ids, cfg in zip(prompts, cfgs) for j in range(req.n)])
+                    (ids, cfg.for_sample(j)) for ids, cfg in zip(prompts, cfgs) for j in range(req.n)])
             except GrammarError as e:  # the field the client wrote, not the response_format it became
                 field = P.format_field(req) or ("tools" if tool_plan.response_format is not None else "response_format")
                 raise P.BadRequest(f"{field} is not a usable grammar: {e.reason}", param=field) from e

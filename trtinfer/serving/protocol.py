@@ -306,11 +306,6 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
         raise BadRequest(message, param=param) from e
 
 
-def for_choice(cfg: GenerationConfig, i: int) -> GenerationConfig:
-    """Choice ``i``'s settings: a given seed becomes ``seed + i``, so choices differ and each is reproducible."""
-    return cfg if cfg.seed is None or i == 0 else dataclasses.replace(cfg, seed=cfg.seed + i)
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # responses
 
