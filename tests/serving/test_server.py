@@ -905,3 +905,67 @@ def test_a_bug_in_the_handler_is_one_logged_500_through_the_apps_middleware(tiny
         assert len(failures) == 1 and failures[0].exc_info is not None
     finally:
         server.stop()
+
+
+SLOW_SERVE = """
+import sys, time
+import trtinfer.cli.serve as serve
+from trtinfer.runtime.slots import SlotCache
+serve.SHUTDOWN_GRACE_S, serve.SHUTDOWN_MARGIN_S = 1.0, 3.0  # a short grace period, for the test's time
+real = SlotCache.decode
+def slow(self, *a, **k):  # latency injected: each decode step takes 0.2 s more
+    time.sleep(0.2)
+    return real(self, *a, **k)
+SlotCache.decode = slow
+from trtinfer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_requests_running_past_the_grace_period_end_cleanly_at_a_stop(engine_dir):
+    """uvicorn cancelled requests still running 10 s after SIGTERM before the app's shutdown could end them: streams
+    broke off mid-chunk (no error event, no [DONE]) and whole requests got a bare text 500."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SERVE, "serve", str(engine_dir), "--port", "0",
+                             "--model-name", MODEL], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    results: dict[str, Any] = {}
+    try:
+        assert proc.stderr is not None
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stderr.readline())
+        assert m
+        url = f"http://127.0.0.1:{m.group(1)}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+
+        def whole() -> None:
+            results["whole"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+        def streamed() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                results["stream"] = [line for line in r.iter_lines() if line]
+
+        threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)  # both running (100 steps take 20 s)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        _, rest = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest
+    whole_r = results["whole"]
+    assert whole_r.status_code == 503 and whole_r.json()["error"]["message"], whole_r.text
+    lines = results["stream"]
+    assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
+    assert "Cancel" not in rest and "Traceback" not in rest

@@ -138,9 +138,42 @@ def _raise_stopped(signum: int, frame: Any) -> None:
     raise _Stopped
 
 
+#: seconds requests in flight get to finish once the server is asked to stop; then the scheduler is closed, which
+#: ends what is left as it ends requests at any close (a 503, or a stream's error event and [DONE]), and
+#: SHUTDOWN_MARGIN_S more let their handlers write that before uvicorn cancels what is still running
+SHUTDOWN_GRACE_S, SHUTDOWN_MARGIN_S = 10.0, 5.0
+
+
+def _server(app: Any, service: Any) -> Any:
+    """uvicorn's server, whose shutdown closes the scheduler after the grace period: uvicorn cancels the request
+    tasks at its own timeout first and runs the app's shutdown only after, so requests running past it were cut
+    mid-stream (incomplete chunked reads, a bare 500)."""
+    import asyncio
+
+    import uvicorn
+    from starlette.concurrency import run_in_threadpool
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            async def close_after_grace() -> None:
+                await asyncio.sleep(SHUTDOWN_GRACE_S)
+                if self.server_state.tasks:
+                    log.warning("%d request(s) still running %.0f s after the stop: ending them",
+                                len(self.server_state.tasks), SHUTDOWN_GRACE_S)
+                await run_in_threadpool(service.close)
+
+            closer = asyncio.create_task(close_after_grace())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                closer.cancel()
+
+    return Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                                 timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S + SHUTDOWN_MARGIN_S)))
+
+
 def serve_uvicorn(path: Path, config: Any) -> int:
     """Serve ``path`` with uvicorn until Ctrl-C/SIGTERM (0) or a failed engine load (its error)."""
-    import uvicorn
 
     from trtinfer.errors import EngineLoadError, TrtInferError
     from trtinfer.serving.app import create_app
@@ -148,8 +181,7 @@ def serve_uvicorn(path: Path, config: Any) -> int:
     app = create_app(path, config)
     service = app.state.service
     sock = _bind(config.host, config.port)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=10,
-                                           lifespan="on"))
+    server = _server(app, service)
     service.on_failure.append(lambda e: setattr(server, "should_exit", True))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
@@ -167,6 +199,7 @@ def serve_uvicorn(path: Path, config: Any) -> int:
         if main:
             signal.signal(signal.SIGTERM, previous)
         sock.close()
+        service.close()  # a second Ctrl-C skips the app's shutdown, which closes it (closing twice is fine)
     if service.error is not None:
         err = service.error
         if isinstance(err, TrtInferError):
