@@ -174,3 +174,22 @@ def test_next_step_hints_quote_paths(tiny_model_dir, tmp_path):
     p = cli("export", tiny_model_dir("llama"), "-o", out)
     assert p.returncode == 0, p.stderr
     assert f"trtinfer build '{out}' -o ENGINE" in p.stdout
+
+
+def test_the_log_keeps_a_bugs_traceback():
+    """The CLI's log formatter printed only the message: a server's 500 said "the server log has the details", and
+    the log had none. Bad input is never logged with its exception; a bug is, at ERROR."""
+    import logging
+
+    from trtinfer.cli import _PersonFormatter
+
+    try:
+        raise KeyError("slot table corrupted")
+    except KeyError:
+        err = logging.LogRecord("trtinfer.runtime.scheduler", logging.ERROR, __file__, 1, "scheduler step failed",
+                                None, sys.exc_info())
+        dbg = logging.LogRecord("trtinfer.export", logging.DEBUG, __file__, 1, "in the child", None, sys.exc_info())
+    out = _PersonFormatter().format(err)
+    assert out.startswith("error: scheduler step failed\nTraceback") and "KeyError: 'slot table corrupted'" in out
+    assert _PersonFormatter().format(dbg) == "in the child"
+    assert "Traceback" in _PersonFormatter(debug=True).format(dbg)

@@ -98,13 +98,24 @@ def parser() -> argparse.ArgumentParser:
 
 
 class _PersonFormatter(logging.Formatter):
-    """trtinfer's INFO lines as plain sentences; warnings and errors prefixed with their level."""
+    """trtinfer's INFO lines as plain sentences; warnings and errors prefixed with their level. A record logged with
+    its exception (a server's failed request, a failed scheduler step: a bug, not bad input) keeps its traceback at
+    ERROR, and at any level with ``debug`` (the server told clients "the server log has the details", and it had
+    none)."""
+
+    def __init__(self, debug: bool = False) -> None:
+        super().__init__()
+        self.debug = debug
 
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
         if record.levelno >= logging.WARNING:
-            return f"{record.levelname.lower()}: {msg}"
-        return msg if record.name.startswith("trtinfer") else f"{record.name}: {msg}"
+            msg = f"{record.levelname.lower()}: {msg}"
+        elif not record.name.startswith("trtinfer"):
+            msg = f"{record.name}: {msg}"
+        if (record.exc_info or record.exc_text) and (self.debug or record.levelno >= logging.ERROR):
+            msg += "\n" + (record.exc_text or self.formatException(record.exc_info))  # type: ignore[arg-type]
+        return msg
 
 
 class _TqdmHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -126,7 +137,7 @@ def _setup_logging(debug: bool, quiet: bool, verbose: bool) -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     handler = _TqdmHandler()
-    handler.setFormatter(_PersonFormatter())
+    handler.setFormatter(_PersonFormatter(debug))
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _TqdmHandler)]:  # main() may run twice in a process
         root.removeHandler(old)
