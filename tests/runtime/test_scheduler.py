@@ -458,8 +458,10 @@ def test_on_finish_sees_finished_and_cancelled_requests_not_failed_ones(llama, m
     p1, p2, p3 = prompts((5, 6, 4), seed=3)
     seen = []
 
-    def hook(req, last):
-        seen.append((req.id, last.finish_reason, req.done, sched.stats()["requests_finished"].get(last.finish_reason)))
+    def hook(done):  # (its reader has not seen the end yet: the request is not done)
+        req = a if done.reason == "length" else gone
+        seen.append((done.reason, done.prompt_tokens, sched.stats()["requests_finished"].get(done.reason),
+                     len(done.token_times), done.t_end >= done.t_submit, req.done))
 
     sched = Scheduler(llama, max_slots=2, on_finish=hook)
     a, gone = sched.submit(p1, GREEDY), sched.submit(p2, GREEDY)
@@ -476,11 +478,12 @@ def test_on_finish_sees_finished_and_cancelled_requests_not_failed_ones(llama, m
     with pytest.raises(ServingError, match="boom"):
         bad.result(timeout=5)
     monkeypatch.setattr(sched.cache, "prefill", real)
-    assert sorted(seen) == [(a.id, "length", False, None), (gone.id, "cancelled", False, None)]
+    assert sorted(seen) == [("cancelled", 6, None, 0, True, False),
+                            ("length", 5, None, GREEDY.max_new_tokens, True, False)]
     assert sched.stats()["requests_finished"] == {"length": 1, "cancelled": 1, "error": 1}
     sched.close()
 
-    def broken(req, last):
+    def broken(done):
         raise RuntimeError("a bug in a metric")
 
     with Scheduler(llama, on_finish=broken) as sched, caplog.at_level("ERROR", logger="trtinfer"):

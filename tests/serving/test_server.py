@@ -417,6 +417,21 @@ def test_metrics_move(live, client):
     assert metric(after, "trtinfer:num_requests_running") == 0
 
 
+def test_a_beam_search_request_counts_once(live, client):
+    """Each beam step is a request of the scheduler: one use_beam_search request moved request_success by 11, the
+    latency histograms by 11 and prompt_tokens by 85 (a few-token prompt)."""
+    before = httpx.get(f"{live.url}/metrics", headers=auth()).text
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, n=2, temperature=0,
+                                  extra_body={"use_beam_search": True})
+    after = httpx.get(f"{live.url}/metrics", headers=auth()).text
+    moved = {name: metric_total(after, name) - metric_total(before, name) for name in (
+        "trtinfer:request_success_total", "trtinfer:e2e_request_latency_seconds_count",
+        "trtinfer:time_to_first_token_seconds_count", "trtinfer:prompt_tokens_total")}
+    assert moved == {"trtinfer:request_success_total": 1, "trtinfer:e2e_request_latency_seconds_count": 1,
+                     "trtinfer:time_to_first_token_seconds_count": 1,
+                     "trtinfer:prompt_tokens_total": r.usage.prompt_tokens}
+
+
 def metric_total(text: str, name: str) -> float:
     """The sum of a metric's samples over all its labels."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))

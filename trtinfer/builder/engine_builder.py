@@ -75,8 +75,8 @@ def _from_stage(stage: StageDir, config: BuildConfig) -> tuple[BuildConfig, int]
         raise ConfigError(f"--max-seq-len {config.max_seq_len} exceeds the {opt['max_seq_len']} positions "
                           f"{stage.path} was optimized for; optimize the export again with --max-seq-len")
     # settings the stage was made with win; one asked otherwise (not left at its default) would be ignored: refused
-    made = {"keep_io_types": bool(opt["keep_io_types"]), "keep_fp32": tuple(opt["keep_fp32"]),
-            "disable_passes": tuple(opt["disable"])}
+    made: dict[str, Any] = {"keep_io_types": bool(opt["keep_io_types"]), "keep_fp32": tuple(opt["keep_fp32"]),
+                            "disable_passes": tuple(opt["disable"])}
     default = BuildConfig()
     for name, value in made.items():
         asked = getattr(config, name)

@@ -36,7 +36,7 @@ from trtinfer.runtime.generator import (
     run_logits_processor,
 )
 from trtinfer.runtime.probes import log_softmax
-from trtinfer.runtime.request import Request
+from trtinfer.runtime.request import Finished, Request
 from trtinfer.runtime.sampling import apply_processors, top_ids
 
 _NEG = -1.0e9  # transformers' "impossible" score: added, never compared for equality
@@ -107,7 +107,7 @@ class BeamSearch:
         reqs: list[Request] = []
         try:  # one request: the prompts face the queue limit, an admitted search's later steps do not
             reqs = self.sched.submit_all([(seq, self._one) for seq in seqs], queue_limit=not continuations,
-                                         text=False, keep_logits=True,
+                                         text=False, keep_logits=True, internal=True,
                                          **({"min_reuse": 1, "decode_tail": True} if continuations else {}))
             if self.drive:
                 while not all(r.done for r in reqs):
@@ -128,7 +128,24 @@ class BeamSearch:
         states = [_Prompt(p, nb, min(cfg.max_new_tokens, self.max_seq_len - len(p))) for p in prompts]
         timings = [Timings(prompt_tokens=len(p), batch_size=len(prompts) * nb) for p in prompts]
         keep_k = max(2, 1 + len(self.eos)) * nb  # candidates kept per prompt (transformers' beams_to_keep)
-        t0 = time.perf_counter()
+        t0 = t_submit = time.perf_counter()
+        step_ends: list[list[float]] = [[] for _ in prompts]  # per prompt: when each of its steps ended
+        try:
+            out = self._steps(prompts, states, timings, keep_k, t0, step_ends)
+        except BaseException:  # its step requests are internal: the search is the request the scheduler counts
+            for p, ends in zip(prompts, step_ends):
+                now = time.perf_counter()
+                self.sched.report(Finished("error", len(p), t_submit, ends[0] if ends else None, tuple(ends), now))
+            raise
+        for p, st, ends in zip(prompts, states, step_ends):
+            reason = self._reason(st, st.finished[0]) if st.finished else "length"  # its best beam's
+            self.sched.report(Finished(reason, len(p), t_submit, ends[0] if ends else None, tuple(ends),
+                                       ends[-1] if ends else time.perf_counter()))
+        return out
+
+    def _steps(self, prompts: list[list[int]], states: list[_Prompt], timings: list[Timings], keep_k: int,
+               t0: float, step_ends: list[list[float]]) -> list[GenerationResult]:
+        cfg, nb = self.cfg, self.cfg.num_beams
         logits = np.repeat(self._logits(prompts, continuations=False), nb, axis=0)  # every beam starts as its prompt
         active = list(range(len(prompts)))  # prompts whose beams run, in order
         step = 0
@@ -143,9 +160,11 @@ class BeamSearch:
                 src = self._step(states[i], scores[slot * nb:(slot + 1) * nb], step, keep_k, cancelled)
                 if not states[i].done:
                     parents.extend((i, b) for b in src)
-            elapsed = (time.perf_counter() - t0) * 1000.0
+            now = time.perf_counter()
+            elapsed = (now - t0) * 1000.0
             for i in active:
                 timings[i].add_step(step, elapsed)
+                step_ends[i].append(now)
             step += 1
             active = [i for i in active if not states[i].done]
             if not active:
@@ -203,11 +222,14 @@ class BeamSearch:
         st.done = not st.improvable or all_full or bool(ends.all())
         return [int(beam[j]) for j in nxt]
 
+    def _reason(self, st: _Prompt, tokens: list[int]) -> str:
+        return "stop" if tokens and tokens[-1] in self.eos else ("cancelled" if st.cancelled else "length")
+
     def _results(self, st: _Prompt, timings: Timings) -> list[GenerationResult]:
         out = []
         for tokens, score in list(zip(st.finished, st.finished_scores))[:self.cfg.num_return_sequences]:
             ended = bool(tokens) and tokens[-1] in self.eos
-            reason = "stop" if ended else ("cancelled" if st.cancelled else "length")
+            reason = self._reason(st, tokens)
             out.append(GenerationResult(list(tokens), self.tok.decode(tokens), reason, list(st.ids), timings,
                                         tokens[-1] if ended else None, score=float(score)))
         return out

@@ -61,6 +61,20 @@ def wake_once() -> Iterator[None]:
             waker.schedule()
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A request that ended finished or cancelled, as metrics count it (the scheduler's ``on_finish`` hook): its
+    finish reason, prompt length and timestamps (``time.perf_counter()``). A request served as several internal ones
+    (beam search's steps) is reported once, by what drives them (:meth:`Scheduler.report`)."""
+
+    reason: str
+    prompt_tokens: int
+    t_submit: float
+    t_first_token: float | None
+    token_times: tuple[float, ...]
+    t_end: float
+
+
 class _LoopWaker:
     """Wakes an event loop's streams from other threads: the streams with news are collected and ONE
     ``call_soon_threadsafe`` sets them all (at once, or at the end of the pushing thread's :func:`wake_once`)."""
@@ -147,6 +161,8 @@ class Request:
         self.drafted = self.accepted = 0  # draft tokens proposed / kept
         self.matcher = matcher  # the response_format's grammar state (structured outputs)
         self.logits_processor = logits_processor  # the user's hook, run on this request's logits
+        #: a part of a larger request (a beam search step): not counted, nor reported to ``on_finish``, by itself
+        self.internal = False
         #: with ``keep_logits``, the raw logits ``[V]`` the last token was chosen from (beam search reads them)
         self.keep_logits = keep_logits
         self.min_reuse = MIN_REUSE  # the shortest cached prefix this request takes (the scheduler sets it)

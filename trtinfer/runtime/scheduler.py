@@ -54,7 +54,7 @@ from trtinfer.runtime.generator import (
 from trtinfer.runtime.prefill_plan import chunk_size, fresh_runs, head, tail_due
 from trtinfer.runtime.prefix_cache import MIN_REUSE, common_prefix
 from trtinfer.runtime.proposers import AssistantProposer, NgramProposer, Proposer, check_assistant
-from trtinfer.runtime.request import Event, Request
+from trtinfer.runtime.request import Event, Finished, Request
 from trtinfer.runtime.slots import SlotCache
 from trtinfer.runtime.tokenizer import IncrementalDecoder
 
@@ -79,14 +79,15 @@ class Scheduler(Emission):
     for SmolLM2-135M at 8 x 2048); up to ``max_queue`` more wait for a slot. A request needs prompt +
     ``max_new_tokens`` <= ``max_model_len``.
 
-    ``on_finish(request, last_event)`` runs on the stepping thread for every request that ends finished or cancelled
-    (not one that fails), before ``requests_finished`` counts it and before its reader sees the last event: what
-    it records is in place once the count or the answer is.
+    ``on_finish(finished)`` (a :class:`~trtinfer.runtime.request.Finished`) runs on the stepping thread for every
+    request that ends finished or cancelled (not one that fails, nor an ``internal`` one: a request served as several,
+    beam search's, is reported once through :meth:`report`), before ``requests_finished`` counts it and before its
+    reader sees the last event: what it records is in place once the count or the answer is.
     """
 
     def __init__(self, engine: Any, max_queue: int = 64, prefill_chunk: int = 256,
                  max_slots: int | None = None, max_model_len: int | None = None,
-                 on_finish: Callable[[Request, Event], None] | None = None, prefix_caching: bool = True,
+                 on_finish: Callable[[Finished], None] | None = None, prefix_caching: bool = True,
                  kv_capacity: int | None = None, reserve: bool = True) -> None:
         limit = int(engine.manifest.max_batch_size)
         slots = limit if max_slots is None else max_slots
@@ -204,7 +205,7 @@ class Scheduler(Emission):
     def submit(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None = None, *, clip: bool = False,
                seed: np.random.SeedSequence | None = None, logits_processor: LogitsProcessor | None = None,
                assistant: Any = None, text: bool = True, keep_logits: bool = False,
-               min_reuse: int = MIN_REUSE, decode_tail: bool = False) -> Request:
+               min_reuse: int = MIN_REUSE, decode_tail: bool = False, internal: bool = False) -> Request:
         """Queue a prompt (token ids) with its settings (default: the engine's generation defaults).
 
         Raises InputError for a prompt that does not fit (prompt + ``max_new_tokens`` over the model length, unless
@@ -220,10 +221,11 @@ class Scheduler(Emission):
         continuations reuse any); ``decode_tail``: the prompt's last token may follow a reused prefix alone, fed in
         the step's decode call (beam search's continuations: one call a step). Otherwise a prompt's last token is
         always prefilled with at least one token before it (:mod:`~trtinfer.runtime.prefill_plan` says why).
+        ``internal``: a part of a larger request (beam search's steps), not counted by itself (:meth:`report`).
         """
         return self._enqueue([self._request(prompt_ids, cfg, clip=clip, seed=seed, logits_processor=logits_processor,
                                             assistant=assistant, text=text, keep_logits=keep_logits,
-                                            min_reuse=min_reuse, decode_tail=decode_tail)])[0]
+                                            min_reuse=min_reuse, decode_tail=decode_tail, internal=internal)])[0]
 
     def submit_all(self, items: Sequence[tuple[Sequence[int], GenerationConfig | None]], *,
                    queue_limit: bool = True, **options: Any) -> list[Request]:
@@ -239,7 +241,7 @@ class Scheduler(Emission):
     def _request(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None, *, clip: bool = False,
                  seed: np.random.SeedSequence | None = None, logits_processor: LogitsProcessor | None = None,
                  assistant: Any = None, text: bool = True, keep_logits: bool = False,
-                 min_reuse: int = MIN_REUSE, decode_tail: bool = False) -> Request:
+                 min_reuse: int = MIN_REUSE, decode_tail: bool = False, internal: bool = False) -> Request:
         """A checked request, not queued yet (its id is set when it queues)."""
         cfg = self.engine.generation_defaults if cfg is None else cfg
         if not isinstance(cfg, GenerationConfig):
@@ -274,7 +276,7 @@ class Scheduler(Emission):
             if assistant is not None else NgramProposer(cfg) if cfg.prompt_lookup_num_tokens is not None else None)
         req = Request(-1, ids, cfg, eos, decoder, matcher, seed=seed, proposer=proposer,
                       logits_processor=logits_processor, keep_logits=keep_logits)
-        req.min_reuse, req.decode_tail = min_reuse, decode_tail
+        req.min_reuse, req.decode_tail, req.internal = min_reuse, decode_tail, internal
         return req
 
     def _enqueue(self, reqs: list[Request], queue_limit: bool = True) -> list[Request]:
@@ -386,7 +388,7 @@ class Scheduler(Emission):
         with self._cond:
             self._prefix_queries += len(req.prompt_ids)
             self._prefix_hits += n
-            self._prompt_tokens += n  # counted as vLLM does: every prompt token, reused or prefilled
+            self._prompt_tokens += 0 if req.internal else n  # as vLLM counts: every prompt token, reused or not
         return slot
 
     def _prefill(self) -> None:
@@ -441,7 +443,7 @@ class Scheduler(Emission):
         """``n`` more prompt tokens of ``req`` are in its row; True at the prompt's end (its first token is due)."""
         req.num_computed += n
         with self._cond:
-            self._prompt_tokens += n
+            self._prompt_tokens += 0 if req.internal else n
         if req.num_computed < len(req.prompt_ids):
             return False
         req._batch_size = sum(r is not None for r in self._slots)
@@ -495,14 +497,26 @@ class Scheduler(Emission):
         with self._cond:
             self._finished[reason] = self._finished.get(reason, 0) + 1
 
-    def _finish(self, req: Request, finish: str, stop: str | int | None, last: Event) -> None:
-        self._release(req)
+    def report(self, done: Finished) -> None:
+        """Count a request served as several ``internal`` ones (beam search's steps) once, as the scheduler counts
+        its own: its prompt tokens, ``on_finish``, the finish counters. Thread-safe."""
+        with self._cond:
+            self._prompt_tokens += done.prompt_tokens
+        self._report(done)
+
+    def _report(self, done: Finished) -> None:
         if self._on_finish is not None:
             try:
-                self._on_finish(req, last)
+                self._on_finish(done)
             except Exception:  # a hook's bug (metrics) must not fail a request that finished
-                log.exception("on_finish failed for request %s", req.id)
-        self._count(finish)
+                log.exception("on_finish failed for a %s request", done.reason)
+        self._count(done.reason)
+
+    def _finish(self, req: Request, finish: str, stop: str | int | None, last: Event) -> None:
+        self._release(req)
+        if not req.internal:
+            self._report(Finished(finish, len(req.prompt_ids), req.t_submit, req.t_first_token,
+                                 tuple(req.token_times), last.time))
         times = [req.t_admit or req.t_submit, *req.token_times]
         timings = Timings(prompt_tokens=len(req.prompt_ids), batch_size=req._batch_size,
                           prefill_ms=(times[1] - times[0]) * 1000.0 if len(times) > 1 else 0.0,
@@ -518,7 +532,8 @@ class Scheduler(Emission):
         self._release(req)
         err = ServingError(f"request {req.id} {why}")
         err.status, err.__cause__ = status, cause
-        self._count("error")
+        if not req.internal:
+            self._count("error")
         req._push(None, error=err)
 
     def _error(self, req: Request, e: Exception) -> None:

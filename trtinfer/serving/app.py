@@ -35,8 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trtinfer.errors import InputError, QueueFullError, TrtInferError
 from trtinfer.runtime.engine import Engine
-from trtinfer.runtime.request import Event
-from trtinfer.runtime.request import Request as Submitted
+from trtinfer.runtime.request import Finished
 from trtinfer.runtime.scheduler import Scheduler
 from trtinfer.runtime.tokenizer import load_chat_template
 from trtinfer.serving import protocol as P
@@ -84,7 +83,7 @@ class Service:
         self.error: BaseException | None = None
         self.created = P.now()
         self.on_failure: list[Callable[[BaseException], None]] = []
-        self.on_finish: list[Callable[[Submitted, Event], None]] = []
+        self.on_finish: list[Callable[[Finished], None]] = []
         self.chat_template: str | None = None
         self._closing = False
         self._lock = threading.Lock()
@@ -152,9 +151,9 @@ class Service:
         if engine is not None and self._owns_engine:
             engine.close()
 
-    def _finished(self, req: Submitted, last: Event) -> None:
+    def _finished(self, done: Finished) -> None:
         for fn in self.on_finish:
-            fn(req, last)
+            fn(done)
 
     def stats(self) -> dict[str, Any] | None:
         """The scheduler's stats, or None while loading."""
@@ -273,8 +272,8 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
     config = config or ServeConfig()
     service = Service(engine, config)
     metrics = ServerMetrics(service.model_name, service.stats)
-    service.on_finish.append(lambda req, last: metrics.finished(req.t_submit, req.t_first_token, req.token_times,
-                                                                last.time))
+    service.on_finish.append(lambda done: metrics.finished(done.t_submit, done.t_first_token, done.token_times,
+                                                           done.t_end))
     handler = Handler(service)
 
     @asynccontextmanager
@@ -309,8 +308,10 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
     @app.exception_handler(TrtInferError)
     async def refused(_: Request, exc: TrtInferError) -> JSONResponse:
         status, message = status_of(exc)
-        if status >= 500:
+        if status == 500:  # a bug: its traceback goes to the log
             log.error("request failed: %s", exc, exc_info=exc)
+        elif status > 500:  # the server stopping or overloaded
+            log.warning("request failed: %s", exc)
         return _error(status, message, getattr(exc, "param", None) or getattr(exc, "field", None),
                       getattr(exc, "code", None),
                       {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFullError) else None)

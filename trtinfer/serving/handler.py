@@ -295,8 +295,9 @@ class Handler:
                 yield sse([], last=True)
         except Exception as e:  # the stream has begun: the error goes as an event, then the end
             status, message = status_of(e)
-            log.log(logging.ERROR if status >= 500 else logging.INFO, "stream failed: %s", e,
-                    exc_info=status >= 500)
+            # a 500 is a bug: its traceback goes to the log; a 503 (the server stopping) is said in one line
+            log.log(logging.ERROR if status == 500 else logging.WARNING if status > 500 else logging.INFO,
+                    "stream failed: %s", e, exc_info=status == 500)
             yield f"data: {json.dumps(P.error_body(status, message))}\n\n"
         yield "data: [DONE]\n\n"
 
