@@ -363,7 +363,7 @@ def test_a_closed_engine_refuses_work_and_frees_its_session(tiny_engine):
     (lambda e: e.perplexity(input_ids=[[1, 2, 3]]), "must hold integer token ids"),
     (lambda e: e.perplexity(input_ids=[1, 2, 3], max_tokens=2.5), "max_tokens must be at least 2"),
     (lambda e: e.perplexity(input_ids=[1, 2, 3, 4], window=3.5), "window must be a whole number of tokens"),
-    (lambda e: e.context(capacity=0), "capacity must be between 2"),  # not silently the default
+    (lambda e: e.context(capacity=0), "capacity must be an integer between 2"),  # not silently the default
     (lambda e: e.generate([""], num_beams=2), "prompt 0 is empty"),  # not the scheduler's internals
     (lambda e: e.generate(input_ids=[[5, 6]], num_return_sequences=3, do_sample=True),
      "3 rows .prompts x num_return_sequences. exceed the engine's max batch size 2"),
@@ -414,3 +414,74 @@ def test_a_processor_returning_no_choosable_token_is_refused(small_engine, edit,
         forced = eng.generate(input_ids=[[5, 6, 7]], max_new_tokens=2, do_sample=False,  # +inf forces a token
                               logits_processor=lambda ids, x: np.where(np.arange(x.shape[-1]) == 9, np.inf, x))
         assert forced[0].token_ids == [9, 9]
+
+
+# --- found by a review of the Python API ----------------------------------------------------------------------
+def test_a_bad_probe_is_refused_before_the_pass_runs(small_engine):
+    """Logprob(9999) was checked after the pass ran: the context had taken the tokens and the pass was spent."""
+    from trtinfer.runtime.probes import Distribution, Logprob, Logprobs
+
+    with trtinfer.load(small_engine) as eng:
+        ctx = eng.context()
+        ctx.forward().input([5, 6, 7]).execute()
+        f = ctx.forward().input([8, 9])
+        for bad in (Logprob(9999), Logprobs([3, -1])):
+            with pytest.raises(InputError, match="outside the vocabulary"):
+                f.probe(-1, bad)
+        assert ctx.tokens == [5, 6, 7]
+        h = f.probe(-1, Logprob(9))
+        assert isinstance(f.execute().logprobs(h), float) and ctx.tokens == [5, 6, 7, 8, 9]
+        for t, k in (("x", 5), (1e-40, 5), (1.0, 2.5)):
+            with pytest.raises(InputError, match="Distribution needs a finite temperature"):
+                Distribution(temperature=t, k=k)
+        assert Distribution(k=np.int64(5)).k == 5
+
+
+def test_numbers_of_any_integer_type_and_wrong_types_say_so(small_engine):
+    with trtinfer.load(small_engine) as eng:
+        for bad in ("8", 8.0, 1, 99):
+            with pytest.raises(InputError, match="capacity must be an integer between 2"):
+                eng.context(capacity=bad)
+            with pytest.raises(InputError, match="capacity must be an integer between 2"):
+                eng.contexts(2, capacity=bad)
+        assert eng.context(capacity=np.int64(8)).capacity == 8
+        assert len(eng.contexts(np.int64(2))) == 2
+        ids = list(range(5, 15))
+        assert eng.perplexity(input_ids=ids, max_tokens=np.int64(5)).perplexity == \
+            eng.perplexity(input_ids=ids, max_tokens=5).perplexity
+        # an extreme length penalty: scores divided by inf, not an OverflowError
+        assert eng.generate(input_ids=[ids[:3]], num_beams=2, max_new_tokens=3, length_penalty=1e300)
+
+
+def test_a_tiny_temperature_samples_greedily(small_engine):
+    """float32 logits / 1e-40 overflowed: the draw fell on the last id (or EOS) whatever the seed."""
+    with trtinfer.load(small_engine) as eng:
+        greedy = eng.generate(input_ids=[[5, 6, 7]], max_new_tokens=6, ignore_eos=True)[0].token_ids
+        for t in (1e-40, 1e-300, 1e-6):
+            for seed in (0, 1):
+                got = eng.generate(input_ids=[[5, 6, 7]], max_new_tokens=6, ignore_eos=True, do_sample=True,
+                                   temperature=t, top_k=0, seed=seed)[0].token_ids
+                assert got == greedy, (t, seed)
+
+
+def test_beams_on_a_sampling_engine_check_their_type(small_engine, tmp_path):
+    """On an engine whose generation_config.json samples (Gemma-3, Llama-3, Qwen ship do_sample true), num_beams="x"
+    was a raw ValueError (int("x")) instead of the ConfigError other engines give."""
+    eng_dir = shutil.copytree(small_engine, tmp_path / "sampling")
+    cfg = json.loads((eng_dir / "generation_config.json").read_text()) \
+        if (eng_dir / "generation_config.json").is_file() else {}
+    (eng_dir / "generation_config.json").write_text(json.dumps({**cfg, "do_sample": True, "temperature": 0.7}))
+    with trtinfer.load(eng_dir) as eng:
+        assert eng.generation_defaults.do_sample
+        for bad in ("x", None, 2.5):
+            with pytest.raises(ConfigError, match="num_beams"):
+                eng.generate(input_ids=[[5, 6]], num_beams=bad)
+
+
+def test_a_grammar_with_settings_that_ban_all_it_allows_is_one_line(small_engine):
+    pytest.importorskip("llguidance")
+    with trtinfer.load(small_engine) as eng:
+        fmt = {"type": "choice", "choice": ["yes yes", "no no"]}
+        with pytest.raises(InputError) as e:
+            eng.generate(input_ids=[[5, 6]], response_format=fmt, no_repeat_ngram_size=1, max_new_tokens=8)
+    assert "no token the response_format allows is left" in str(e.value) and "\n" not in str(e.value)

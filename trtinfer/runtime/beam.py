@@ -63,6 +63,12 @@ class _Prompt:
         self.is_finished = np.zeros(nb, bool)
 
 
+def _length_factor(length: int, penalty: float) -> np.float32:
+    """``length ** penalty`` as float32 (inf, not an OverflowError, for an extreme penalty such as 1e300)."""
+    with np.errstate(over="ignore"):
+        return np.float32(np.power(np.float64(length), penalty))
+
+
 class BeamSearch:
     """Beam search for a batch of prompts over ``scheduler``; :meth:`run` returns ``num_return_sequences`` results per
     prompt.
@@ -200,7 +206,7 @@ class BeamSearch:
         nxt = np.argsort(-go_on, kind="stable")[:nb]
         # the finished set takes the ended candidates among the top num_beams, if they beat what it holds
         just_ended = ends & (np.arange(keep_k) < nb)
-        final = top_scores / np.float32(gen_len ** lp)
+        final = top_scores / _length_factor(gen_len, lp)
         if self.cfg.early_stopping is True and st.is_finished.all():
             final = final + np.float32(_NEG)
         if not st.improvable:
@@ -215,7 +221,7 @@ class BeamSearch:
         st.cancelled = st.cancelled or cancelled
         # transformers' stopping rules, at the new length
         best_len = st.limit if self.cfg.early_stopping == "never" and lp > 0.0 else gen_len
-        best_running = st.running_scores[0] / np.float32(best_len ** lp)
+        best_running = st.running_scores[0] / _length_factor(best_len, lp)
         worst = np.where(st.is_finished, st.finished_scores.min(), np.float32(_NEG))
         st.improvable = st.improvable and bool((best_running > worst).any())
         all_full = bool(st.is_finished.all()) and self.cfg.early_stopping is True

@@ -20,18 +20,22 @@ def describe(value: Any) -> str:
     return f"{text[:60]}... ({type(value).__name__})" if len(text) > 60 else f"{text} ({type(value).__name__})"
 
 
+#: temperatures below this sample greedily (vLLM's rule; the server's temperature 0 is greedy too)
+GREEDY_BELOW = 1e-5
+
+
 def is_int(value: Any) -> bool:
     # numbers.Integral takes numpy ints too; True is an int to Python, not to a user
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_types(obj: Any, kinds: dict[str, str]) -> None:
     """Raise ConfigError for the first field of ``obj`` whose value is not of its kind (int, number or bool)."""
-    tests = {"int": (is_int, "an integer"), "number": (_is_number, "a finite number"),
+    tests = {"int": (is_int, "an integer"), "number": (is_number, "a finite number"),
              "bool": (lambda v: isinstance(v, bool), "True or False")}
     for name, kind in kinds.items():
         ok, expected = tests[kind]
@@ -104,6 +108,8 @@ class GenerationConfig:
     ``logprobs=True`` (OpenAI's): each result carries, per generated token, its log-probability under the model (the
     raw distribution, before any processor) and, with ``top_logprobs=k``, the ``k`` most likely alternatives.
     ``max_time`` (transformers'): seconds after which every row ends (``finish_reason`` ``"length"``).
+    Sampling at a temperature below :data:`GREEDY_BELOW` (1e-5, vLLM's) decodes greedily (dividing float32 logits
+    by 1e-40 overflows).
     ``stop`` and ``eos_token_ids`` accept any list (a single string for ``stop``) and are stored as tuples.
 
     Beam search (transformers' names and rules): ``num_beams > 1`` keeps that many hypotheses per prompt, scored by
@@ -180,7 +186,7 @@ class GenerationConfig:
                               field="early_stopping")
         for name, valid, expected in (
                 ("prompt_lookup_num_tokens", lambda v: is_int(v) and v >= 1, "a positive integer"),
-                ("max_time", lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
+                ("max_time", lambda v: is_number(v) and v > 0, "a positive number of seconds"),
                 ("seed", lambda v: is_int(v) and v >= 0, "a non-negative integer")):
             value = getattr(self, name)
             if value is not None and not valid(value):

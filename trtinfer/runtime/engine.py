@@ -11,8 +11,8 @@ import numpy as np
 
 from trtinfer.artifact import Manifest, read_manifest
 from trtinfer.errors import EngineLoadError, InputError
-from trtinfer.runtime.config import GenerationConfig, RuntimeConfig
-from trtinfer.runtime.forward import Context, Forward, Group, Output
+from trtinfer.runtime.config import GenerationConfig, RuntimeConfig, is_int
+from trtinfer.runtime.forward import Context, Forward, Group, Output, check_capacity
 from trtinfer.runtime.forward import execute as execute_passes
 from trtinfer.runtime.gen_defaults import read_generation_defaults_and_keys
 from trtinfer.runtime.generator import GenerationResult, StreamEvent, token_ids, warn_length_budget
@@ -107,7 +107,7 @@ class Engine:
         # GenerationConfig checks and normalizes them
         base = config if config is not None else self.generation_defaults
         if (config is None and base.do_sample and "do_sample" not in kwargs
-                and int(kwargs.get("num_beams", base.num_beams)) > 1):
+                and is_int(beams := kwargs.get("num_beams", base.num_beams)) and beams > 1):  # else a ConfigError below
             # the model's generation_config.json samples by default (Gemma-3, Llama-3, Qwen ship do_sample=true);
             # asking for beams asks for beam search, which does not sample here
             log.info("num_beams > 1: decoding without sampling (the engine's generation_config.json sets "
@@ -207,7 +207,7 @@ class Engine:
         else:
             ids = token_ids(input_ids, "input_ids")
         if max_tokens is not None:
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+            if not is_int(max_tokens) or max_tokens < 2:
                 raise InputError(f"max_tokens must be at least 2 (the first token has no context), got {max_tokens}")
             ids = ids[:max_tokens]
         return windowed_perplexity(self.session, ids, window, stride)
@@ -217,16 +217,18 @@ class Engine:
         (default: the engine's max sequence length; buffer layouts allocate that many KV slots)."""
         self._check_open()
         self.session.check_can_score()  # a context's passes read logits at chosen positions
-        return Context(self.session, self.manifest.max_seq_len if capacity is None else capacity)
+        check_capacity(capacity, self.manifest)
+        return Context(self.session, self.manifest.max_seq_len if capacity is None else int(capacity))
 
     def contexts(self, n: int, capacity: int | None = None) -> list[Context]:
         """``n`` empty sequences whose KV caches are the rows of one batch: :meth:`execute` runs their passes as one
         batched prefill or decode step (see :mod:`trtinfer.runtime.forward`); ``n`` up to the engine's max batch."""
         self._check_open()
-        if not (isinstance(n, int) and 1 <= n <= self.manifest.max_batch_size):
+        if not (is_int(n) and 1 <= n <= self.manifest.max_batch_size):
             raise InputError(f"contexts(n): n must be within 1..{self.manifest.max_batch_size} (the engine's max "
                              f"batch size), got {n!r}")
-        return Group(self.session, n, self.manifest.max_seq_len if capacity is None else capacity).contexts
+        check_capacity(capacity, self.manifest)
+        return Group(self.session, int(n), self.manifest.max_seq_len if capacity is None else int(capacity)).contexts
 
     def execute(self, passes: Sequence[Forward]) -> list[Output]:
         """Run several contexts' passes: one batched step for contexts of one :meth:`contexts` batch that all start

@@ -34,8 +34,18 @@ from typing import Any
 import numpy as np
 
 from trtinfer.errors import InputError
+from trtinfer.runtime.config import is_int
 from trtinfer.runtime.generator import token_ids
-from trtinfer.runtime.probes import Argmax, Distribution, Entropy, Logits, Logprob, Logprobs, Sampler
+from trtinfer.runtime.probes import (
+    Argmax,
+    Distribution,
+    Entropy,
+    Logits,
+    Logprob,
+    Logprobs,
+    Sampler,
+    check_probe_ids,
+)
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.slots import SlotCache
 
@@ -130,6 +140,9 @@ class Forward:
         if not isinstance(probe, (Logits, Distribution, Logprob, Logprobs, Entropy)):
             raise InputError(f"probe() takes Logits, Distribution, Logprob, Logprobs or Entropy, got "
                              f"{type(probe).__name__}")
+        if isinstance(probe, (Logprob, Logprobs)):  # now, not after the pass ran (the context would have moved on)
+            ids = [probe.token_id] if isinstance(probe, Logprob) else list(probe.token_ids)
+            check_probe_ids(ids, int(self.ctx.session.manifest.geometry["vocab_size"]))
         return self._ask(position, probe)
 
     def sample(self, positions: Sequence[int] | int, sampler: Argmax | Sampler) -> list[Handle]:
@@ -210,15 +223,20 @@ def execute(passes: Sequence[Forward]) -> list[Output]:
     return [f.execute() for f in passes]
 
 
+def check_capacity(capacity: Any, manifest: Any) -> None:
+    """InputError unless ``capacity`` is None or an integer 2..max_seq_len."""
+    max_len = manifest.max_seq_len
+    if capacity is not None and not (is_int(capacity) and 2 <= capacity <= max_len):
+        raise InputError(f"capacity must be an integer between 2 and the engine's max sequence length {max_len}, "
+                         f"got {capacity!r}")
+
+
 class Context:
     """One sequence on an engine: its tokens and its KV cache, a row of a slot cache (the engine's own buffers, on its
     device): a cache of its own, or a row of a :class:`Group`'s."""
 
     def __init__(self, session: DecoderSession, capacity: int, group: Group | None = None, slot: int = 0) -> None:
-        max_len = session.manifest.max_seq_len
-        if not 2 <= capacity <= max_len:
-            raise InputError(f"capacity must be between 2 and the engine's max sequence length {max_len}, "
-                             f"got {capacity}")
+        check_capacity(capacity, session.manifest)
         self.session, self.capacity, self.group, self.slot = session, capacity, group, slot
         self.cache = SlotCache(session, 1, capacity, reserve=False) if group is None else group.cache
         self.released = False

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trtinfer.errors import InputError
+from trtinfer.runtime.config import GREEDY_BELOW, is_int, is_number
 
 
 def log_softmax(logits: np.ndarray, dtype: type = np.float64) -> np.ndarray:
@@ -51,8 +52,10 @@ class Distribution:
     kind = "distribution"
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0 or not isinstance(self.k, int) or self.k < 1:
-            raise InputError(f"Distribution needs temperature > 0 and k >= 1, got {self.temperature}, {self.k}")
+        t, k = self.temperature, self.k
+        if not (is_number(t) and GREEDY_BELOW <= t < float("inf") and is_int(k) and k >= 1):  # 1e-40 overflows
+            raise InputError(f"Distribution needs a finite temperature >= {GREEDY_BELOW} and an integer k >= 1, got "
+                             f"{t!r}, {k!r}")
 
     def compute(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         lp = log_softmax(row / self.temperature)
@@ -68,7 +71,7 @@ class Logprob:
     kind = "logprobs"
 
     def compute(self, row: np.ndarray) -> float:
-        _check_ids([self.token_id], row.shape[0])
+        check_probe_ids([self.token_id], row.shape[0])
         return float(log_softmax(row)[self.token_id])
 
 
@@ -81,7 +84,7 @@ class Logprobs:
 
     def compute(self, row: np.ndarray) -> np.ndarray:
         ids = list(self.token_ids)
-        _check_ids(ids, row.shape[0])
+        check_probe_ids(ids, row.shape[0])
         return log_softmax(row)[ids]
 
 
@@ -132,7 +135,8 @@ class Sampler:
         return int(self._rng.choice(probs.shape[0], p=probs))  # type: ignore[attr-defined]
 
 
-def _check_ids(ids: Sequence[int], vocab: int) -> None:
+def check_probe_ids(ids: Sequence[int], vocab: int) -> None:
+    """InputError naming the ids of a Logprob(s) probe that are not token ids of a ``vocab``-token model."""
     bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
     if bad:
         raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.config import GREEDY_BELOW, GenerationConfig
 
 CANDIDATES = 2048  # top-p without top-k: the candidate set a row tries before sorting its whole row
 _NEAR, _NEAR_MAX_WIDTH, _NEAR_MAX_CANDIDATES = 8.0, 256, 8192  # top_ids' first look: logits within 8 of the max
@@ -340,7 +340,7 @@ def select_next(logits: np.ndarray, cfg: GenerationConfig, seen: Sequence[np.nda
     x = apply_processors(logits, cfg, seen, n_generated, eos_ids)
     if hook is not None:
         x = np.asarray(hook(x), dtype=np.float32)
-    if not cfg.do_sample:
+    if not cfg.do_sample or cfg.temperature < GREEDY_BELOW:
         return x.argmax(axis=-1).astype(np.int64)  # type: ignore[no-any-return]
     if cfg.temperature != 1.0:
         x = x / np.float32(cfg.temperature)

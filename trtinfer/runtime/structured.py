@@ -169,8 +169,11 @@ class Matcher:
 
     def consume(self, token: int) -> None:
         """Advance past ``token`` (one the mask allowed)."""
-        if not self._m.consume_token(int(token)):
-            raise InputError(f"token {token} is outside the grammar ({self._m.get_error()})")
+        if not self._m.consume_token(int(token)):  # the mask allowed some, so other settings banned all of those
+            said = (self._m.get_error() or "").strip().splitlines()
+            raise InputError(f"no token the response_format allows is left once the other settings filter them "
+                             "(no_repeat_ngram_size, min_new_tokens, bad words, a logits processor): loosen one "
+                             f"of them (token {token} chosen; {said[0][:160] if said else 'grammar error'})")
 
     @property
     def done(self) -> bool:

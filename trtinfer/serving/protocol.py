@@ -19,14 +19,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from trtinfer.errors import ConfigError, ServingError
-from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.config import GREEDY_BELOW, GenerationConfig
 from trtinfer.runtime.generator import TokenLogprob
 
-#: below this a temperature means greedy decoding (vLLM's _SAMPLING_EPS)
-GREEDY_BELOW = 1e-5
-#: GenerationConfig field -> the request parameter that sets it, for error messages
 #: the most sequences (prompts x n) one request may queue (OpenAI caps a batch of inputs at 2048)
 MAX_SEQUENCES = 2048
+#: GenerationConfig field -> the request parameter that sets it, for error messages
 PARAM_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
 #: HTTP status -> OpenAI error type (any other: invalid_request_error, as 405 and 413 are)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
