@@ -984,3 +984,23 @@ def test_requests_running_past_the_grace_period_end_cleanly_at_a_stop(engine_dir
     lines = results["stream"]
     assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
     assert "Cancel" not in rest and "Traceback" not in rest
+
+
+@pytest.mark.parametrize(("where", "key", "words"), [
+    ("flag", "abc ", "--api-key must be printable ASCII without spaces"),
+    ("flag", "clé", "--api-key must be printable ASCII"),
+    ("env", " abc", "$TRTINFER_API_KEY must be printable ASCII"),
+])
+def test_cli_serve_refuses_a_key_clients_cannot_send(engine_dir, where, key, words):
+    """A key with edge spaces (a keyfile's newline, a paste) or non-ASCII was accepted, but httpx/openai refuse to
+    send such a header; a bad $TRTINFER_API_KEY was reported as --api-key, a flag never given."""
+    args = [sys.executable, "-m", "trtinfer.cli", "serve", str(engine_dir), "--port", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "TRTINFER_API_KEY"}
+    if where == "flag":
+        args += ["--api-key", key]
+    else:
+        env["TRTINFER_API_KEY"] = key
+    r = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], r.stderr

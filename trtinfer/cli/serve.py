@@ -43,7 +43,8 @@ def add_parser(sub: Any) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV})")
     p.add_argument("--model-name", default=None, help="the model's name in the API (default: the engine folder's)")
     p.add_argument("--max-queue", type=int, default=None,
-                   help="requests waiting for a batch slot before new ones get 429 (default 64)")
+                   help="sequences (prompts x n) waiting for a batch slot before new requests get 429; a request "
+                        "is refused or queued whole, so an idle server takes one of any size (default 64)")
     p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 1 MiB)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens a step may prefill (default 256; in one call while requests decode)")
@@ -86,6 +87,12 @@ def config_from_args(args: argparse.Namespace) -> Any:
     chosen = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in SERVE_FLAGS.items()}
     chosen = {k: v for k, v in chosen.items() if v is not None}
     if "api_key" not in chosen and os.environ.get(API_KEY_ENV):
+        from trtinfer.errors import ConfigError
+
+        try:  # said under the variable that set it, not under a flag that was not given
+            ServeConfig(api_key=os.environ[API_KEY_ENV])
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("api_key", f"${API_KEY_ENV}", 1)) from None
         chosen["api_key"] = os.environ[API_KEY_ENV]
     return config_from_flags(ServeConfig, SERVE_FLAGS, **chosen)
 

@@ -69,6 +69,11 @@ class ServeConfig:
             if value is not None and not (isinstance(value, str) and value.strip() and value.isprintable()):
                 raise ConfigError(f"{name} must be a non-empty printable string or None, got {describe(value)}",
                                   field=name)
+        key = self.api_key
+        if key is not None and not (key.isascii() and " " not in key and key == key.strip()):
+            # HTTP clients (httpx, so openai's) refuse to send a header with edge whitespace or non-ASCII bytes
+            raise ConfigError("api_key must be printable ASCII without spaces (clients cannot send others in an "
+                              "Authorization header); check for a trailing newline or space", field="api_key")
         if self.provider not in PROVIDERS:
             raise ConfigError(f"provider must be one of {PROVIDERS}, got {describe(self.provider)}", field="provider")
 
