@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         load_chat_template(config.chat_template)
     if manifest.kind != "decoder":
         raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
+    config.slots_for(manifest.max_batch_size)  # --max-slots / --max-model-len past the engine's: before any port opens
+    config.model_len_for(manifest.max_seq_len)
     if ray_config is not None:  # the same create_app in every Ray replica
         from trtinfer.serving.ray_app import serve_ray
 
