@@ -770,25 +770,30 @@ def test_failed_load_is_reported(tmp_path, monkeypatch):
 # the CLI verb
 
 
+def served_url(proc: subprocess.Popen[str]) -> str:
+    """The base URL a `trtinfer serve` process prints on its first stderr line, once /health answers 200."""
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+    assert m, line
+    url = f"http://127.0.0.1:{m.group(1)}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return url
+        except httpx.ConnectError:
+            pass
+        assert time.monotonic() < deadline, "the server did not become ready in 60 s"
+        time.sleep(0.05)
+
+
 def test_cli_serve(engine_dir):
     env = {**os.environ, "TRTINFER_API_KEY": KEY}
     proc = subprocess.Popen([sys.executable, "-m", "trtinfer.cli", "serve", str(engine_dir), "--port", "0",
                              "--model-name", MODEL], stderr=subprocess.PIPE, text=True, env=env)
     try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-        assert m, line
-        url = f"http://127.0.0.1:{m.group(1)}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        url = served_url(proc)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=3).object == "text_completion"
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the key came from $TRTINFER_API_KEY
@@ -945,19 +950,7 @@ def test_requests_running_past_the_grace_period_end_cleanly_at_a_stop(engine_dir
                             env={**os.environ, "PYTHONPATH": os.getcwd()})
     results: dict[str, Any] = {}
     try:
-        assert proc.stderr is not None
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stderr.readline())
-        assert m
-        url = f"http://127.0.0.1:{m.group(1)}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        url = served_url(proc)
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
 
         def whole() -> None:

@@ -352,17 +352,22 @@ def _stand_in_pb_utils() -> types.ModuleType:
     return mod
 
 
-def test_model_py_in_harness(decoder: Path, engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _model_py(decoder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, Any]) -> Any:
+    """model.py of a repository written for ``decoder``, imported beside the stand-in utils and initialized."""
     model_dir = write_repository(decoder, tmp_path / "repo", TritonConfig(model_name="tiny"))
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in_pb_utils())
-    spec = importlib.util.spec_from_file_location("tiny_triton_model", model_dir / "1" / "model.py")
+    spec = importlib.util.spec_from_file_location(f"tiny_triton_model_{tmp_path.name}", model_dir / "1" / "model.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     model = module.TritonPythonModel()
-    config_json = json.dumps({"parameters": {"provider": {"string_value": "cpu"}}})
-    model.initialize({"model_config": config_json, "model_repository": str(model_dir), "model_version": "1",
+    model.initialize({"model_config": json.dumps(config), "model_repository": str(model_dir), "model_version": "1",
                       "model_instance_device_id": "0"})
+    return model
+
+
+def test_model_py_in_harness(decoder: Path, engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model_py(decoder, tmp_path, monkeypatch, {"parameters": {"provider": {"string_value": "cpu"}}})
     ok = _StandInRequest({"text_input": _s(PROMPT), "max_tokens": np.array([10], np.int32)})
     bad = _StandInRequest({"text_input": _s(PROMPT), "top_p": np.array([2.0], np.float32)})
     assert model.execute([ok, bad]) is None  # decoupled: everything goes through the senders
@@ -406,14 +411,7 @@ class _LeavingSender(_StandInSender):
 def test_model_py_stops_a_cancelled_request(decoder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             stream: bool) -> None:
     """A request whose client left kept decoding to max_tokens in one of the instance's slots."""
-    model_dir = write_repository(decoder, tmp_path / "repo", TritonConfig(model_name="tiny"))
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in_pb_utils())
-    spec = importlib.util.spec_from_file_location("tiny_triton_model_cancel", model_dir / "1" / "model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    model = module.TritonPythonModel()
-    model.initialize({"model_config": "{}", "model_repository": str(model_dir), "model_version": "1"})
+    model = _model_py(decoder, tmp_path, monkeypatch, {})
     req = _StandInRequest({"text_input": _s(PROMPT), "max_tokens": np.array([200], np.int32),
                            "sampling_parameters": _s('{"ignore_eos": true}'), "stream": np.array([stream])})
     req.sender = _LeavingSender(after=2 if stream else 0)
