@@ -25,7 +25,7 @@ from trtinfer.errors import OutputError, OutputExistsError
 log = logging.getLogger(__name__)
 
 #: a temp (``.tmp-``) or set-aside (``.old-``) directory of atomic_dir, whatever the final name
-TEMP_RE = re.compile(r"^\..+\.(tmp|old)-[^/]+$")
+TEMP_RE = re.compile(r"^\.(.+?)\.(?:tmp|old)-[^/]+$")  # group 1: the final name
 _NO_SPACE = "No space left on device"
 _MAPPED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _CHANGE_OUTPUT = "choose another -o"
@@ -103,12 +103,9 @@ def _locked_temp_dir(parent: Path, name: str) -> tuple[Path, int]:
     raise OSError(errno.EAGAIN, "could not create a temp dir that stays", str(parent))
 
 
-_TEMP_PARTS = re.compile(r"^\.(.+?)\.(?:tmp|old)-")
-
-
 def final_name(path: Path) -> str:
     """The name directory ``path`` has when done: NAME for :func:`atomic_dir`'s ``.NAME.tmp-PID-RANDOM``."""
-    m = _TEMP_PARTS.match(path.name)
+    m = TEMP_RE.match(path.name)
     return m.group(1) if m else path.name
 
 

@@ -234,8 +234,7 @@ class BeamSearch:
     def _results(self, st: _Prompt, timings: Timings) -> list[GenerationResult]:
         out = []
         for tokens, score in list(zip(st.finished, st.finished_scores))[:self.cfg.num_return_sequences]:
-            ended = bool(tokens) and tokens[-1] in self.eos
             reason = self._reason(st, tokens)
             out.append(GenerationResult(list(tokens), self.tok.decode(tokens), reason, list(st.ids), timings,
-                                        tokens[-1] if ended else None, score=float(score)))
+                                        tokens[-1] if reason == "stop" else None, score=float(score)))
         return out

@@ -40,7 +40,7 @@ from trtinfer.runtime.scheduler import Scheduler
 from trtinfer.runtime.tokenizer import load_chat_template
 from trtinfer.serving import protocol as P
 from trtinfer.serving.config import ServeConfig
-from trtinfer.serving.handler import Handler, status_of
+from trtinfer.serving.handler import Handler, log_failure, status_of
 from trtinfer.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -308,10 +308,8 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
     @app.exception_handler(TrtInferError)
     async def refused(_: Request, exc: TrtInferError) -> JSONResponse:
         status, message = status_of(exc)
-        if status == 500:  # a bug: its traceback goes to the log
-            log.error("request failed: %s", exc, exc_info=exc)
-        elif status > 500:  # the server stopping or overloaded
-            log.warning("request failed: %s", exc)
+        if status >= 500:
+            log_failure("request", status, exc)
         return _error(status, message, getattr(exc, "param", None) or getattr(exc, "field", None),
                       getattr(exc, "code", None),
                       {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFullError) else None)

@@ -97,6 +97,13 @@ async def _first_or_gone(work: asyncio.Future[Any], request: Request, stop: Call
     return not work.done()
 
 
+def log_failure(what: str, status: int, exc: BaseException) -> None:
+    """Log a request that failed with HTTP ``status``: a 500 is a bug, an error with its traceback; above it (the
+    server stopping or overloaded) a warning line; below it (the client's) an info line."""
+    level = logging.ERROR if status == 500 else logging.WARNING if status > 500 else logging.INFO
+    log.log(level, "%s failed: %s", what, exc, exc_info=exc if status == 500 else None)
+
+
 class _EventStream(StreamingResponse):
     """Server-sent events that cancel their requests however the response ends (done, error, client gone)."""
 
@@ -293,11 +300,9 @@ class Handler:
                 yield sse([choice])
             if usage is not None:
                 yield sse([], last=True)
-        except Exception as e:  # the stream has begun: the error goes as an event, then the end
+        except Exception as e:  # noqa: BLE001 - the stream has begun: the error goes as an event, then the end
             status, message = status_of(e)
-            # a 500 is a bug: its traceback goes to the log; a 503 (the server stopping) is said in one line
-            log.log(logging.ERROR if status == 500 else logging.WARNING if status > 500 else logging.INFO,
-                    "stream failed: %s", e, exc_info=status == 500)
+            log_failure("stream", status, e)
             yield f"data: {json.dumps(P.error_body(status, message))}\n\n"
         yield "data: [DONE]\n\n"
 

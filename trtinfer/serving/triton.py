@@ -34,7 +34,7 @@ import numpy as np
 from trtinfer._outputs import atomic_dir
 from trtinfer.artifact import GraphIO, Manifest, read_manifest
 from trtinfer.errors import BackendUnavailableError, ConfigError, EngineLoadError, InputError
-from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.config import GenerationConfig, is_number
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +272,7 @@ def _strings(name: str, value: np.ndarray) -> tuple[str, ...]:
 def _temperature(fields: dict[str, Any], temperature: Any) -> None:
     """vLLM's and TensorRT-LLM's meaning: temperature 0 is greedy decoding; above 0, sampling at that temperature.
     Anything but a finite number >= 0 is an InputError (NaN or -1 would otherwise pass as greedy)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not 0 <= temperature < float("inf"):
+    if not (is_number(temperature) and temperature >= 0):
         raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if temperature > 0:
         fields.update(do_sample=True, temperature=float(temperature))
