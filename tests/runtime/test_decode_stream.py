@@ -7,6 +7,7 @@ SmolLM2 and Gemma-3 tokenizers (marker slow).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import random
 
@@ -64,6 +65,20 @@ def test_characters_split_across_tokens_come_out_whole(tok):
     assert not any("\ufffd" in d for d in deltas)  # a character is given once all its bytes are there
     assert deltas[-1] == ""  # ... and no later: the last token completes the text
     assert sum(d == "" for d in deltas) >= 10  # the steps that only added bytes of a character
+
+
+def test_token_bytes_join_into_the_text(tok):
+    """A token's own bytes (chat logprobs' ``bytes``): those of a token holding part of a character are its raw bytes,
+    not U+FFFD's, so a run of such tokens joins into its characters; a whole token gives its text's UTF-8."""
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False)
+    alone = [tok.decode([t], skip_special_tokens=False) for t in ids]
+    runs = [list(g) for partial, g in itertools.groupby(ids, lambda t: "\ufffd" in tok.decode([t])) if partial]
+    assert sum(map(len, runs)) > 10 and all(len(tok.token_bytes(t)) == 1 for run in runs for t in run)
+    for run in runs:
+        assert b"".join(tok.token_bytes(t) for t in run).decode("utf-8") == tok.decode(run)
+    assert all(tok.token_bytes(t) == a.encode() for t, a in zip(ids, alone) if "\ufffd" not in a)
+    if "Strip" not in tok.backend_tokenizer.to_str():  # (a Llama-2 style decoder drops a lone token's leading space)
+        assert b"".join(tok.token_bytes(t) for t in ids).decode("utf-8") == MULTIBYTE
 
 
 def random_id_maker(tok):

@@ -166,3 +166,23 @@ def test_grammars_compile_off_the_event_loop(tiny_engine, monkeypatch):
     finally:
         server.stop()
     assert on_loop == [False]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_bytes_join_into_the_text(client, stream):
+    """OpenAI's chat logprobs ``bytes`` are a token's own UTF-8 bytes, so the tokens of a character split by byte-level
+    BPE join into it; they were the bytes of the U+FFFD each such token shows as ([239, 191, 189])."""
+    want = "日本語 ∑ café"
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=40, logprobs=True,
+              top_logprobs=1, extra_body={"guided_choice": [want]})
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        r = client.chat.completions.create(**kw)
+        content, text = r.choices[0].logprobs.content, r.choices[0].message.content
+    assert text == want
+    assert any(t.token == "\ufffd" for t in content)  # some tokens hold part of a character
+    assert b"".join(bytes(t.bytes) for t in content).decode("utf-8") == want
+    assert all(bytes(t.bytes) == t.token.encode() for t in content if "\ufffd" not in t.token)

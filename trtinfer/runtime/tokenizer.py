@@ -5,6 +5,7 @@ import datetime
 import functools
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,23 @@ class EngineTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes token ``token_id`` stands for, special tokens included: where it holds part of a character
+        (a byte-level BPE piece, a ``<0xNN>`` byte-fallback token) its raw bytes, which ``decode`` shows as U+FFFD
+        (OpenAI's chat logprobs ``bytes``: joined over the tokens of a character, they give its UTF-8)."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self._tok.id_to_token(token_id) or ""
+        if m := _BYTE_TOKEN.fullmatch(piece):
+            return bytes([int(m[1], 16)])
+        from tokenizers.decoders import ByteLevel
+
+        table = _byte_level_table()
+        if isinstance(self._tok.decoder, ByteLevel) and piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode("utf-8")  # a real U+FFFD, or a decoder of another kind
+
     def apply_chat_template(self, messages: list[dict[str, Any]] | str, add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, template: str | None = None) -> str:
         """Render ``messages`` (or one user message) through the model's chat template (or ``template``, a
@@ -125,6 +143,19 @@ class EngineTokenizer:
                     template: str | None = None) -> list[int]:
         """Ids of the rendered chat (the template already holds the special tokens)."""
         return self.encode(self.apply_chat_template(messages, tools=tools, template=template), add_special_tokens=False)
+
+
+#: a byte-fallback tokenizer's token for one byte (SentencePiece's, e.g. Gemma's)
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, which ``tokenizers``' ByteLevel uses): the character standing for each
+    byte, inverted. Printable Latin-1 bytes stand for themselves; the rest, in order, for U+0100 onwards."""
+    own = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in own]
+    return {**{chr(b): b for b in own}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 #: chat templates with function calling that ship with trtinfer (``trtinfer/runtime/chat_templates``), by name

@@ -79,7 +79,7 @@ class Service:
         self.model_name = config.model_name or path.resolve().name
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
-        self.token_text: Callable[[int], str] = str  # a token's text alone (special tokens shown), for logprobs
+        self.pieces = P.TokenPieces(str, lambda i: str(i).encode())  # the engine's once loaded (logprobs' tokens)
         self.error: BaseException | None = None
         self.created = P.now()
         self.on_failure: list[Callable[[BaseException], None]] = []
@@ -125,7 +125,8 @@ class Service:
                 fn(e)
             return
         tok = engine.tokenizer
-        self.token_text = lru_cache(maxsize=1 << 16)(lambda i: tok.decode([i], skip_special_tokens=False))
+        self.pieces = P.TokenPieces(lru_cache(maxsize=1 << 16)(lambda i: tok.decode([i], skip_special_tokens=False)),
+                                    lru_cache(maxsize=1 << 16)(tok.token_bytes))
         with self._lock:
             self.engine, self.scheduler = engine, scheduler
             closing = self._closing

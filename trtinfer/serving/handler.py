@@ -182,7 +182,7 @@ class Handler:
                 if parsed.calls:
                     c.text, c.tool_calls, c.finish_reason = parsed.content or "", parsed.calls, "tool_calls"
         return JSONResponse(P.response(chat, self.service.model_name, choices, prompt_tokens,
-                                       self.service.token_text))
+                                       self.service.pieces))
 
     @staticmethod
     async def _beams(scheduler: Scheduler, prompts: list[list[int]], cfgs: list[GenerationConfig],
@@ -257,7 +257,7 @@ class Handler:
         ``tool_calls`` delta at the choice's end (finish reason ``"tool_calls"``).
         """
         kind: Literal["completion", "chat"] = "chat" if chat else "completion"
-        model, created, text_of = self.service.model_name, P.now(), self.service.token_text
+        model, created, pieces = self.service.model_name, P.now(), self.service.pieces
         states = [_Streamed() for _ in requests]
         filters = [T.StreamFilter() for _ in requests] if tools else None
 
@@ -289,11 +289,11 @@ class Handler:
                     if calls:
                         delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
                     choice: dict[str, Any] = {"index": i, "delta": delta,
-                                              "logprobs": None if lp is None else P.chat_logprobs([lp], text_of)}
+                                              "logprobs": None if lp is None else P.chat_logprobs([lp], pieces)}
                 else:
                     choice = {"index": i, "text": text, "logprobs": None if lp is None else
-                              P.completion_logprobs([lp], text_of, s.offset)}
-                    s.offset += len(text_of(lp.token_id)) if lp is not None else 0
+                              P.completion_logprobs([lp], pieces, s.offset)}
+                    s.offset += len(pieces.text(lp.token_id)) if lp is not None else 0
                 choice["finish_reason"] = "tool_calls" if calls else ev.finish_reason
                 if ev.finish_reason is not None:
                     choice["stop_reason"] = s.stop_reason

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
@@ -324,28 +324,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-TokenText = Callable[[int], str]
+class TokenPieces(NamedTuple):
+    """How logprobs show a token alone: ``text`` (special tokens shown; part of a character is U+FFFD) and ``raw``,
+    its UTF-8 bytes (part of a character: those bytes, so a client joining a character's tokens gets its UTF-8)."""
+
+    text: Callable[[int], str]
+    raw: Callable[[int], bytes]
 
 
-def completion_logprobs(items: Sequence[TokenLogprob], token_text: TokenText, offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(items: Sequence[TokenLogprob], pieces: TokenPieces, offset: int = 0) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for some tokens; ``offset`` is the text length before them."""
-    tokens = [token_text(lp.token_id) for lp in items]
+    tokens = [pieces.text(lp.token_id) for lp in items]
     offsets = list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]
     tops = []
     for lp in items:  # keyed by text: of two tokens of the same text (say U+FFFD) the likelier one stays
         top: dict[str, float] = {}
         for alt, v in lp.top:
-            top.setdefault(token_text(alt), v)
+            top.setdefault(pieces.text(alt), v)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items], "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def chat_logprobs(items: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+def chat_logprobs(items: Sequence[TokenLogprob], pieces: TokenPieces) -> dict[str, Any]:
     """The chat ``logprobs`` object: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        shown = token_text(token_id)
-        return {"token": shown, "logprob": logprob, "bytes": list(shown.encode("utf-8"))}
+        return {"token": pieces.text(token_id), "logprob": logprob, "bytes": list(pieces.raw(token_id))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in items], "refusal": None}
@@ -365,14 +369,14 @@ class Choice:
 
 
 def response(chat: bool, model: str, choices: Sequence[Choice], prompt_tokens: int,
-             token_text: TokenText) -> dict[str, Any]:
+             pieces: TokenPieces) -> dict[str, Any]:
     """A whole ``chat.completion`` or ``text_completion``."""
     logprobs = chat_logprobs if chat else completion_logprobs
     return {"id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else "text_completion",
             "created": now(), "model": model,
             "choices": [{"index": c.index, **({"message": _message(c)} if chat else {"text": c.text}),
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                         "logprobs": None if c.logprobs is None else logprobs(c.logprobs, token_text)}
+                         "logprobs": None if c.logprobs is None else logprobs(c.logprobs, pieces)}
                         for c in choices],
             "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
 
