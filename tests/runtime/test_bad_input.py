@@ -428,6 +428,9 @@ def test_a_bad_probe_is_refused_before_the_pass_runs(small_engine):
         for bad in (Logprob(9999), Logprobs([3, -1])):
             with pytest.raises(InputError, match="outside the vocabulary"):
                 f.probe(-1, bad)
+        for bad in (Logprob(True), Logprobs([3, 4.0])):  # True was read as id 1
+            with pytest.raises(InputError, match="must hold integer token ids"):
+                f.probe(-1, bad)
         assert ctx.tokens == [5, 6, 7]
         h = f.probe(-1, Logprob(9))
         assert isinstance(f.execute().logprobs(h), float) and ctx.tokens == [5, 6, 7, 8, 9]

@@ -95,6 +95,8 @@ def test_errors(tiny_engine):
             eng.score(input_ids=[[5]])
         with pytest.raises(InputError, match=r"outside the vocabulary \[0, 320\): \[320\]"):
             eng.score(input_ids=[[5, 320]])
+        with pytest.raises(InputError, match=r"must hold integer token ids, got 6.5"):
+            eng.score(input_ids=[[5, 6.5, 7]])
         with pytest.raises(InputError, match="exactly one of"):
             eng.score()
         with pytest.raises(InputError, match="window must be"):

@@ -173,8 +173,8 @@ def test_chat_logprobs_bytes_join_into_the_text(client, stream):
     """OpenAI's chat logprobs ``bytes`` are a token's own UTF-8 bytes, so the tokens of a character split by byte-level
     BPE join into it; they were the bytes of the U+FFFD each such token shows as ([239, 191, 189])."""
     want = "日本語 ∑ café"
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=40, logprobs=True,
-              top_logprobs=1, extra_body={"guided_choice": [want]})
+    kw = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "logprobs": True,
+              "top_logprobs": 1, "extra_body": {"guided_choice": [want]}}
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
         content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]

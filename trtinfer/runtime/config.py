@@ -33,6 +33,21 @@ def is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def token_ids(row: Any, what: str, vocab: int | None = None) -> list[int]:
+    """``row`` as a list of token ids: InputError naming ``what`` unless it is a list, tuple or 1-D array of integers
+    (a float, a bool or a string is refused, not rounded or read as an id), each within ``[0, vocab)`` when given.
+    The one check of token ids every entry point (prompts, scoring, contexts, probes, the server) makes."""
+    if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or getattr(row, "ndim", 1) != 1:
+        raise InputError(f"{what} must be a list of token ids (ints), got {type(row).__name__}")
+    for t in row:
+        if not is_int(t):
+            raise InputError(f"{what} must hold integer token ids, got {t!r} ({type(t).__name__})")
+    ids = [int(t) for t in row]
+    if vocab is not None and (bad := [t for t in ids if not 0 <= t < vocab]):
+        raise InputError(f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    return ids
+
+
 def _check_types(obj: Any, kinds: dict[str, str]) -> None:
     """Raise ConfigError for the first field of ``obj`` whose value is not of its kind (int, number or bool)."""
     tests = {"int": (is_int, "an integer"), "number": (is_number, "a finite number"),

@@ -11,11 +11,11 @@ import numpy as np
 
 from trtinfer.artifact import Manifest, read_manifest
 from trtinfer.errors import EngineLoadError, InputError
-from trtinfer.runtime.config import GenerationConfig, RuntimeConfig, is_int
+from trtinfer.runtime.config import GenerationConfig, RuntimeConfig, is_int, token_ids
 from trtinfer.runtime.forward import Context, Forward, Group, Output, check_capacity
 from trtinfer.runtime.forward import execute as execute_passes
 from trtinfer.runtime.gen_defaults import read_generation_defaults_and_keys
-from trtinfer.runtime.generator import GenerationResult, StreamEvent, token_ids, warn_length_budget
+from trtinfer.runtime.generator import GenerationResult, StreamEvent, warn_length_budget
 from trtinfer.runtime.offline import BeamGeneration, Generation
 from trtinfer.runtime.scoring import PerplexityResult, ScoreResult, check_ids, score_ids, windowed_perplexity
 from trtinfer.runtime.session import DecoderSession, open_session

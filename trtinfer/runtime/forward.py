@@ -34,8 +34,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer.errors import InputError
-from trtinfer.runtime.config import is_int
-from trtinfer.runtime.generator import token_ids
+from trtinfer.runtime.config import is_int, token_ids
 from trtinfer.runtime.probes import (
     Argmax,
     Distribution,
@@ -44,7 +43,6 @@ from trtinfer.runtime.probes import (
     Logprob,
     Logprobs,
     Sampler,
-    check_probe_ids,
 )
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.slots import SlotCache
@@ -104,12 +102,7 @@ class Forward:
 
     def input(self, ids: Sequence[int]) -> Forward:
         """Append tokens at the next positions."""
-        vocab = int(self.ctx.session.manifest.geometry["vocab_size"])
-        ids = token_ids(ids, "input()")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        self.tokens.extend(ids)
+        self.tokens.extend(token_ids(ids, "input()", int(self.ctx.session.manifest.geometry["vocab_size"])))
         return self
 
     def input_at(self, ids: Sequence[int], positions: Sequence[int]) -> Forward:
@@ -142,7 +135,7 @@ class Forward:
                              f"{type(probe).__name__}")
         if isinstance(probe, (Logprob, Logprobs)):  # now, not after the pass ran (the context would have moved on)
             ids = [probe.token_id] if isinstance(probe, Logprob) else list(probe.token_ids)
-            check_probe_ids(ids, int(self.ctx.session.manifest.geometry["vocab_size"]))
+            token_ids(ids, "the probe's token ids", int(self.ctx.session.manifest.geometry["vocab_size"]))
         return self._ask(position, probe)
 
     def sample(self, positions: Sequence[int] | int, sampler: Argmax | Sampler) -> list[Handle]:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from trtinfer.errors import ConfigError, EngineLoadError, InputError
-from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.config import GenerationConfig, token_ids
 from trtinfer.runtime.probes import log_softmax, top_sorted
 from trtinfer.runtime.tokenizer import EngineTokenizer, IncrementalDecoder
 
@@ -119,17 +118,6 @@ class StreamEvent:
     finish_reason: str | None = None
 
 
-def token_ids(row: Any, what: str) -> list[int]:
-    """``row`` as a list of token ids: InputError unless it is a list, tuple or 1-D array of integers (a float, a bool
-    or a string is refused, not rounded or read as an id)."""
-    if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or getattr(row, "ndim", 1) != 1:
-        raise InputError(f"{what} must be a list of token ids (ints), got {type(row).__name__}")
-    for t in row:
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise InputError(f"{what} must hold integer token ids, got {t!r} ({type(t).__name__})")
-    return [int(t) for t in row]
-
-
 def check_prompts(prompts: Sequence[Sequence[int]], vocab: int, max_seq_len: int) -> list[list[int]]:
     """The prompts as int lists; InputError for none, an empty one, one too long, or ids outside the vocabulary."""
     if not prompts:
@@ -140,10 +128,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab: int, max_seq_len: int
         if len(p) >= max_seq_len:
             raise InputError(f"prompt {i} has {len(p)} tokens; the engine's max sequence length is {max_seq_len} "
                              "(prompt + at least one new token); shorten it or rebuild with a larger --max-seq-len")
-        bad = [t for t in p if not 0 <= int(t) < vocab]
-        if bad:
-            raise InputError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    return [list(map(int, p)) for p in prompts]
+    return [token_ids(p, f"prompt {i}", vocab) for i, p in enumerate(prompts)]
 
 
 def eos_ids(cfg: GenerationConfig, tokenizer: EngineTokenizer, vocab: int) -> tuple[int, ...]:

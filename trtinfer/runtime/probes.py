@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trtinfer.errors import InputError
-from trtinfer.runtime.config import GREEDY_BELOW, is_int, is_number
+from trtinfer.runtime.config import GREEDY_BELOW, is_int, is_number, token_ids
 
 
 def log_softmax(logits: np.ndarray, dtype: type = np.float64) -> np.ndarray:
@@ -71,7 +71,7 @@ class Logprob:
     kind = "logprobs"
 
     def compute(self, row: np.ndarray) -> float:
-        check_probe_ids([self.token_id], row.shape[0])
+        token_ids([self.token_id], "the probe's token id", row.shape[0])
         return float(log_softmax(row)[self.token_id])
 
 
@@ -84,7 +84,7 @@ class Logprobs:
 
     def compute(self, row: np.ndarray) -> np.ndarray:
         ids = list(self.token_ids)
-        check_probe_ids(ids, row.shape[0])
+        token_ids(ids, "the probe's token ids", row.shape[0])
         return log_softmax(row)[ids]
 
 
@@ -133,11 +133,3 @@ class Sampler:
         logits = filter_logits(row[None, :].astype(np.float32) / self.temperature, self.top_k, self.top_p)
         probs = softmax(logits.astype(np.float64))[0]
         return int(self._rng.choice(probs.shape[0], p=probs))  # type: ignore[attr-defined]
-
-
-def check_probe_ids(ids: Sequence[int], vocab: int) -> None:
-    """InputError naming the ids of a Logprob(s) probe that are not token ids of a ``vocab``-token model."""
-    bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
-    if bad:
-        raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-

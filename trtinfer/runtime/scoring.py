@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer.errors import InputError
-from trtinfer.runtime.config import RuntimeConfig
+from trtinfer.runtime.config import RuntimeConfig, token_ids
 from trtinfer.runtime.probes import log_softmax
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.slots import SlotCache
@@ -64,19 +64,13 @@ class PerplexityResult:
 
 def check_ids(ids: Sequence[int], vocab_size: int, max_len: int, what: str = "the sequence") -> list[int]:
     """``ids`` as ints, or InputError when there is nothing to score, it is too long, or an id is outside the vocab."""
-    try:
-        row = [int(t) for t in ids]
-    except (TypeError, ValueError) as e:
-        raise InputError(f"{what} must be a list of token ids (integers): {e}") from e
+    row = token_ids(ids, what, vocab_size)
     if len(row) < 2:
         raise InputError(f"{what} has {len(row)} token(s); scoring needs at least 2 (the first has no context)")
     if len(row) > max_len:
         raise InputError(f"{what} has {len(row)} tokens; the engine's max sequence length is {max_len}: shorten it, "
                          "score it in windows (Engine.perplexity, `trtinfer eval`), or rebuild with a larger "
                          "--max-seq-len")
-    bad = [t for t in row if not 0 <= t < vocab_size]
-    if bad:
-        raise InputError(f"{what} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     return row
 
 

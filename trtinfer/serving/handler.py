@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from trtinfer.errors import ConfigError, GrammarError, InputError, ServingError
-from trtinfer.runtime.config import GenerationConfig
+from trtinfer.runtime.config import GenerationConfig, token_ids
 from trtinfer.runtime.engine import Engine
 from trtinfer.runtime.generator import GenerationResult, TokenLogprob
 from trtinfer.runtime.request import Event
@@ -322,10 +322,10 @@ def _encode(engine: Engine, req: P.CompletionRequest | P.ChatCompletionRequest, 
         if isinstance(p, str):
             out.append(tok.encode(p))
             continue
-        if bad := [t for t in p if not 0 <= t < vocab]:
-            raise P.BadRequest(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                               param="prompt")
-        out.append(list(p))
+        try:
+            out.append(token_ids(p, f"prompt {i}", vocab))
+        except InputError as e:
+            raise P.BadRequest(str(e), param="prompt") from e
     return out
 
 
