@@ -268,6 +268,7 @@ def _traced(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> dict
 def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> StageDir:
     """Trace (in a child: :mod:`trtinfer.export.isolated`), validate and write the export stage into the existing
     empty ``folder``."""
+    Checkpoint(resolved.path)  # a damaged checkpoint fails now, not after the child's seconds of importing torch
     traced = isolated.run(_traced, resolved, folder, config)  # transformers and torch stay out of this process
     weights, fp32_bytes, export_s, geometry = (traced[k] for k in ("weights", "fp32_bytes", "seconds", "geometry"))
     import onnx
