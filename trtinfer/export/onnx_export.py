@@ -49,22 +49,31 @@ def io_spec(geometry: dict[str, Any], logits_mode: str) -> dict[str, list[dict[s
     return {"inputs": inputs, "outputs": outputs}
 
 
-def load_hf_config(path: Path) -> Any:
-    """The model's transformers config; unknown architectures are refused here, before any weight is read."""
+def check_model_type(path: Path) -> bool:
+    """Refuse a ``config.json`` without a model_type or of an architecture that does not export (torch-free: before
+    transformers, whose own refusal of a type it does not know is several paragraphs); False when there is no
+    readable ``config.json`` (transformers then says what is wrong with it)."""
     import json
     from types import SimpleNamespace
 
-    from transformers import AutoConfig
-
-    try:  # model_type first: transformers' own refusal of a type it does not know is several paragraphs
+    try:
         said = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        said = None  # no readable config: AutoConfig says what is wrong with it
-    if isinstance(said, dict):
-        if not isinstance(said.get("model_type"), str):
-            raise ModelSourceError(f"{Path(path) / 'config.json'} has no model_type (a string such as \"llama\"); "
-                                   "re-download the model's config.json")
-        spec_for(SimpleNamespace(model_type=said["model_type"]))
+        return False
+    if not isinstance(said, dict):
+        return False
+    if not isinstance(said.get("model_type"), str):
+        raise ModelSourceError(f"{Path(path) / 'config.json'} has no model_type (a string such as \"llama\"); "
+                               "re-download the model's config.json")
+    spec_for(SimpleNamespace(model_type=said["model_type"]))
+    return True
+
+
+def load_hf_config(path: Path) -> Any:
+    """The model's transformers config; unknown architectures are refused here, before any weight is read."""
+    from transformers import AutoConfig
+
+    check_model_type(path)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:
@@ -268,7 +277,8 @@ def _traced(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> dict
 def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> StageDir:
     """Trace (in a child: :mod:`trtinfer.export.isolated`), validate and write the export stage into the existing
     empty ``folder``."""
-    Checkpoint(resolved.path)  # a damaged checkpoint fails now, not after the child's seconds of importing torch
+    if check_model_type(resolved.path):  # a wrong config or damaged checkpoint fails now, not after the child's
+        Checkpoint(resolved.path)  # seconds of importing torch (a config that does not read: the child says why)
     traced = isolated.run(_traced, resolved, folder, config)  # transformers and torch stay out of this process
     weights, fp32_bytes, export_s, geometry = (traced[k] for k in ("weights", "fp32_bytes", "seconds", "geometry"))
     import onnx
