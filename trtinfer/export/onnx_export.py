@@ -19,6 +19,7 @@ from trtinfer.export.config import ExportConfig
 from trtinfer.export.reference import write_reference
 from trtinfer.export.sources import ResolvedModel, resolve_model
 from trtinfer.export.tokenizer import save_tokenizer
+from trtinfer.export.validate import EagerSteps, eager_steps
 from trtinfer.stages import cached_stage, make_stage, package_versions
 
 log = logging.getLogger(__name__)
@@ -218,14 +219,12 @@ def _trace(model: Any, ckpt: Checkpoint, geometry: dict[str, Any], mask_mapping:
     return {src.graph_name: {"tensor": reader.tensor(src.source), "ops": src.op_types} for src in sources}
 
 
-def _validate(graph: Path, resolved: ResolvedModel, vocab: int, geometry: dict[str, Any],
+def _validate(graph: Path, eager: EagerSteps, vocab: int, geometry: dict[str, Any],
               config: ExportConfig) -> dict[str, Any]:
-    """Compare ``graph`` with the eager model of ``resolved`` (loaded once ONNX Runtime is done); raises on failure."""
-    from trtinfer.export.validate import eager_steps, validate_decoder, vocab_scope
+    """Compare ``graph`` with the eager model's steps (the trace's child ran them); raises on failure."""
+    from trtinfer.export.validate import validate_decoder, vocab_scope
 
-    eager_cut = (config.layers, vocab)  # vocab <= the export's own (cut) vocabulary
-    report = validate_decoder(graph, lambda *inputs: isolated.run(eager_steps, resolved.path, eager_cut, *inputs),
-                              geometry, config.atol, config.logits == "last", vocab)
+    report = validate_decoder(graph, eager, geometry, config.atol, config.logits == "last", vocab)
     if not report.passed:
         raise ValidationError(
             f"exported graph disagrees with eager: logits diff {report.prefill_logits_max_abs_diff:.2e}/"
@@ -243,8 +242,10 @@ def _validate(graph: Path, resolved: ResolvedModel, vocab: int, geometry: dict[s
 def _traced(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> dict[str, Any]:
     """The torch and transformers half of an export (a child's work: :mod:`trtinfer.export.isolated`): trace the
     graph into ``folder`` (weights left in the checkpoint), save the tokenizer; returns what the rest needs to know
-    of the model (its weight records, fp32 bytes, geometry, architecture, model type, the eager reference's
-    vocabulary), the trace's seconds and the tokenizer record."""
+    of the model (its weight records, geometry, architecture, model type, the eager reference's
+    vocabulary), the trace's seconds and the tokenizer record; and whether eager and a whole fp32 copy of the graph
+    fit (``fits``, ``runnable``: each with its figures) and, where both do and ``config.validate``, eager's side of
+    the validation (``eager``), run here: one child's start-up (torch and transformers: ~4 s) instead of two."""
     from trtinfer.export.streamed import empty_model
 
     hf_config = reduced_depth(load_hf_config(resolved.path), config.layers, config.vocab)
@@ -269,9 +270,18 @@ def _traced(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> dict
     # where this runs in the build's own process (torch already loaded there): the trace and transformers' tokenizer
     # loading (262k entries for Gemma-3) leave hundreds of MB freed but held by the allocator
     return_freed_memory()
-    return {"weights": weights, "fp32_bytes": fp32_bytes, "seconds": export_s, "geometry": geometry,
-            "architecture": spec.name, "model_type": hf_config.model_type,
-            "validation_vocab": validation_vocab(hf_config), "tokenizer": tokenizer}
+    from trtinfer.runtime.memory import whole_copy_fits
+    from trtinfer.stage_weights import graph_weight_bytes
+
+    vocab = validation_vocab(hf_config)
+    runnable = whole_copy_fits(graph_weight_bytes(folder / ONNX_NAME), folder)
+    fits = eager_fits(fp32_bytes)
+    eager = None
+    if config.validate and fits[0] and runnable[0]:  # (the layers and vocabulary cut as this export's; vocab <= its own)
+        eager = eager_steps(resolved.path, (config.layers, vocab), min(vocab, geometry["vocab_size"]))
+    return {"weights": weights, "seconds": export_s, "geometry": geometry,
+            "architecture": spec.name, "model_type": hf_config.model_type, "validation_vocab": vocab,
+            "tokenizer": tokenizer, "fits": fits, "runnable": runnable, "eager": eager}
 
 
 def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) -> StageDir:
@@ -280,14 +290,12 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     if check_model_type(resolved.path):  # a wrong config or damaged checkpoint fails now, not after the child's
         Checkpoint(resolved.path)  # seconds of importing torch (a config that does not read: the child says why)
     traced = isolated.run(_traced, resolved, folder, config)  # transformers and torch stay out of this process
-    weights, fp32_bytes, export_s, geometry = (traced[k] for k in ("weights", "fp32_bytes", "seconds", "geometry"))
+    weights, export_s, geometry = (traced[k] for k in ("weights", "seconds", "geometry"))
     import onnx
 
-    from trtinfer.runtime.memory import whole_copy_fits
-    from trtinfer.stage_weights import CHECKPOINT_COUNT, checkpoint_inputs, graph_weight_bytes, materialized_file
+    from trtinfer.stage_weights import CHECKPOINT_COUNT, checkpoint_inputs, materialized_file
 
-    runnable, run_figures = whole_copy_fits(graph_weight_bytes(folder / ONNX_NAME), folder)
-    fits, figures = eager_fits(fp32_bytes)
+    (runnable, run_figures), (fits, figures) = traced["runnable"], traced["fits"]
     validation, skipped = None, {}
     if config.validate and not (fits and runnable):
         skipped["validation"] = f"eager does not fit: {figures}" if not fits else f"does not fit: {run_figures}"
@@ -308,7 +316,7 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
         vocab = int(geometry["vocab_size"])
         with materialized_file(folder / ONNX_NAME, lambda m: share_tied_embedding(m, vocab)) as whole:
             if config.validate and fits:
-                validation = _validate(whole, resolved, traced["validation_vocab"], geometry, config)
+                validation = _validate(whole, traced["eager"], traced["validation_vocab"], geometry, config)
             if config.logits == "last":  # the engine check compares last-position logits
                 write_reference(whole, folder / REFERENCE_NAME, geometry["vocab_size"])
     info: dict[str, Any] = {

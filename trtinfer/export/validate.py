@@ -12,7 +12,6 @@ vocabulary (Gemma-3-270M) the fp32 table is 671 of the model's 1,022 MiB.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,11 +55,35 @@ def _reference_step(model: Any, ids: Any, mask: Any, pos: Any, cache: Any) -> tu
     return out.logits[:, -1:].float().numpy(), out.past_key_values
 
 
-def _onnx_steps(onnx_path: Path, geometry: dict[str, Any], ids: np.ndarray, mask: np.ndarray,
-                pos: np.ndarray, vocab: int) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-    """Prefill then one decode step (on the prefill's own greedy token among the first ``vocab``) in ONNX Runtime;
-    the session is closed before eager runs, so the two never hold the weights at once. Returns both steps' outputs
-    and the token fed."""
+@dataclass(frozen=True)
+class EagerSteps:
+    """Eager's side of the comparison (:func:`eager_steps`): the prompts it ran (batch 2, the first row left-padded),
+    the greedy token it fed next, the prefill's last logits, the step's logits and each layer's (keys, values)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    pos: np.ndarray
+    nxt: np.ndarray
+    logits: np.ndarray
+    logits2: np.ndarray
+    presents: list[tuple[np.ndarray, np.ndarray]]
+
+
+def validation_inputs(vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ids, mask, positions)``: 2 rows of 9 random tokens among the first ``vocab`` (seed 0), the first row
+    left-padded by 3."""
+    rng = np.random.default_rng(0)
+    seq, pad = 9, 3
+    ids = rng.integers(0, vocab, size=(2, seq), dtype=np.int64)
+    mask = np.ones((2, seq), dtype=np.int64)
+    mask[0, :pad] = 0
+    return ids, mask, np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+
+
+def _onnx_steps(onnx_path: Path, geometry: dict[str, Any], eager: EagerSteps) -> tuple[list[np.ndarray],
+                                                                                      list[np.ndarray]]:
+    """Prefill then one decode step on eager's token in ONNX Runtime (eager has let go of its weights: the two never
+    hold them at once). Returns both steps' outputs."""
     import onnxruntime as ort
 
     from trtinfer.runtime.memory import stage_session_options
@@ -68,12 +91,12 @@ def _onnx_steps(onnx_path: Path, geometry: dict[str, Any], ids: np.ndarray, mask
     so = stage_session_options(onnx_path, always=True)  # a few runs: mapped weights, no packed copy
     sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
     n_layers, kv, hd = geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"]
+    ids, mask, pos, nxt = eager.ids, eager.mask, eager.pos, eager.nxt
     feed: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
     for i in range(n_layers):
         feed[f"past_key_values.{i}.key"] = np.zeros((2, kv, 0, hd), np.float32)
         feed[f"past_key_values.{i}.value"] = np.zeros((2, kv, 0, hd), np.float32)
     outs = sess.run(None, feed)
-    nxt = outs[0][:, -1, :vocab].argmax(-1)[:, None].astype(np.int64)
     feed2: dict[str, np.ndarray] = {"input_ids": nxt, "attention_mask": np.concatenate([mask, np.ones((2, 1), np.int64)], 1),
                                     "position_ids": pos[:, -1:] + 1}
     for i in range(n_layers):
@@ -81,14 +104,13 @@ def _onnx_steps(onnx_path: Path, geometry: dict[str, Any], ids: np.ndarray, mask
         feed2[f"past_key_values.{i}.value"] = outs[2 + 2 * i]
     outs2 = sess.run(None, feed2)
     del sess
-    return outs, outs2, nxt
+    return outs, outs2
 
 
-def eager_steps(path: Path, cut: tuple[int | None, int | None], ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
-                nxt: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-    """Eager's side of the comparison (run in a child by the export, :mod:`trtinfer.export.isolated`): the model in
-    ``path`` cut to ``cut`` = (layers, vocabulary) (``None``: whole), prefill ``ids``, then one step on ``nxt``.
-    Returns the prefill's last logits, the step's logits and each layer's (keys, values) as transformers keeps them."""
+def eager_steps(path: Path, cut: tuple[int | None, int | None], vocab: int) -> EagerSteps:
+    """Eager's side of the comparison (run by the export's child after its trace, :mod:`trtinfer.export.isolated`):
+    the model in ``path`` cut to ``cut`` = (layers, vocabulary) (``None``: whole) prefills
+    :func:`validation_inputs` of ``vocab``, then one step on its own greedy token among the first ``vocab``."""
     import torch
     from transformers.cache_utils import DynamicCache
 
@@ -96,10 +118,12 @@ def eager_steps(path: Path, cut: tuple[int | None, int | None], ids: np.ndarray,
     from trtinfer.export.quiet import quiet_third_party
 
     t = torch.from_numpy
+    ids, mask, pos = validation_inputs(vocab)
     with quiet_third_party():  # the eager model warns about its own past_key_values argument
         model = load_hf_model(path, reduced_depth(load_hf_config(path), *cut))
         cache = DynamicCache(config=model.config)
         ref_logits, cache = _reference_step(model, t(ids), t(mask), t(pos), cache)
+        nxt = ref_logits[:, -1, :vocab].argmax(-1)[:, None].astype(np.int64)
         mask2 = np.concatenate([mask, np.ones((ids.shape[0], 1), np.int64)], axis=1)
         ref2, cache = _reference_step(model, t(nxt), t(mask2), t(pos[:, -1:] + 1), cache)
     del model
@@ -107,29 +131,17 @@ def eager_steps(path: Path, cut: tuple[int | None, int | None], ids: np.ndarray,
     from trtinfer.runtime.memory import return_freed_memory
 
     return_freed_memory()  # in-process (torch already loaded): the model and its activations
-    return ref_logits, ref2, presents
+    return EagerSteps(ids, mask, pos, nxt, ref_logits, ref2, presents)
 
 
-Eager = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-                 tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]]
-
-
-def validate_decoder(onnx_path: Path, eager: Eager, geometry: dict[str, Any], atol: float,
+def validate_decoder(onnx_path: Path, eager: EagerSteps, geometry: dict[str, Any], atol: float,
                      last_only: bool, vocab: int | None = None) -> ValidationReport:
-    """Run prefill (batch 2, one row left-padded) and one decode step in ORT, then ``eager(ids, mask, pos, token)``
-    (:func:`eager_steps`, once ONNX Runtime has let go of the graph: peak memory is one copy of the weights);
-    compare. ``vocab``: the eager model has only the first ``vocab`` tokens (see the module docstring)."""
+    """Run eager's prompts and token (:func:`eager_steps`) through the graph in ONNX Runtime, prefill then one decode
+    step, and compare. ``vocab``: the eager model has only the first ``vocab`` tokens (see the module docstring)."""
     vocab = min(vocab or geometry["vocab_size"], geometry["vocab_size"])
-    rng = np.random.default_rng(0)
-    seq, pad = 9, 3
-    ids = rng.integers(0, vocab, size=(2, seq), dtype=np.int64)
-    mask = np.ones((2, seq), dtype=np.int64)
-    mask[0, :pad] = 0
-    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    outs, outs2, nxt = _onnx_steps(onnx_path, geometry, ids, mask, pos, vocab)
+    mask, presents, ref_logits, ref2 = eager.mask, eager.presents, eager.logits, eager.logits2
+    outs, outs2 = _onnx_steps(onnx_path, geometry, eager)
     ort_logits = (outs[0][:, -1:] if not last_only else outs[0])[..., :vocab]
-
-    ref_logits, ref2, presents = eager(ids, mask, pos, nxt)
     prefill_diff = float(np.abs(ort_logits - ref_logits).max())
     top1 = bool((ort_logits.argmax(-1) == ref_logits.argmax(-1)).all())
     scale = float(max(1.0, np.abs(ref_logits).max()))
