@@ -91,10 +91,10 @@ def test_minmax_over_the_decode_feeds_sees_more_than_the_prefill(stages):
     assert any(both[n].amax > prefill[n].amax for n in prefill)
 
 
-def _smollm2() -> Path | None:
+def _smollm2(cache: Path) -> Path | None:
     import json
 
-    root = Path.home() / ".cache" / "trtinfer" / "optimized"
+    root = cache / "optimized"
     for d in sorted(root.glob("*/stage.json"), key=lambda p: p.stat().st_mtime, reverse=True):
         if d.is_symlink():  # a test's whole copy beside a cached stage (tests/tiny_models.py whole_file), not a stage
             continue
@@ -107,10 +107,11 @@ def _smollm2() -> Path | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["minmax", "entropy"])
-def test_real_smollm2_graph(method, tmp_path):
-    folder = _smollm2()
-    if folder is None:
-        pytest.skip("no optimized fp32 SmolLM2 stage in ~/.cache/trtinfer/optimized")
+def test_real_smollm2_graph(method, tmp_path, real_engine, in_user_cache):
+    real_engine("smollm2-135m")  # its build leaves the optimized fp32 stage in the user's cache (an empty one too)
+    with in_user_cache() as cache:
+        folder = _smollm2(cache)
+    assert folder is not None, f"the fp32 SmolLM2 build left no optimized stage in {cache}/optimized"
     stage = read_stage(folder)
     t = time.perf_counter()
     table = calibrate_stage(stage, CalibrationConfig(method=method, num_samples=4, seq_len=64, decode_steps=4),
