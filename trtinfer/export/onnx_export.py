@@ -309,14 +309,15 @@ def _export_into(resolved: ResolvedModel, folder: Path, config: ExportConfig) ->
     for entry in weights.values():
         if entry["tensor"] in origins:
             entry["gguf"] = origins[entry["tensor"]]
-    if runnable and (config.validate and fits or config.logits == "last"):
+    eager = traced["eager"]  # eager's side of the validation: there when the child found that it runs (and fits)
+    if eager is not None or runnable and config.logits == "last":
         from trtinfer.passes.embedding import share_tied_embedding
 
         # ONNX Runtime reads weights from files only: a whole copy, its tied embedding stored once as in an engine
         vocab = int(geometry["vocab_size"])
         with materialized_file(folder / ONNX_NAME, lambda m: share_tied_embedding(m, vocab)) as whole:
-            if config.validate and fits:
-                validation = _validate(whole, traced["eager"], traced["validation_vocab"], geometry, config)
+            if eager is not None:
+                validation = _validate(whole, eager, traced["validation_vocab"], geometry, config)
             if config.logits == "last":  # the engine check compares last-position logits
                 write_reference(whole, folder / REFERENCE_NAME, geometry["vocab_size"])
     info: dict[str, Any] = {
