@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "trtinfer.checkpoint"  # graph metadata: {"folder", "shards": {file: [size, mtime_ns]}, "weights"}
 CHECKPOINT_COUNT = "checkpoint_weights"  # stage.json: how many weights the stage's graph reads from its checkpoint
 BLOCK_BYTES = 64 * 2**20  # float32 bytes widened (and transposed) at a time
+TILE = 256  # rows and columns of a tile transposed at a time (:func:`transposed_block`)
 ALIGN = 64 * 1024  # ONNX Runtime maps external data at offsets aligned to the allocation granularity
 
 
@@ -46,6 +47,21 @@ def shard_stamps(ckpt: Checkpoint) -> dict[str, list[int]]:
     for shard in sorted({t.shard for t in ckpt.tensors.values()}):
         st = shard.stat()
         out[shard.name] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def transposed_block(words: np.ndarray, start: int, stop: int, dtype: str,
+                     out: np.ndarray | None = None) -> np.ndarray:
+    """float32 ``W[:, start:stop].T`` of stored words ``W [rows, cols]``, copied tile by tile: a tall table's narrow
+    column block (a 262k-row embedding read as the LM head's ``W.T``) transposed whole walks the map one cache
+    line per row; in tiles of :data:`TILE` rows x columns each source line is read once (Gemma-3's 671 MB table:
+    2.3 -> 0.4 s)."""
+    rows = words.shape[0]
+    out = np.empty((stop - start, rows), np.float32) if out is None else out
+    for c in range(start, stop, TILE):
+        c1 = min(c + TILE, stop)
+        for r in range(0, rows, TILE):
+            out[c - start:c1 - start, r:r + TILE] = to_float32(words[r:r + TILE, c:c1], dtype).T
     return out
 
 
@@ -76,7 +92,7 @@ class CheckpointTensor(ir.LazyTensor):
             rows, cols = words.shape  # W.T [cols, rows]: a block of W's columns at a time
             step = max(1, BLOCK_BYTES // (4 * rows))
             for c in range(0, cols, step):
-                yield np.ascontiguousarray(to_float32(words[:, c:c + step], info.dtype).T)
+                yield transposed_block(words, c, min(c + step, cols), info.dtype)
         else:
             flat, step = words.reshape(-1), BLOCK_BYTES // 4
             for i in range(0, flat.size, step):
@@ -99,10 +115,11 @@ class CheckpointTensor(ir.LazyTensor):
 
     def _read(self) -> ir.Tensor:
         out = np.empty(tuple(self.shape.numpy()), np.float32)
-        flat, pos = out.reshape(-1), 0
-        for block in self._blocks():
-            flat[pos:pos + block.size] = block.reshape(-1)
-            pos += block.size
+        words, dtype = self._words(), self.ckpt.tensors[self.tensor].dtype
+        if self.transpose:
+            transposed_block(words, 0, words.shape[1], dtype, out)
+        else:
+            out[...] = to_float32(words, dtype)
         return ir.Tensor(out, name=self.name)
 
     def tofile(self, file: Any) -> None:

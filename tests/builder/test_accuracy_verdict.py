@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,33 @@ def test_quantize_stage_keeps_the_fp32_scores(broken):
     ref = np.load(stage.path / HELDOUT_NAME)
     assert len(ref["ids"]) == len(ref["logprobs"]) + 1 == len(ref["argmax"]) + 1 > 100
     assert np.isfinite(ref["logprobs"]).all() and (ref["logprobs"] < 0).all()
+
+
+def test_a_fallback_report_reuses_the_fp32_scores(optimized, tmp_path, caplog):
+    """int8-static's fallback scores its second graph in the same folder: the fp32 graph's scores are read back from
+    the first report's file (scored once), and a file of other ids is not trusted."""
+    import logging
+
+    from trtinfer.quantization.accuracy import accuracy_report
+
+    stage = quantize_stage(optimized, tmp_path / "int8", QuantConfig(precision="int8"), progress=False)
+    folder = tmp_path / "scratch"
+    folder.mkdir()
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copyfile(stage.path / name, folder / name)
+    fp32 = read_stage(optimized)
+    with caplog.at_level(logging.INFO, logger="trtinfer"):
+        first = accuracy_report(fp32, folder)
+        second = accuracy_report(fp32, folder)
+        scored = sum("scoring the fp32 graph" in r.getMessage() for r in caplog.records)
+        assert scored == 1, scored
+        with np.load(folder / HELDOUT_NAME) as z:
+            np.savez(folder / HELDOUT_NAME, ids=z["ids"][::-1].copy(), logprobs=z["logprobs"], argmax=z["argmax"])
+        third = accuracy_report(fp32, folder)
+        assert sum("scoring the fp32 graph" in r.getMessage() for r in caplog.records) == 2
+    drop = ("seconds",)
+    assert {k: v for k, v in first.items() if k not in drop} == {k: v for k, v in second.items() if k not in drop}
+    assert {k: v for k, v in first.items() if k not in drop} == {k: v for k, v in third.items() if k not in drop}
 
 
 def test_broken_scale_fails_the_build(broken, tmp_path):

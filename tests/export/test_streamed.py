@@ -130,6 +130,23 @@ def lm_head_weight(stage: Path) -> str:
     return weight
 
 
+@pytest.mark.parametrize("shape", [(1000, 300), (3, 700), (513, 1)])
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+def test_transposed_blocks_are_the_transpose(shape, dtype):
+    """The tiled transpose (a tall table's column block, tile edges not multiples of the tile) equals ``W.T``."""
+    from trtinfer.checkpoint import to_float32
+    from trtinfer.stage_weights import TILE, transposed_block
+
+    rng = np.random.default_rng(0)
+    words = (rng.integers(0, 2**16, shape, dtype=np.uint16) if dtype == "BF16"
+             else rng.standard_normal(shape, dtype=np.float32))
+    full = to_float32(words, dtype)
+    cols = shape[1]
+    for start, stop in [(0, cols), (cols // 3, cols), (0, min(cols, TILE + 5))]:
+        got = transposed_block(words, start, stop, dtype)
+        assert got.flags.c_contiguous and np.array_equal(got, full[:, start:stop].T, equal_nan=True)
+
+
 # --- fixtures ------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -79,9 +79,7 @@ def accuracy_report(fp32: StageDir, quantized_folder: Path, *, tokens: int = EVA
     opt = fp32.history["optimize"]["config"]
     n = min(tokens, int(opt["max_seq_len"]))
     ids = held_out_ids(fp32.path / "tokenizer.json", n, int(fp32.geometry["vocab_size"]))
-    ref_logprobs, ref_argmax = graph_scores(fp32, ids, scratch=quantized_folder, progress=progress,
-                                            what="scoring the fp32 graph")
-    np.savez(quantized_folder / HELDOUT_NAME, ids=np.asarray(ids, np.int64), logprobs=ref_logprobs, argmax=ref_argmax)
+    ref_logprobs, ref_argmax = fp32_scores(fp32, quantized_folder, ids, progress)
     quantized = StageDir(quantized_folder, {**fp32.info, "io": graph_io(quantized_folder / "model.onnx"),
                                             CHECKPOINT_COUNT: 0})  # every weight written
     logprobs, argmax = graph_scores(quantized, ids, scratch=quantized_folder, progress=progress,
@@ -92,6 +90,21 @@ def accuracy_report(fp32: StageDir, quantized_folder: Path, *, tokens: int = EVA
         log.warning("the quantized graph's perplexity is not finite")
     log.debug("accuracy: %s", report)
     return report
+
+
+def fp32_scores(fp32: StageDir, quantized_folder: Path, ids: list[int],
+                progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The fp32 graph's scores of ``ids``, saved in the quantized stage (``HELDOUT_NAME``); read back where this stage
+    saved them already (its quantization tried again with a fallback: the fp32 graph is the same)."""
+    saved = quantized_folder / HELDOUT_NAME
+    if saved.is_file():
+        with np.load(saved) as z:
+            if np.array_equal(z["ids"], ids):
+                return z["logprobs"], z["argmax"]
+    logprobs, argmax = graph_scores(fp32, ids, scratch=quantized_folder, progress=progress,
+                                    what="scoring the fp32 graph")
+    np.savez(saved, ids=np.asarray(ids, np.int64), logprobs=logprobs, argmax=argmax)
+    return logprobs, argmax
 
 
 def graph_scores(stage: StageDir, ids: list[int], *, budget: int | None = None, scratch: Path | None = None,

@@ -162,10 +162,12 @@ MIN_SCALE = 1.1754944e-38
 def per_channel_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``W [K, N]`` -> (int8 codes ``[K, N]`` in -127..127, float32 scales ``[N]`` = ``max|W[:, n]| / 127``)."""
     w = np.asarray(w, dtype=np.float32)
-    scale = (np.abs(w).max(axis=0) / np.float32(127.0)).astype(np.float32)
+    scale = (np.maximum(w.max(axis=0), -w.min(axis=0)) / np.float32(127.0)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1.0))
-    codes = np.clip(np.rint(w / safe), -127, 127).astype(np.int8)
-    return codes, scale
+    q = w / safe  # the one float temporary (an LM head's is 671 MB at Gemma-3's vocabulary)
+    np.rint(q, out=q)
+    np.clip(q, -127, 127, out=q)
+    return q.astype(np.int8), scale
 
 
 def blocked_int4(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -313,8 +315,8 @@ def quantize_int8_static(model: ir.Model, config: QuantConfig, vocab_size: int,
     if missing:
         raise ConfigError(f"no activation range for {len(missing)} MatMul input(s): {', '.join(missing[:3])}; "
                           "calibrate this graph")
-    fp32_bytes = sum(s.array().nbytes for s in sites)
-    stored = sum(s.array().nbytes for s in sites if s not in chosen)
+    fp32_bytes = sum(s.nbytes for s in sites)
+    stored = sum(s.nbytes for s in sites if s not in chosen)
     quantized_input, folds = smooth(graph, groups, factors, sites)
     scales: dict[str, float] = {}
     for name, group in groups.items():
@@ -375,8 +377,8 @@ def int4_tensorrt(model: ir.Model, ctx: QuantContext) -> dict[str, Any]:
     graph = model.graph
     sites = weight_sites(graph, int(ctx.geometry["vocab_size"]))
     chosen, kept = select_sites(sites, ctx.config, block)
-    fp32_bytes = sum(s.array().nbytes for s in sites)
-    stored = sum(s.array().nbytes for s in sites if s not in chosen)
+    fp32_bytes = sum(s.nbytes for s in sites)
+    stored = sum(s.nbytes for s in sites if s not in chosen)
     for s in chosen:
         codes, scale = blocked_int4(s.array(), block)
         base = (s.weight.name or s.name).replace("/", "_").strip("_")

@@ -57,6 +57,11 @@ class WeightSite:
         assert self.weight.const_value is not None
         return int(self.weight.const_value.shape.numpy()[1])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the float32 weight (from its shape: nothing is read)."""
+        return 4 * self.k * self.n
+
     def array(self) -> np.ndarray:
         """The weight as float32 ``[K, N]``."""
         assert self.weight.const_value is not None
