@@ -84,19 +84,26 @@ class CheckpointTensor(ir.LazyTensor):
         words = self.ckpt.raw(self.tensor)
         return words[:self.rows_used] if self.rows_used else words
 
-    def _blocks(self) -> Iterator[np.ndarray]:
-        """The float32 value in contiguous pieces, in file order."""
+    def _blocks(self, out: np.ndarray | None = None) -> Iterator[np.ndarray]:
+        """The float32 value in contiguous pieces, in file order (with ``out``, each piece is written into it and
+        the pieces are views of it)."""
         info = self.ckpt.tensors[self.tensor]
         words = self._words()  # unmapped when this generator ends (its last reference goes)
         if self.transpose:
             rows, cols = words.shape  # W.T [cols, rows]: a block of W's columns at a time
             step = max(1, BLOCK_BYTES // (4 * rows))
             for c in range(0, cols, step):
-                yield transposed_block(words, c, min(c + step, cols), info.dtype)
-        else:
+                c1 = min(c + step, cols)
+                yield transposed_block(words, c, c1, info.dtype, None if out is None else out[c:c1])
+        else:  # widened a block at a time: a bf16 table's whole uint32 widening would double the peak
             flat, step = words.reshape(-1), BLOCK_BYTES // 4
+            dest = None if out is None else out.reshape(-1)
             for i in range(0, flat.size, step):
-                yield to_float32(flat[i:i + step], info.dtype)
+                block = to_float32(flat[i:i + step], info.dtype)
+                if dest is not None:
+                    dest[i:i + step] = block
+                    block = dest[i:i + step]
+                yield block
 
     def _stored(self, index: Any) -> np.ndarray:
         """float32 of ``stored[index]`` (the tensor as the checkpoint holds it), through a map dropped after."""
@@ -115,13 +122,8 @@ class CheckpointTensor(ir.LazyTensor):
 
     def _read(self) -> ir.Tensor:
         out = np.empty(tuple(self.shape.numpy()), np.float32)
-        words, dtype = self._words(), self.ckpt.tensors[self.tensor].dtype
-        if self.transpose:
-            transposed_block(words, 0, words.shape[1], dtype, out)
-        else:  # widened a block at a time: a bf16 table's whole uint32 widening would double the peak
-            flat, src, step = out.reshape(-1), words.reshape(-1), BLOCK_BYTES // 4
-            for i in range(0, flat.size, step):
-                flat[i:i + step] = to_float32(src[i:i + step], dtype)
+        for _ in self._blocks(out):
+            pass
         return ir.Tensor(out, name=self.name)
 
     def tofile(self, file: Any) -> None:
