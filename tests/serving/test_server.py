@@ -491,11 +491,13 @@ def test_api_key(live, client):
     with pytest.raises(openai.AuthenticationError) as e:
         bad.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     assert e.value.status_code == 401
-    for path in ("/v1/models", "/metrics", "/v1/nowhere"):
+    for path in ("/v1/models", "/v1/models/" + MODEL, "/v1/nowhere", "/nowhere"):
         error_of(httpx.get(f"{live.url}{path}"), 401)
     assert error_of(httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "x"}),
                     401)["code"] == "invalid_api_key"
     assert httpx.get(f"{live.url}/health").status_code == 200
+    scraped = httpx.get(f"{live.url}/metrics")  # open, as vLLM's: a Prometheus scraper sends no key
+    assert scraped.status_code == 200 and "trtinfer:num_requests_running" in scraped.text
 
 
 def test_body_too_large(live):
