@@ -292,7 +292,7 @@ class CacheEntry:
 
 
 #: the folders of the cache root that trtinfer fills; anything else there is not ours to list or remove
-CACHE_KINDS = ("models", "onnx", "optimized", "quantized", "compiled")
+CACHE_KINDS = ("models", "onnx", "optimized", "quantized", "compiled", "scores")
 
 
 def _kind_dirs(kind: str | None) -> list[Path]:

@@ -67,31 +67,49 @@ def test_quantize_stage_keeps_the_fp32_scores(broken):
     assert np.isfinite(ref["logprobs"]).all() and (ref["logprobs"] < 0).all()
 
 
-def test_a_fallback_report_reuses_the_fp32_scores(optimized, tmp_path, caplog):
-    """int8-static's fallback scores its second graph in the same folder: the fp32 graph's scores are read back from
-    the first report's file (scored once), and a file of other ids is not trusted."""
+def test_the_fp32_scores_are_computed_once_per_fp32_stage(optimized, tmp_path, monkeypatch, caplog):
+    """Every quantized graph of one fp32 stage is judged against the same fp32 scores, so they are computed once: the
+    cache's ``scores`` entry of that stage serves an int8 then an int4 build of it and int8-static's fallback report
+    (which reads them back from its own folder first); a saved file of other ids is not trusted, and without a usable
+    cache they are computed in place."""
     import logging
 
     from trtinfer.quantization.accuracy import accuracy_report
 
-    stage = quantize_stage(optimized, tmp_path / "int8", QuantConfig(precision="int8"), progress=False)
-    folder = tmp_path / "scratch"
-    folder.mkdir()
-    for name in ("model.onnx", "model.onnx.data"):
-        shutil.copyfile(stage.path / name, folder / name)
-    fp32 = read_stage(optimized)
+    monkeypatch.setenv("TRTINFER_CACHE", str(tmp_path / "cache"))
+
+    def scored() -> int:
+        return sum("scoring the fp32 graph" in r.getMessage() for r in caplog.records)
+
     with caplog.at_level(logging.INFO, logger="trtinfer"):
+        int8 = quantize_stage(optimized, tmp_path / "int8", QuantConfig(precision="int8"), progress=False)
+        assert scored() == 1
+        int4 = quantize_stage(optimized, tmp_path / "int4", QuantConfig(precision="int4", method="rtn"),
+                              progress=False)
+        assert scored() == 1
+        assert len(list((tmp_path / "cache" / "scores").iterdir())) == 1
+        folder = tmp_path / "scratch"
+        folder.mkdir()
+        for name in ("model.onnx", "model.onnx.data"):
+            shutil.copyfile(int8.path / name, folder / name)
+        fp32 = read_stage(optimized)
         first = accuracy_report(fp32, folder)
         second = accuracy_report(fp32, folder)
-        scored = sum("scoring the fp32 graph" in r.getMessage() for r in caplog.records)
-        assert scored == 1, scored
         with np.load(folder / HELDOUT_NAME) as z:
             np.savez(folder / HELDOUT_NAME, ids=z["ids"][::-1].copy(), logprobs=z["logprobs"], argmax=z["argmax"])
         third = accuracy_report(fp32, folder)
-        assert sum("scoring the fp32 graph" in r.getMessage() for r in caplog.records) == 2
+        assert scored() == 1
+        (tmp_path / "not-a-folder").write_text("")
+        monkeypatch.setenv("TRTINFER_CACHE", str(tmp_path / "not-a-folder"))
+        (folder / HELDOUT_NAME).unlink()
+        fourth = accuracy_report(fp32, folder)
+        assert scored() == 2
     drop = ("seconds",)
-    assert {k: v for k, v in first.items() if k not in drop} == {k: v for k, v in second.items() if k not in drop}
-    assert {k: v for k, v in first.items() if k not in drop} == {k: v for k, v in third.items() if k not in drop}
+    assert all({k: v for k, v in first.items() if k not in drop} == {k: v for k, v in r.items() if k not in drop}
+               for r in (second, third, fourth))
+    assert first == {**int8.history["quantize"]["accuracy"], "seconds": first["seconds"]}
+    with np.load(int8.path / HELDOUT_NAME) as a, np.load(int4.path / HELDOUT_NAME) as b:
+        assert np.array_equal(a["logprobs"], b["logprobs"]) and np.array_equal(a["argmax"], b["argmax"])
 
 
 def test_broken_scale_fails_the_build(broken, tmp_path):

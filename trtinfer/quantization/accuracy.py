@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ EVAL_TEXT = "gpl-3.0"
 EVAL_TOKENS = 1024
 #: the fp32 graph's scores of the held-out ids, written into the quantize stage for the build's accuracy check
 HELDOUT_NAME = "heldout_fp32.npz"
+#: the cache's ``scores`` entries (an fp32 stage's held-out scores): bump when scoring changes what it computes
+SCORES_FORMAT = 1
 #: the largest perplexity ratio (quantized / fp32 on the held-out text) a build accepts, per precision; measured
 #: (README, benchmarks/results): int8 0.997-1.006, gguf 1.001-1.002, int4 (GPTQ) 1.066-1.091 on SmolLM2 / Gemma-3
 PERPLEXITY_BOUNDS = {"int8": 1.05, "int8-static": 1.05, "gguf": 1.02, "int4": 1.15}
@@ -94,17 +97,41 @@ def accuracy_report(fp32: StageDir, quantized_folder: Path, *, tokens: int = EVA
 
 def fp32_scores(fp32: StageDir, quantized_folder: Path, ids: list[int],
                 progress: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The fp32 graph's scores of ``ids``, saved in the quantized stage (``HELDOUT_NAME``); read back where this stage
-    saved them already (its quantization tried again with a fallback: the fp32 graph is the same)."""
+    """The fp32 graph's scores of ``ids``, saved in the quantized stage (``HELDOUT_NAME``): read back where this stage
+    saved them already (its quantization tried again with a fallback: the fp32 graph is the same), else from the
+    cache's ``scores`` entry of this fp32 stage (every precision built from one optimize stage scores the same fp32
+    graph: minutes at 8B), else computed there. A cache that cannot be written only means they are computed here."""
+    from trtinfer._cache import cached_dir, key_of
+    from trtinfer.errors import OutputError
+    from trtinfer.stages import package_versions
+
     saved = quantized_folder / HELDOUT_NAME
-    if saved.is_file():
-        with np.load(saved) as z:
-            if np.array_equal(z["ids"], ids):
-                return z["logprobs"], z["argmax"]
-    logprobs, argmax = graph_scores(fp32, ids, scratch=quantized_folder, progress=progress,
-                                    what="scoring the fp32 graph")
-    np.savez(saved, ids=np.asarray(ids, np.int64), logprobs=logprobs, argmax=argmax)
-    return logprobs, argmax
+    if (found := _read_scores(saved, ids)) is not None:
+        return found
+
+    def score_into(folder: Path) -> None:
+        logprobs, argmax = graph_scores(fp32, ids, scratch=quantized_folder, progress=progress,
+                                        what="scoring the fp32 graph")
+        np.savez(folder / HELDOUT_NAME, ids=np.asarray(ids, np.int64), logprobs=logprobs, argmax=argmax)
+
+    key = key_of([SCORES_FORMAT, fp32.content_key(), ids, package_versions("onnxruntime", "numpy")])
+    try:
+        entry = cached_dir("scores", key, score_into)
+    except OutputError as e:
+        log.debug("the fp32 scores are not cached (%s); computing them", e)
+        score_into(quantized_folder)
+    else:
+        shutil.copyfile(entry / HELDOUT_NAME, saved)
+    with np.load(saved) as z:  # the key holds the ids
+        return z["logprobs"], z["argmax"]
+
+
+def _read_scores(path: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The saved scores in ``path`` if it holds those of ``ids``, else None."""
+    if not path.is_file():
+        return None
+    with np.load(path) as z:
+        return (z["logprobs"], z["argmax"]) if np.array_equal(z["ids"], ids) else None
 
 
 def graph_scores(stage: StageDir, ids: list[int], *, budget: int | None = None, scratch: Path | None = None,
