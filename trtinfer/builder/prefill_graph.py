@@ -46,6 +46,7 @@ import onnx_ir as ir
 
 from trtinfer.builder.config import PREFILL_GEMM_OPS
 from trtinfer.quantization.blocks import BlockWeight
+from trtinfer.quantization.int8_static import per_channel_int8
 from trtinfer.quantization.weights import MS_DOMAIN
 
 log = logging.getLogger(__name__)
@@ -114,13 +115,6 @@ def _gemm_weight(node: ir.Node) -> tuple[int, int, Callable[[], np.ndarray]] | N
     return k, n, w.numpy
 
 
-def _int8_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``w [K, N]`` -> int8 codes ``[K, N]`` and per-column scales ``[N]`` (largest magnitude -> 127)."""
-    scale = (np.abs(w).max(axis=0) / 127.0).astype(np.float32)
-    scale[scale == 0] = 1.0
-    return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
-
-
 class _Int8Weight:
     """One GEMM weight's int8 codes and scales, computed from its source when first read and dropped once both were
     written (an engine's weights are never all in memory at once)."""
@@ -134,7 +128,7 @@ class _Int8Weight:
 
     def _half(self, i: int) -> np.ndarray:
         if self._pair is None:
-            self._pair = _int8_columns(self._read())
+            self._pair = per_channel_int8(self._read())
         out = self._pair[i]
         self._taken += 1
         if self._taken == 2:  # both written: free them (read again, they are computed again)
