@@ -254,3 +254,31 @@ def test_spilled_blocks_read_back_what_was_written(layer, tmp_path, symmetric) -
     np.testing.assert_array_equal(spilled.packed().numpy(), q.packed())
     assert (spilled.k, spilled.n, spilled.bits, spilled.block) == (q.k, q.n, q.bits, q.block)
     assert [p.suffix for p in tmp_path.iterdir()] == [".npz"]
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero-point"])
+def test_scale_search_picks_each_columns_least_weighted_error(symmetric: bool) -> None:
+    """The search over one block (``rows [block, N]``, worked in place) returns, per column, the candidate scale
+    ``s·f`` whose weighted squared rounding error is least, as a per-column loop in float64 finds it."""
+    from trtinfer.quantization.gptq import SCALE_FACTORS, _params, _search
+
+    rng = np.random.default_rng(3)
+    rows = (rng.standard_normal((32, 64)) * rng.random(64) * 0.05).astype(np.float32)
+    rows[:, 5] = 0.0  # an all-zero column keeps its zero scale
+    weights = rng.random(32).astype(np.float32) * 4
+    s, z = _params(rows, 4, symmetric)
+    got_s, got_z = _search(rows, weights, s, z, 4, symmetric)
+    assert got_s.dtype == np.float32 and got_s.shape == (64,) and got_s[5] == 0.0
+    for col in range(64):
+        candidates = []  # (loss in float64, scale, zero point) per factor
+        for f in SCALE_FACTORS:
+            sf = np.float32(s[col] * f)
+            safe = sf if sf else np.float32(1.0)
+            zf = np.float32(8.0) if symmetric else np.float32(np.clip(np.rint(z[col] * s[col] * f / safe), 0, 15))
+            q = (np.clip(np.rint(rows[:, col] / safe) + zf, 0, 15) - zf) * sf
+            candidates.append((float(np.sum((rows[:, col].astype(np.float64) - q) ** 2 * weights)), sf, zf))
+        least = min(loss for loss, _, _ in candidates)
+        chosen = [(loss, zf) for loss, sf, zf in candidates if sf == got_s[col]]
+        assert chosen and chosen[0][0] <= least * (1 + 1e-5), (col, chosen, least)
+        if not symmetric:
+            assert got_z is not None and got_z[col] == chosen[0][1]

@@ -126,7 +126,11 @@ def symmetric_scales(w_blocks: np.ndarray, bits: int) -> np.ndarray:
     ``w_blocks [..., block]``. Using the signed extreme (as ONNX Runtime's own quantizer does) spends the grid's
     extra negative code on the block's largest value instead of wasting it.
     """
-    lo, hi = w_blocks.min(axis=-1), w_blocks.max(axis=-1)
+    return symmetric_extremes(w_blocks.min(axis=-1), w_blocks.max(axis=-1), bits)
+
+
+def symmetric_extremes(lo: np.ndarray, hi: np.ndarray, bits: int) -> np.ndarray:
+    """:func:`symmetric_scales` of blocks whose minima and maxima are ``lo`` and ``hi``."""
     extreme = np.where(np.abs(hi) > np.abs(lo), hi, lo)
     return (extreme / -float(1 << (bits - 1))).astype(np.float32)
 
