@@ -45,8 +45,7 @@ from trtinfer.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger(__name__)
 
-#: routes open without the API key (a load balancer's probe carries no key)
-#: what --api-key leaves open, as vLLM does: load balancers probe /health and Prometheus scrapes /metrics without a key
+#: routes open without the API key, as vLLM leaves them: a load balancer's probe and a Prometheus scrape carry no key
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 #: ``Retry-After`` of a 429 (queue full), in seconds. The queue drains as running requests end, which under
 #: continuous batching is every few decode steps, but how long depends on load we cannot foresee: the shortest
