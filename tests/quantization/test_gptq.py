@@ -260,13 +260,14 @@ def test_spilled_blocks_read_back_what_was_written(layer, tmp_path, symmetric) -
 def test_scale_search_picks_each_columns_least_weighted_error(symmetric: bool) -> None:
     """The search over one block (``rows [block, N]``, worked in place) returns, per column, the candidate scale
     ``s·f`` whose weighted squared rounding error is least, as a per-column loop in float64 finds it."""
-    from trtinfer.quantization.gptq import SCALE_FACTORS, _params, _search
+    from trtinfer.quantization.blocks import rtn_params
+    from trtinfer.quantization.gptq import SCALE_FACTORS, _search
 
     rng = np.random.default_rng(3)
     rows = (rng.standard_normal((32, 64)) * rng.random(64) * 0.05).astype(np.float32)
     rows[:, 5] = 0.0  # an all-zero column keeps its zero scale
     weights = rng.random(32).astype(np.float32) * 4
-    s, z = _params(rows, 4, symmetric)
+    s, z = rtn_params(rows.min(axis=0), rows.max(axis=0), 4, symmetric)
     got_s, got_z = _search(rows, weights, s, z, 4, symmetric)
     assert got_s.dtype == np.float32 and got_s.shape == (64,) and got_s[5] == 0.0
     for col in range(64):

@@ -120,19 +120,23 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     return np.stack([lo, hi], axis=-1).reshape(n, -1)
 
 
-def symmetric_scales(w_blocks: np.ndarray, bits: int) -> np.ndarray:
-    """Per-block scales mapping the value of largest magnitude onto ``-2^(bits-1)`` (the grid's wide end).
+def rtn_params(lo: np.ndarray, hi: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Round-to-nearest float32 scales (and float32 zero points, else None) of blocks whose minima and maxima are
+    ``lo`` and ``hi``.
 
-    ``w_blocks [..., block]``. Using the signed extreme (as ONNX Runtime's own quantizer does) spends the grid's
-    extra negative code on the block's largest value instead of wasting it.
+    Symmetric: the value of largest magnitude maps onto ``-2^(bits-1)`` (the grid's wide end); using the signed
+    extreme (as ONNX Runtime's own quantizer does) spends the grid's extra negative code on the block's largest value
+    instead of wasting it. With a zero point: the block's range, widened to hold 0, spans the grid.
     """
-    return symmetric_extremes(w_blocks.min(axis=-1), w_blocks.max(axis=-1), bits)
-
-
-def symmetric_extremes(lo: np.ndarray, hi: np.ndarray, bits: int) -> np.ndarray:
-    """:func:`symmetric_scales` of blocks whose minima and maxima are ``lo`` and ``hi``."""
-    extreme = np.where(np.abs(hi) > np.abs(lo), hi, lo)
-    return (extreme / -float(1 << (bits - 1))).astype(np.float32)
+    if symmetric:
+        extreme = np.where(np.abs(hi) > np.abs(lo), hi, lo)
+        return (extreme / -float(1 << (bits - 1))).astype(np.float32), None
+    qmax = (1 << bits) - 1
+    lo = np.minimum(lo, 0.0)
+    hi = np.maximum(hi, 0.0)
+    scales = ((hi - lo) / qmax).astype(np.float32)
+    safe = np.where(scales == 0, 1.0, scales)
+    return scales, np.clip(np.rint(-lo / safe), 0, qmax).astype(np.float32)
 
 
 #: output columns quantized at a time: the float temporaries stay ~64 MB whatever the weight (an LM head of a 128k
@@ -170,15 +174,9 @@ def _rtn_columns(w: np.ndarray, bits: int, block: int, symmetric: bool) -> Block
     k, n = w.shape
     qmax = (1 << bits) - 1
     wb = np.ascontiguousarray(w.T, dtype=np.float32).reshape(n, k // block, block)
-    if symmetric:
-        scales = symmetric_scales(wb, bits)
-        safe = np.where(scales == 0, 1.0, scales)[:, :, None]
-        codes = np.clip(np.rint(wb / safe) + (1 << (bits - 1)), 0, qmax)
-        return BlockWeight(codes.reshape(n, k).astype(np.uint8), scales, None, bits, block)
-    lo = np.minimum(wb.min(axis=-1), 0.0)
-    hi = np.maximum(wb.max(axis=-1), 0.0)
-    scales = ((hi - lo) / qmax).astype(np.float32)
-    safe = np.where(scales == 0, 1.0, scales)
-    zp = np.clip(np.rint(-lo / safe), 0, qmax)
-    codes = np.clip(np.rint(wb / safe[:, :, None]) + zp[:, :, None], 0, qmax)
-    return BlockWeight(codes.reshape(n, k).astype(np.uint8), scales, zp.astype(np.uint8), bits, block)
+    scales, zp = rtn_params(wb.min(axis=-1), wb.max(axis=-1), bits, symmetric)
+    safe = np.where(scales == 0, 1.0, scales)[:, :, None]
+    offset = (1 << (bits - 1)) if zp is None else zp[:, :, None]
+    codes = np.clip(np.rint(wb / safe) + offset, 0, qmax)
+    return BlockWeight(codes.reshape(n, k).astype(np.uint8), scales, None if zp is None else zp.astype(np.uint8),
+                       bits, block)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from trtinfer.quantization.blocks import BlockWeight, check_layout, joined, symmetric_extremes
+from trtinfer.quantization.blocks import BlockWeight, check_layout, joined, rtn_params
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +185,9 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray | Factor, *, bits: int = 4,
     codes = np.zeros((k, n), np.uint8)
 
     def block_params(rows: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """Scale (and zero point) per column of one block's rows ``[block, N]``."""
-        s, z = _params(rows, bits, symmetric)
+        """Scale (and zero point) per column of one block's rows ``[block, N]`` (reduced along the rows as stored:
+        their ``[N, block]`` view is strided)."""
+        s, z = rtn_params(rows.min(axis=0), rows.max(axis=0), bits, symmetric)
         if scale_search:
             s, z = _search(rows, weights, s, z, bits, symmetric)
         return s, z
@@ -286,21 +287,6 @@ def _reverse_in_place(a: np.ndarray, chunk: int = 1 << 22) -> None:
         head = flat[i:j].copy()
         flat[i:j] = flat[n - j:n - i][::-1]
         flat[n - j:n - i] = head[::-1]
-
-
-def _params(rows: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """Round-to-nearest parameters of each column of one block's ``rows [block, N]``, as
-    :func:`~trtinfer.quantization.blocks.quantize_rtn` (reduced over the rows in place: the ``[N, block]`` view of
-    them is strided)."""
-    lo, hi = rows.min(axis=0), rows.max(axis=0)
-    if symmetric:
-        return symmetric_extremes(lo, hi, bits), None
-    qmax = (1 << bits) - 1
-    lo = np.minimum(lo, 0.0)
-    hi = np.maximum(hi, 0.0)
-    s = ((hi - lo) / qmax).astype(np.float32)
-    safe = np.where(s == 0, 1.0, s)
-    return s, np.clip(np.rint(-lo / safe), 0, qmax).astype(np.float32)
 
 
 def _search(rows: np.ndarray, weights: np.ndarray, s: np.ndarray, z: np.ndarray | None, bits: int,
