@@ -189,6 +189,7 @@ def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repea
     from transformers import AutoModelForCausalLM
 
     from trtinfer.artifact import read_manifest
+    from trtinfer.checkpoint import GGUF_LINK
 
     src = Path(read_manifest(engine_dir).source["path"])
     if not (src / "config.json").is_file():
@@ -196,7 +197,12 @@ def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repea
     dev = torch.device(device)
     ids = torch.tensor([_prompt_ids(engine_dir, prompt_len)] * bs, device=dev)
     mask = torch.ones_like(ids)
-    model: Any = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, EAGER_DTYPES[dtype]))
+    if (src / GGUF_LINK).exists():  # a large GGUF's folder: its weights are read (dequantized) from the GGUF
+        from trtinfer.export.onnx_export import load_hf_model
+
+        model: Any = load_hf_model(src).to(getattr(torch, EAGER_DTYPES[dtype]))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, EAGER_DTYPES[dtype]))
     model = model.to(dev).eval()  # Any: transformers types .to() as a wrapped method mypy cannot match a device to
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 

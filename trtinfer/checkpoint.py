@@ -8,6 +8,11 @@ missing shard or a truncated download is one clear error before any work starts.
 The ``safetensors`` package would map a tensor just as well, but its numpy view has no bfloat16 (the dtype 1B-14B
 checkpoints ship in) and a torch view would bring torch into every read; the format is a little-endian u64 header
 length, a JSON header, then the raw tensors, so reading it with ``numpy.memmap`` is a few lines.
+
+A folder converted from a large GGUF (``trtinfer.export.gguf_convert``) keeps most tensors in the GGUF it links to
+(``model.gguf``); ``gguf.json`` marks those ``"view"``, and they are read here as float32, dequantized (and their
+rows put in Hugging Face order) when asked for: one tensor at a time in memory, valid until another is read (a
+reader that keeps values copies them).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,9 +29,14 @@ from trtinfer.errors import ModelSourceError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+GGUF_ORIGINS = "gguf.json"  # a converted GGUF's record: each tensor's GGUF name, ggml type, row order, view or not
+GGUF_LINK = "model.gguf"  # the GGUF a converted folder's viewed tensors are read from
 #: safetensors dtype -> (numpy dtype of the stored words, bytes per element). BF16 is read as its uint16 words.
 DTYPES: dict[str, tuple[type[np.generic], int]] = {"F32": (np.float32, 4), "F16": (np.float16, 2),
                                                    "BF16": (np.uint16, 2)}
+#: the largest GGUF view decoded into the reused buffer (a layer's; a Qwen3-14B MLP matrix is 356 MB): a larger one
+#: (the embedding table) takes its own memory, held until released, not for the checkpoint's life
+SCRATCH_BYTES = 512 << 20
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 
 
@@ -123,6 +134,30 @@ class Checkpoint:
         if absent:
             raise ModelSourceError(f"the index of {self.folder} maps {absent[0]} to {weight_map[absent[0]]}, which "
                                    "does not hold it; re-download the checkpoint")
+        self._views: dict[str, tuple[str, np.ndarray | None]] = {}  # HF name -> (GGUF tensor, row order)
+        self._memo: tuple[str, np.ndarray] | None = None
+        self._scratch: np.ndarray | None = None  # the views' float32 buffer, grown to the largest tensor read
+        if (self.folder / GGUF_ORIGINS).is_file():
+            self._open_views(json.loads((self.folder / GGUF_ORIGINS).read_text())["tensors"])
+
+    def _open_views(self, origins: dict[str, dict[str, Any]]) -> None:
+        viewed = {name: o for name, o in origins.items() if o.get("view")}
+        if not viewed:
+            return
+        from trtinfer.gguf_file import GGUFFile, row_order
+
+        link = self.folder / GGUF_LINK
+        if not link.is_file():
+            raise ModelSourceError(f"{self.folder} reads its weights from the GGUF it was converted from, which is "
+                                   "gone (moved or deleted); build from the GGUF again")
+        self.gguf = GGUFFile(link)
+        for name, o in viewed.items():
+            t = self.gguf.tensors.get(o["gguf"])
+            if t is None or list(t.shape) != list(o["shape"]):
+                raise ModelSourceError(f"{link} has no tensor {o['gguf']} {o['shape']}: it is not the GGUF "
+                                       f"{self.folder} was converted from; build from the GGUF again")
+            self.tensors[name] = TensorInfo(link, t.offset, "F32", tuple(o["shape"]))
+            self._views[name] = (t.name, row_order(o["rows"], t.shape[0]))
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -136,9 +171,48 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
     def raw(self, name: str) -> np.ndarray:
-        """The tensor's stored words, memory-mapped (read-only; BF16 as uint16)."""
+        """The tensor's stored words, memory-mapped (read-only; BF16 as uint16); a GGUF view's float32 values."""
+        if name in self._views:
+            return self._decoded(name)
         info = self.tensors[name]
         return np.memmap(info.shard, dtype=DTYPES[info.dtype][0], mode="r", offset=info.offset, shape=info.shape)
+
+    def _decoded(self, name: str) -> np.ndarray:
+        """A GGUF view's float32 value, read-only, valid until another view is read (the last one is kept: callers
+        read a tensor in pieces). Views up to :data:`SCRATCH_BYTES` are decoded into one buffer: memory a process
+        has not touched yet is slow to fill (a fresh array per tensor made a 2-vCPU EPYC decode 48M values/s, not
+        359M)."""
+        memo = self._memo
+        if memo is not None and memo[0] == name:
+            return memo[1]
+        self._memo = None
+        tensor, order = self._views[name]
+        shape = self.tensors[name].shape
+        size = int(np.prod(shape, dtype=np.int64))
+        if 4 * size > SCRATCH_BYTES:  # a vocabulary table: its own array, gone with release()
+            out = np.empty(shape, np.float32)
+        else:
+            if self._scratch is None or self._scratch.size < size:
+                self._scratch = None  # the smaller buffer goes before the larger one is taken
+                self._scratch = np.empty(size, np.float32)
+            out = self._scratch[:size].reshape(shape)
+        rows = out.reshape(shape[0], -1)
+        a = 0
+        for chunk in self.gguf.rows_in_order(tensor, order):
+            rows[a:a + len(chunk)] = chunk.reshape(len(chunk), -1)
+            a += len(chunk)
+        view = out.view()
+        view.flags.writeable = False
+        self._memo = (name, view)
+        return view
+
+    def viewed(self, name: str) -> bool:
+        """Whether ``name`` is a GGUF view (:meth:`raw` gives a buffer the next view's read overwrites)."""
+        return name in self._views
+
+    def release(self) -> None:
+        """Forget the kept GGUF view (a reader done with a tensor); its buffer stays for the next one."""
+        self._memo = None
 
 
 def to_float32(words: np.ndarray, dtype: str) -> np.ndarray:

@@ -10,6 +10,7 @@ for is mapped.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,21 @@ class GGUFFile:
         values = quants.dequantize(np.ascontiguousarray(raw), GGMLQuantizationType(t.type_id))
         shape = (raw.shape[0], *t.shape[1:]) if len(t.shape) > 1 else t.shape
         return np.asarray(values, np.float32).reshape(shape)
+
+
+    def rows_in_order(self, name: str, order: np.ndarray | None, chunk_bytes: int = 1 << 20) -> Iterator[np.ndarray]:
+        """float32 rows of the 2-D tensor ``name`` in the order ``order`` gives (row ``i`` is the tensor's row
+        ``order[i]``; None: its own order), a chunk of about ``chunk_bytes`` at a time: the tensor is never whole.
+        Small chunks are faster too: gguf-py's temporaries stay in the caches and off fresh pages (Q8_0 at 1 MB
+        ~400M values/s, at 64 MB ~200M, the whole 128k x 2048 table at once 22M on a 2-vCPU EPYC)."""
+        n, k = self.tensors[name].shape
+        order = np.arange(n) if order is None else order
+        step = max(1, chunk_bytes // (4 * k))
+        for a in range(0, n, step):
+            rows = order[a:a + step]
+            lo, hi = int(rows.min()), int(rows.max()) + 1
+            chunk = self.dequantize(name, slice(lo, hi))
+            yield chunk if hi - lo == len(rows) and np.array_equal(rows, np.arange(lo, hi)) else chunk[rows - lo]
 
 
 def llama_rows(n: int, heads: int) -> np.ndarray:

@@ -104,11 +104,13 @@ class CheckpointTensor(ir.LazyTensor):
                     dest[i:i + step] = block
                     block = dest[i:i + step]
                 yield block
+        self.ckpt.release()
 
     def _stored(self, index: Any) -> np.ndarray:
         """float32 of ``stored[index]`` (the tensor as the checkpoint holds it), through a map dropped after."""
         info = self.ckpt.tensors[self.tensor]
-        return np.ascontiguousarray(to_float32(self._words()[index], info.dtype))
+        value = to_float32(self._words()[index], info.dtype)
+        return np.array(value, order="C") if self.ckpt.viewed(self.tensor) else np.ascontiguousarray(value)
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of the float32 value (2-D)."""

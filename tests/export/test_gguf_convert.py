@@ -98,14 +98,15 @@ def test_conversion_equals_transformers_loader(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trtinfer.checkpoint import Checkpoint
+    from trtinfer.checkpoint import GGUF_LINK, Checkpoint
     from trtinfer.export.gguf_convert import convert_gguf, gguf_origins
     from trtinfer.export.sources import ALIASES
 
     gguf = ALIASES["smollm2-135m"]()
     out = tmp_path / "hf"
     out.mkdir()
-    convert_gguf(gguf, out)
+    convert_gguf(gguf, out)  # 0.5 GB of fp32: under COPY_LIMIT, copied
+    assert not (out / GGUF_LINK).exists()
     ours = Checkpoint(out)
     ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}  # tied: stored once
@@ -122,8 +123,52 @@ def test_conversion_equals_transformers_loader(tmp_path: Path) -> None:
     assert (q["gguf"], q["rows"], k["rows"]) == ("blk.0.attn_q.weight", {"heads": 9}, {"heads": 3})
     assert origins["model.layers.0.mlp.down_proj.weight"]["rows"] == "identity"
     assert origins["model.norm.weight"]["rows"] is None  # 1-D: no blocks to import
+    assert not any(o.get("view") for o in origins.values())
     # the recorded order reproduces the values from the GGUF's own rows
     order = row_order(q["rows"], 576)
     assert order is not None
     np.testing.assert_array_equal(file.dequantize("blk.0.attn_q.weight")[order],
                                   state["model.layers.0.self_attn.q_proj.weight"].numpy())
+
+
+@pytest.mark.slow
+def test_a_large_gguf_is_read_through_views(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF past COPY_LIMIT (here: any) is not copied into the cache as fp32: the export (eager validation, its
+    whole-graph copy, the engine check's reference) reads its weights from the GGUF, with the same reference logits
+    as from an fp32 copy, and GGUF-exact quantization finds the GGUF through the folder's link when the file the
+    user gave is gone."""
+    import shutil
+
+    from trtinfer.checkpoint import GGUF_LINK, SINGLE_NAME, Checkpoint
+    from trtinfer.export import ExportConfig, export, gguf_convert
+    from trtinfer.export.sources import ALIASES, resolve_model
+    from trtinfer.quantization.gguf import gguf_source
+
+    monkeypatch.setenv("TRTINFER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRTINFER_EXPORT_IN_PROCESS", "1")  # the conversion runs here, with the limit below
+    monkeypatch.setattr(gguf_convert, "COPY_LIMIT", 0)
+    gguf = tmp_path / "smollm2.gguf"
+    shutil.copyfile(ALIASES["smollm2-135m"](), gguf)
+    resolved = resolve_model(str(gguf))
+    assert (resolved.path / GGUF_LINK).samefile(gguf)
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    gguf_convert.convert_gguf(gguf, copied, views=False)
+    views, copies = Checkpoint(resolved.path), Checkpoint(copied)
+    origins = gguf_convert.gguf_origins(resolved.path)
+    assert {k for k, o in origins.items() if o.get("view")} == {k for k, o in origins.items() if o["rows"]}
+    assert (resolved.path / SINGLE_NAME).stat().st_size < 1 << 20  # the norm gains; the copy's: 0.5 GB
+    assert set(views.tensors) == set(copies.tensors)
+    for name in views.tensors:  # bit-equal to the copy (itself to transformers' loader, above)
+        np.testing.assert_array_equal(views.raw(name), copies.raw(name), err_msg=name)
+    config = ExportConfig(layers=2)
+    viewed, whole = export(resolved, tmp_path / "viewed", config), export(copied, tmp_path / "whole", config)
+    assert viewed.validation["passed"] and whole.validation["passed"]
+    with np.load(viewed.path / "reference.npz") as a, np.load(whole.path / "reference.npz") as b:
+        assert set(a.files) == set(b.files)
+        for k in a.files:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert {w["gguf"]["gguf"] for w in viewed.info["weights"].values() if "gguf" in w} >= {
+        "blk.0.attn_q.weight", "token_embd.weight"}
+    gguf.unlink()  # the folder's hard link keeps the GGUF's bytes
+    assert gguf_source(viewed) == resolved.path / GGUF_LINK

@@ -12,17 +12,23 @@ dequantizes the whole model into memory, then ``save_pretrained`` copies it agai
   the row order; the export copies it into ``stage.json`` so GGUF-exact quantization reads each weight's blocks by
   name (``trtinfer.quantization.gguf``).
 
-The folder holds fp32 values, exactly what ggml computes (bf16 or fp16 would round ``d * scale * q``).
+The folder holds fp32 values, exactly what ggml computes (bf16 or fp16 would round ``d * scale * q``). A GGUF
+whose fp32 copy would pass :data:`COPY_LIMIT` (a 1B model's is 5 GB, an 8B's 32 GB) is not copied: its 2-D tensors
+(every one whose processing only reorders rows) stay in the GGUF, which the folder links to, and are dequantized
+when read (:class:`trtinfer.checkpoint.Checkpoint`); only the small rest (norm gains) is written. The packaged
+models stay whole fp32 folders, which any tool reads (transformers' ``from_pretrained``, the eager benchmarks).
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from trtinfer.checkpoint import GGUF_LINK, GGUF_ORIGINS, SINGLE_NAME
 from trtinfer.errors import ModelSourceError
 from trtinfer.export.architectures import spec_for
 from trtinfer.export.quiet import quiet_third_party
@@ -30,9 +36,8 @@ from trtinfer.gguf_file import GGUFFile, describe_rows
 
 log = logging.getLogger(__name__)
 
-ORIGINS_NAME = "gguf.json"
-WEIGHTS_NAME = "model.safetensors"
-CHUNK_BYTES = 64 << 20  # fp32 bytes dequantized at a time for row-reorderable tensors
+#: fp32 bytes of weights above which a GGUF's 2-D tensors are read from it, not copied (the packaged models: 1 GB)
+COPY_LIMIT = 2 << 30
 
 
 def _load_config_and_tokenizer(gguf: Path) -> tuple[Any, Any]:
@@ -73,8 +78,9 @@ def _row_probe(processor: Any, name: str, n: int, key_map: dict[str, str], confi
     return order if np.array_equal(np.sort(order), np.arange(n)) else None
 
 
-def convert_gguf(gguf: Path, out: Path) -> None:
-    """Write ``gguf`` into the empty folder ``out`` as config, fp32 ``model.safetensors``, tokenizer and origins."""
+def convert_gguf(gguf: Path, out: Path, views: bool | None = None) -> None:
+    """Write ``gguf`` into the empty folder ``out`` as config, fp32 ``model.safetensors``, tokenizer and origins;
+    ``views`` (default: above :data:`COPY_LIMIT`): the 2-D tensors stay in the GGUF, linked as ``model.gguf``."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
@@ -109,20 +115,29 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         order = _row_probe(processor, name, t.shape[0], key_map, config.to_dict()) if len(t.shape) == 2 else None
         plan.append((name, hf, order))
         rows = describe_rows(order, heads) if order is not None else None
-        origins[hf] = {"gguf": name, "type": t.qtype, "rows": rows}
+        origins[hf] = {"gguf": name, "type": t.qtype, "rows": rows, "shape": list(expected[hf])}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     missing = [k for k in expected if k not in origins and not (tied and k == "lm_head.weight")]
     if missing:
         raise ModelSourceError(f"{gguf} has no tensor for {len(missing)} of the model's weights ({missing[0]}, ...): "
                                "is it a complete GGUF of a supported model?")
-    _write_weights(file, plan, expected, processor, key_map, config.to_dict(), out / WEIGHTS_NAME)
+    if views is None:
+        views = 4 * sum(int(np.prod(expected[hf])) for _, hf, _ in plan) > COPY_LIMIT
+    viewed = {hf for _, hf, order in plan if views and order is not None and origins[hf]["rows"] is not None}
+    for hf in viewed:
+        origins[hf]["view"] = True
+    if viewed:
+        _link(gguf, out / GGUF_LINK)
+        log.info("%d of %d tensors are read from the GGUF when used, not copied", len(viewed), len(plan))
+    copied = [p for p in plan if p[1] not in viewed]
+    _write_weights(file, copied, expected, processor, key_map, config.to_dict(), out / SINGLE_NAME)
     config.dtype = torch.float32
     config.architectures = [type(model).__name__]  # as save_pretrained of the loaded model writes it
     config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     tok.save_pretrained(out)
     write_chat_template(gguf, out, config.model_type)
-    (out / ORIGINS_NAME).write_text(json.dumps({"gguf": gguf.name, "tensors": origins}, indent=1) + "\n")
+    (out / GGUF_ORIGINS).write_text(json.dumps({"gguf": gguf.name, "tensors": origins}, indent=1) + "\n")
 
 
 def _write_weights(file: GGUFFile, plan: list[tuple[str, str, np.ndarray | None]], expected: dict[str, tuple[int, ...]],
@@ -141,16 +156,7 @@ def _write_weights(file: GGUFFile, plan: list[tuple[str, str, np.ndarray | None]
         f.write(raw)
         for name, hf, order in plan:
             if order is not None:  # a pure row reordering: a chunk of rows at a time, in the HF order
-                n, k = file.tensors[name].shape
-                step = max(1, CHUNK_BYTES // (4 * k))
-                for a in range(0, n, step):
-                    rows = order[a:a + step]
-                    if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
-                        chunk = file.dequantize(name, slice(int(rows[0]), int(rows[0]) + len(rows)))
-                    else:
-                        chunk = file.dequantize(name, slice(int(rows.min()), int(rows.max()) + 1))
-                        chunk = chunk[rows - rows.min()]
-                    f.write(np.ascontiguousarray(chunk, np.float32).data)
+                f.writelines(np.ascontiguousarray(c, np.float32).data for c in file.rows_in_order(name, order))
                 continue
             values = file.dequantize(name)
             values = processor.process(weights=values, name=name, tensor_key_mapping=key_map,
@@ -158,9 +164,20 @@ def _write_weights(file: GGUFFile, plan: list[tuple[str, str, np.ndarray | None]
             f.write(np.ascontiguousarray(np.asarray(values, np.float32).reshape(expected[hf])).data)
 
 
+def _link(gguf: Path, link: Path) -> None:
+    """``link`` names ``gguf``'s bytes: a hard link (the cache entry keeps them when the original moves), else a
+    symbolic link (another file system, or a file the user may not link)."""
+    try:
+        os.link(gguf, link)
+    except OSError:
+        os.symlink(gguf.resolve(), link)
+        log.info("the cached model folder links to %s (moved, it is converted again)", gguf)
+
+
 def gguf_origins(folder: Path) -> dict[str, dict[str, Any]]:
-    """Hugging Face tensor name -> ``{"gguf", "type", "rows"}`` of a converted GGUF folder ({} for other folders)."""
-    record = folder / ORIGINS_NAME
+    """Hugging Face tensor name -> ``{"gguf", "type", "rows", "shape"}`` (and ``"view": true`` for a tensor read from
+    the GGUF) of a converted GGUF folder ({} for other folders)."""
+    record = folder / GGUF_ORIGINS
     if not record.is_file():
         return {}
     return dict(json.loads(record.read_text())["tensors"])

@@ -25,8 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 #: Bump when what ``convert_gguf`` writes changes (invalidates cached model folders). 2: chat_template.jinja;
-#: 3: written tensor by tensor, with gguf.json (each tensor's GGUF origin).
-MODELS_FORMAT = 3
+#: 3: written tensor by tensor, with gguf.json (each tensor's GGUF origin); 4: a GGUF past gguf_convert.COPY_LIMIT
+#: is read through its link, not copied (gguf.json: shapes and views).
+MODELS_FORMAT = 4
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 

@@ -287,12 +287,14 @@ class SourceReader:
             b = min(rows, a + step)  # a cut vocabulary takes the leading rows only
             flat[a:b] = to_float32(words.reshape(words.shape[0] if words.ndim else 1, -1)[a:b], dtype)
             del words
+        self.ckpt.release()
 
     def value(self, source: str) -> np.ndarray:
         """The whole float32 value of one weight (one tensor in memory)."""
         tensor, rows = self.tensor(source), self.rows(source)
         words = self.ckpt.raw(tensor)
-        return to_float32(words[:rows] if rows else words, self.ckpt.tensors[tensor].dtype)
+        value = to_float32(words[:rows] if rows else words, self.ckpt.tensors[tensor].dtype)
+        return np.array(value) if self.ckpt.viewed(tensor) else value  # a view's buffer is reused by the next
 
 
 def _evaluate(src: WeightSource, reader: SourceReader) -> np.ndarray:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
+from trtinfer.checkpoint import GGUF_LINK
 from trtinfer.gguf_file import GGUFFile, row_order
 from trtinfer.quantization.blocks import BlockWeight
 from trtinfer.quantization.weights import MS_DOMAIN, add_initializer
@@ -440,8 +441,11 @@ def gguf_source(stage: StageDir) -> Path | None:
 
     source = stage.info.get("source") or {}
     alias, kind = source.get("model"), source.get("kind")
+    linked = Path(str(source.get("path", ""))) / GGUF_LINK  # a large GGUF's folder links to it (export.gguf_convert)
     try:
-        if kind == "alias" and alias in ALIASES:
+        if source.get("path") and linked.is_file():
+            path = linked
+        elif kind == "alias" and alias in ALIASES:
             path = ALIASES[alias]()
         elif kind == "gguf" and alias:
             path = Path(str(alias)).expanduser()  # the MODEL argument; "path" is the dequantized folder
