@@ -178,7 +178,6 @@ class GGUFFile:
         shape = (raw.shape[0], *t.shape[1:]) if len(t.shape) > 1 else t.shape
         return np.asarray(values, np.float32).reshape(shape)
 
-
     def rows_in_order(self, name: str, order: np.ndarray | None, chunk_bytes: int = 1 << 20) -> Iterator[np.ndarray]:
         """float32 rows of the 2-D tensor ``name`` in the order ``order`` gives (row ``i`` is the tensor's row
         ``order[i]``; None: its own order), a chunk of about ``chunk_bytes`` at a time: the tensor is never whole.
