@@ -85,6 +85,19 @@ def test_export_layers_and_vocab_cut_the_model(tiny_model_dir, tmp_path):
     assert "layers must be >= 1" in p.stderr
 
 
+def test_a_padding_token_past_the_cut_is_dropped_from_the_reduced_model(tiny_model_dir, tmp_path):
+    """A GGUF's converted config names its padding token (Qwen3: 151643, past the check's first 8192 rows): the cut
+    model has none, where the eager reference once failed on it ("Padding_idx must be within num_embeddings")."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model_dir("llama"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "pad_token_id": 300}))  # of 320
+    stage = export(src, tmp_path / "x", ExportConfig(layers=1, vocab=100))
+    assert stage.geometry["vocab_size"] == 100 and stage.validation["passed"]
+
+
 def test_the_reduced_depth_check_can_be_turned_off(only_the_slice_fits, tmp_path):
     engine = build(only_the_slice_fits, tmp_path / "engine", BuildConfig(precision="int8", reduced_depth_check=False),
                    progress=False)

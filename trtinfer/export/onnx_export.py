@@ -90,7 +90,7 @@ def load_hf_config(path: Path) -> Any:
 
 def reduced_depth(hf_config: Any, layers: int | None, vocab: int | None = None) -> Any:
     """``hf_config`` with only its first ``layers`` decoder layers (per-layer lists cut to match) and its first
-    ``vocab`` tokens; as is when both are None."""
+    ``vocab`` tokens (no padding token past them); as is when both are None."""
     import copy
 
     cut_layers = layers is not None and layers < hf_config.num_hidden_layers
@@ -104,6 +104,8 @@ def reduced_depth(hf_config: Any, layers: int | None, vocab: int | None = None) 
             cut.layer_types = cut.layer_types[:layers]
     if cut_vocab:
         cut.vocab_size = vocab
+        if isinstance(pad := getattr(cut, "pad_token_id", None), int) and pad >= cut.vocab_size:
+            cut.pad_token_id = None  # an embedding's padding row must exist (a GGUF's config names Qwen3's 151643)
     return cut
 
 
