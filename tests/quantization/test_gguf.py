@@ -103,7 +103,7 @@ def _model(e: np.ndarray, wq: np.ndarray, wk: np.ndarray, wx: np.ndarray, ckpt: 
              [("E", e), ("Wq", wq), ("Wk", wk), ("Wx", wx), ("Whead", np.ascontiguousarray(e.T))]]
     graph = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", V]),
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", e.shape[0]]),
          helper.make_tensor_value_info("emb", TensorProto.FLOAT, ["b", "s", K])], inits)
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     if ckpt is not None:
@@ -111,7 +111,8 @@ def _model(e: np.ndarray, wq: np.ndarray, wk: np.ndarray, wx: np.ndarray, ckpt: 
         for init, (tensor, transpose) in REFS.items():
             if init not in unbound:
                 value = model.graph.initializers[init]
-                bound = CheckpointTensor(checkpoint, tensor, transpose, init)
+                cut = e.shape[0] if tensor == "model.embed_tokens.weight" and e.shape[0] < V else None
+                bound = CheckpointTensor(checkpoint, tensor, transpose, init, rows=cut)
                 np.testing.assert_array_equal(bound.numpy(), value.const_value.numpy())  # type: ignore[union-attr]
                 value.const_value = bound
     return model
@@ -190,6 +191,27 @@ def test_import_matches_fp32_graph(tmp_path: Path, emb_t: str, q_t: str, k_t: st
             np.testing.assert_array_equal(exact_emb, want_emb)  # the same integers times the same scales
         else:
             np.testing.assert_allclose(exact_emb, want_emb, rtol=0, atol=2e-7 * np.abs(want_emb).max())
+
+
+@pytest.mark.parametrize("emb_t", ["Q4_K", "Q6_K"])
+def test_a_cut_vocabulary_imports_its_leading_rows(tmp_path: Path, emb_t: str) -> None:
+    """The reduced-depth check's model reads the first rows of the embedding table and LM head: the imported blocks
+    are those rows (a Q4_K_M GGUF's reduced check once failed: "data shape and scales shape do not match")."""
+    path, a, origins = _case(tmp_path, emb_t, "Q4_K", "Q6_K")
+    rows = V // 4
+    e = np.ascontiguousarray(a["E"][:rows])
+    ref = _session(_model(e, a["Wq"], a["Wk"], a["Wx"]))
+    model = _model(e, a["Wq"], a["Wk"], a["Wx"], tmp_path / "ckpt")
+    report = import_gguf(model, path, origins, accuracy_level=0)
+    assert sum(report["counts"].values()) == 4 and report["shared_embedding"], report
+    head = next(n for n in model.graph if n.op_type == "MatMulNBits" and n.name.startswith("/lm_head"))
+    assert head.attributes.get_int("N") == rows
+    ids = np.array([[0, rows - 1, 3], [5, 1, rows // 2]], np.int64)
+    want_logits, want_emb = ref.run(None, {"ids": ids})
+    got_logits, got_emb = _session(model).run(None, {"ids": ids})
+    assert got_logits.shape == (2, 3, rows)
+    assert np.abs(got_logits - want_logits).max() <= 1e-5 * np.abs(want_logits).max()
+    np.testing.assert_allclose(got_emb, want_emb, rtol=0, atol=2e-7 * np.abs(want_emb).max())
 
 
 def test_exclude_and_weights_without_origin(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ import onnx_ir as ir
 from trtinfer.checkpoint import GGUF_LINK
 from trtinfer.gguf_file import GGUFFile, row_order
 from trtinfer.quantization.blocks import BlockWeight
-from trtinfer.quantization.weights import MS_DOMAIN, add_initializer
+from trtinfer.quantization.weights import MS_DOMAIN, BlockCache, add_initializer
 from trtinfer.stage_weights import CheckpointTensor
 
 if TYPE_CHECKING:
@@ -149,6 +149,7 @@ class BlockType:
     bits: int
     block: int
     elems: int  # values per GGUF block (32, or 256 for K-quants)
+    offsets: bool = False  # a min term: offsets per 32 values
 
     @property
     def form(self) -> str:
@@ -160,11 +161,11 @@ class BlockType:
 BLOCK_TYPES: dict[str, BlockType] = {
     "Q8_0": BlockType(_q8_0, 8, 32, 32),
     "Q4_0": BlockType(_q4_0, 4, 32, 32),
-    "Q4_1": BlockType(_q4_1, 4, 32, 32),
+    "Q4_1": BlockType(_q4_1, 4, 32, 32, offsets=True),
     "Q5_0": BlockType(_q5_0, 8, 32, 32),
-    "Q5_1": BlockType(_q5_1, 8, 32, 32),
-    "Q4_K": BlockType(_q4_k, 4, 32, 256),
-    "Q5_K": BlockType(_q5_k, 8, 32, 256),
+    "Q5_1": BlockType(_q5_1, 8, 32, 32, offsets=True),
+    "Q4_K": BlockType(_q4_k, 4, 32, 256, offsets=True),
+    "Q5_K": BlockType(_q5_k, 8, 32, 256, offsets=True),
     "Q6_K": BlockType(_q6_k, 8, 16, 256),
 }
 
@@ -191,12 +192,6 @@ class GGUFBlocks:
             w = (w.reshape(n, k // SUM_BLOCK, SUM_BLOCK) + self.offsets[:, :, None]).reshape(n, k)
         return w
 
-    def take(self, perm: np.ndarray) -> GGUFBlocks:
-        """These blocks with their rows reordered (``out[i] = self[perm[i]]``): blocks run along K, so rows are free."""
-        w = self.weight
-        return GGUFBlocks(self.name, self.qtype, BlockWeight(w.codes[perm], w.scales[perm], None, w.bits, w.block),
-                          None if self.offsets is None else self.offsets[perm])
-
 
 def decode_tensor(name: str, qtype: str, raw: np.ndarray, k: int) -> GGUFBlocks:
     """Raw GGUF bytes of a 2-D tensor (``[N, bytes per row]``, ``k`` values per row) -> :class:`GGUFBlocks`."""
@@ -210,27 +205,66 @@ def decode_tensor(name: str, qtype: str, raw: np.ndarray, k: int) -> GGUFBlocks:
     return GGUFBlocks(name, qtype, weight, off)
 
 
+class _Pending:
+    """Rows ``perm`` of one GGUF tensor in ORT block form, decoded when a save first reads them (import while
+    writing: the graph holds no block of the model until it is written, one weight at a time; decoding every weight
+    up front held the Qwen3-8B shape's 8 GB of codes beside its packed copy, a 19 GB build peak)."""
+
+    def __init__(self, file: GGUFFile, name: str, perm: np.ndarray, cache: BlockCache) -> None:
+        t = file.tensors[name]
+        bt = BLOCK_TYPES[t.qtype]
+        self.file, self.name, self.qtype, self.perm, self.cache = file, name, t.qtype, perm, cache
+        self.n, self.k, self.bits, self.block, self.has_offsets = len(perm), t.shape[1], bt.bits, bt.block, bt.offsets
+
+    def compute(self) -> GGUFBlocks:
+        """Only the rows used, in their order: GGUF blocks run along K, so a row's bytes decode on their own."""
+        raw = self.file.raw(self.name)
+        return decode_tensor(self.name, self.qtype, raw[self.perm], self.k)
+
+    def _lazy(self, make: Callable[[GGUFBlocks], np.ndarray], dtype: ir.DataType, shape: list[int]) -> ir.LazyTensor:
+        return ir.LazyTensor(lambda: ir.Tensor(np.ascontiguousarray(make(self.cache.get(self)))), dtype=dtype,
+                             shape=ir.Shape(shape))
+
+    def packed(self) -> ir.LazyTensor:
+        """B ``[N, K/block, block*bits/8]``."""
+        return self._lazy(lambda b: b.weight.packed(), ir.DataType.UINT8,
+                          [self.n, self.k // self.block, self.block * self.bits // 8])
+
+    def scales(self) -> ir.LazyTensor:
+        """``[N, K/block]``."""
+        return self._lazy(lambda b: b.weight.scales, ir.DataType.FLOAT, [self.n, self.k // self.block])
+
+    def offsets(self, transposed: bool) -> ir.LazyTensor:
+        """``C [K/32, N]`` (a MatMul's correction) or, not ``transposed``, the table's ``[N, K/32]``."""
+        def make(b: GGUFBlocks) -> np.ndarray:
+            assert b.offsets is not None
+            return b.offsets.T if transposed else b.offsets
+
+        shape = [self.k // SUM_BLOCK, self.n] if transposed else [self.n, self.k // SUM_BLOCK]
+        return self._lazy(make, ir.DataType.FLOAT, shape)
+
+
 @dataclass
 class _Rewriter:
     graph: ir.Graph
     accuracy_level: int
     report: dict[str, Any]
-    packed: dict[tuple[str, str], tuple[ir.Value, ir.Value, ir.Value | None]] = field(default_factory=dict)
+    packed: dict[tuple[str, str], tuple[_Pending, ir.Value, ir.Value, ir.Value | None]] = field(default_factory=dict)
     sums: dict[tuple[int, int], ir.Value] = field(default_factory=dict)
     count: int = 0
     rank_hint: int | None = None  # rank of every MatMul input when the graph carries no shapes
 
-    def _init(self, name: str, array: np.ndarray) -> ir.Value:
+    def _init(self, name: str, array: np.ndarray | ir.TensorProtocol) -> ir.Value:
         return add_initializer(self.graph, name, array)
 
-    def stored(self, blocks: GGUFBlocks, perm: np.ndarray) -> tuple[ir.Value, ir.Value, ir.Value | None]:
-        """B ``[N, K/block, blob]``, scales ``[N, K/block]`` and offsets ``C [K/32, N]`` (or None), stored once."""
-        key = (blocks.name, hashlib.sha1(perm.tobytes()).hexdigest())
+    def stored(self, blocks: _Pending) -> tuple[_Pending, ir.Value, ir.Value, ir.Value | None]:
+        """B ``[N, K/block, blob]``, scales ``[N, K/block]`` and offsets ``C [K/32, N]`` (or None), stored once per
+        tensor and rows (a tied head and embedding share them)."""
+        key = (blocks.name, hashlib.sha1(blocks.perm.tobytes()).hexdigest())
         if key not in self.packed:
-            b = blocks.take(perm)
-            c = None if b.offsets is None else self._init(f"gguf.{b.name}.offsets", b.offsets.T)
-            self.packed[key] = (self._init(f"gguf.{b.name}.B", b.weight.packed()),
-                                self._init(f"gguf.{b.name}.scales", b.weight.scales), c)
+            c = self._init(f"gguf.{blocks.name}.offsets", blocks.offsets(True)) if blocks.has_offsets else None
+            self.packed[key] = (blocks, self._init(f"gguf.{blocks.name}.B", blocks.packed()),
+                                self._init(f"gguf.{blocks.name}.scales", blocks.scales()), c)
         return self.packed[key]
 
     def _node(self, op: str, inputs: list[ir.Value | None], name: str, domain: str = "",
@@ -262,12 +296,11 @@ class _Rewriter:
         self.sums[key] = total.outputs[0]
         return total.outputs[0]
 
-    def matmul(self, node: ir.Node, blocks: GGUFBlocks, perm: np.ndarray) -> None:
+    def matmul(self, node: ir.Node, blocks: _Pending) -> None:
         """``MatMul(x, W)`` -> ``MatMulNBits(x, B, scales)`` (+ block-sum correction)."""
         x = node.inputs[0]
         assert x is not None
-        b, s, c = self.stored(blocks, perm)
-        w = blocks.weight
+        w, b, s, c = self.stored(blocks)
         new: list[ir.Node] = []
         base = node.name or "gguf"
         mm = self._node("MatMulNBits", [x, b, s], base, domain=MS_DOMAIN, K=w.k, N=w.n, bits=w.bits,
@@ -282,21 +315,19 @@ class _Rewriter:
             out = add.outputs[0]
         ir.convenience.replace_nodes_and_values(self.graph, node, [node], new, [node.outputs[0]], [out])
 
-    def gather(self, node: ir.Node, blocks: GGUFBlocks, perm: np.ndarray) -> None:
+    def gather(self, node: ir.Node, blocks: _Pending) -> None:
         """``Gather(E, ids)`` -> ``GatherBlockQuantized(reshape(B), ids, scales)`` (+ the offsets, gathered)."""
         ids = node.inputs[1]
-        b, s, c = self.stored(blocks, perm)
-        w = blocks.weight
+        w, b, s, c = self.stored(blocks)
         base = node.name or "gguf"
-        data_shape = self._init(f"gguf.{blocks.name}.gather_shape", np.array([w.n, w.k * w.bits // 8], np.int64))
+        data_shape = self._init(f"gguf.{w.name}.gather_shape", np.array([w.n, w.k * w.bits // 8], np.int64))
         data = self._node("Reshape", [b, data_shape], base)
         gbq = self._node("GatherBlockQuantized", [data.outputs[0], ids, s], base, domain=MS_DOMAIN,
                          gather_axis=0, quantize_axis=1, block_size=w.block, bits=w.bits)
         new = [data, gbq]
         out = gbq.outputs[0]
         if c is not None:
-            assert c.const_value is not None
-            table = self._init(f"gguf.{blocks.name}.offsets_rows", c.const_value.numpy().T)
+            table = self._init(f"gguf.{w.name}.offsets_rows", w.offsets(False))
             spread = self._init(f"gguf.spread.{w.k}", np.kron(np.eye(w.k // SUM_BLOCK, dtype=np.float32),
                                                                np.ones((1, SUM_BLOCK), np.float32)))
             off = self._node("Gather", [table, ids], base, axis=0)
@@ -371,7 +402,7 @@ def import_gguf(model: ir.Model, gguf_path: str | Path, origins: Mapping[str, Ma
     for tensor in file.tensors.values():
         if len(tensor.shape) == 2:
             report["gguf_types"][tensor.qtype] = report["gguf_types"].get(tensor.qtype, 0) + 1
-    decoded: dict[str, GGUFBlocks] = {}
+    cache = BlockCache()
     rw = _Rewriter(graph, accuracy_level, report, rank_hint=rank_hint)
     weights_before: dict[int, ir.Value] = {}
     for node, weight, is_gather in sites:
@@ -391,26 +422,23 @@ def import_gguf(model: ir.Model, gguf_path: str | Path, origins: Mapping[str, Ma
         if t.qtype not in BLOCK_TYPES or len(t.shape) != 2 or t.shape[1] % BLOCK_TYPES[t.qtype].elems:
             report["kept_float"][name] = f"{t.name} is {t.qtype} in the GGUF (no exact ORT block form)"
             continue
-        if t.name not in decoded:
-            decoded[t.name] = decode_tensor(t.name, t.qtype, file.raw(t.name), t.shape[1])
         order = row_order(origin["rows"], t.shape[0])
         perm = np.arange(t.shape[0]) if order is None else order
-        perm = perm[:rows_used] if rows_used else perm
+        blocks = _Pending(file, t.name, perm[:rows_used] if rows_used else perm, cache)
         weights_before[id(weight)] = weight
-        blocks = decoded[t.name]
-        form = BLOCK_TYPES[t.qtype].form + (" + block-sum offsets" if blocks.offsets is not None else "")
+        form = BLOCK_TYPES[t.qtype].form + (" + block-sum offsets" if blocks.has_offsets else "")
         op = "GatherBlockQuantized" if is_gather else "MatMulNBits"
         report["imported"].setdefault(f"{t.qtype} -> {op} {form}", []).append(name)
         if is_gather:
-            rw.gather(node, blocks, perm)
+            rw.gather(node, blocks)
         else:
-            rw.matmul(node, blocks, perm)
+            rw.matmul(node, blocks)
 
     report["bytes_before"] = sum(_nbytes(w) for w in weights_before.values())
     for w in weights_before.values():
         if not w.uses() and not w.is_graph_output() and w.name is not None and w.name in graph.initializers:
             del graph.initializers[w.name]
-    after = {id(v): v for trio in rw.packed.values() for v in trio if v is not None}
+    after = {id(v): v for _, *trio in rw.packed.values() for v in trio if v is not None}
     report["bytes_after"] = sum(int(v.const_value.nbytes)  # type: ignore[union-attr,misc]
                                 for v in after.values())
     gathers = [n for n in graph if n.op_type == "GatherBlockQuantized"]

@@ -25,11 +25,11 @@ log = logging.getLogger(__name__)
 ATTRS = ("K", "bits", "block_size", "accuracy_level")
 
 
-def concatenated(parts: list[ir.TensorProtocol]) -> ir.LazyTensor:
-    """``parts`` stacked along their first axis, computed when read (nothing is held in memory until then)."""
+def concatenated(parts: list[ir.TensorProtocol], axis: int = 0) -> ir.LazyTensor:
+    """``parts`` joined along ``axis``, computed when read (nothing is held in memory until then)."""
     dims = [int(d) for d in parts[0].shape.numpy()]
-    dims[0] = sum(int(p.shape.numpy()[0]) for p in parts)
-    return ir.LazyTensor(lambda: ir.Tensor(np.concatenate([p.numpy() for p in parts], axis=0)),
+    dims[axis] = sum(int(p.shape.numpy()[axis]) for p in parts)
+    return ir.LazyTensor(lambda: ir.Tensor(np.concatenate([p.numpy() for p in parts], axis=axis)),
                          dtype=parts[0].dtype, shape=ir.Shape(dims))
 
 
@@ -106,7 +106,7 @@ def _merge_corrections(graph: ir.Graph, split: ir.Node) -> ir.Node | None:
     The block-sum corrections of imported GGUF blocks with mins (see :mod:`trtinfer.quantization.gguf`) follow
     their MatMulNBits; packed, the corrections of one input become one MatMul and one Add. Returns the new Split.
     """
-    adds, cs, xs = [], [], None
+    adds, cs, xs = [], [], None  # cs: each part's C [K/32, N_i], joined along N when written
     for out in split.outputs:
         uses = list(out.uses())
         if len(uses) != 1 or uses[0].node.op_type != "Add":
@@ -121,12 +121,12 @@ def _merge_corrections(graph: ir.Graph, split: ir.Node) -> ir.Node | None:
             return None
         xs = mm.inputs[0]
         adds.append(add)
-        cs.append(np.asarray(c.const_value.numpy()))
+        cs.append(c.const_value)
     assert xs is not None
     packed = split.inputs[0]
     assert packed is not None
     base = (split.name or "packed").replace("/", "_")
-    corr = ir.node("MatMul", [xs, add_initializer(graph, f"{base}_corrections", np.concatenate(cs, axis=1))],
+    corr = ir.node("MatMul", [xs, add_initializer(graph, f"{base}_corrections", concatenated(cs, axis=1))],
                    name=f"{split.name}_corrections")
     add = ir.node("Add", [packed, corr.outputs[0]], name=f"{split.name}_corrected")
     new = ir.node("Split", [add.outputs[0], split.inputs[1]], attributes={"axis": -1}, num_outputs=len(adds),

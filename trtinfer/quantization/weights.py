@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import onnx_ir as ir
@@ -79,16 +80,27 @@ class WeightSite:
         return np.asarray(np.asarray(t.numpy())[:, start:stop], dtype=np.float32)
 
 
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Computes(Protocol[T_co]):
+    """A weight whose blocks are made when first read."""
+
+    def compute(self) -> T_co: ...
+
+
 class BlockCache:
-    """The last few weights :class:`LazyBlocks` computed: a save writes one weight's B, scales and zero points in a
-    row (a packed QKV reads three weights' B, then their scales), so each weight is quantized once."""
+    """The last few weights :class:`LazyBlocks` (or another lazy import) computed: a save writes one weight's B,
+    scales and zero points in a row (a packed QKV reads three weights' B, then their scales), so each weight is
+    quantized once."""
 
     def __init__(self, size: int = 4) -> None:
         self.size = size
-        self._items: OrderedDict[int, BlockWeight] = OrderedDict()
+        self._items: OrderedDict[int, Any] = OrderedDict()
 
-    def get(self, blocks: LazyBlocks) -> BlockWeight:
-        q = self._items.get(id(blocks))
+    def get(self, blocks: Computes[T]) -> T:
+        q: T | None = self._items.get(id(blocks))
         if q is None:
             q = blocks.compute()
             self._items[id(blocks)] = q
