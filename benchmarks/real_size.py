@@ -2,7 +2,7 @@
 cache and engine bytes), what its checks said, what the engine costs to load and run, and how close its decode
 steps get to the machine's measured memory bandwidth.
 
-usage: python -m benchmarks.real_size (--checkpoint DIR | --preset NAME [--layers N] [--vocab V])
+usage: python -m benchmarks.real_size (--checkpoint DIR | --preset NAME [--layers N] [--vocab V] | --gguf FILE)
            [--precisions fp32,int8,int4[+b128][+prefill]] [--method M] [--cache DIR] [--work DIR] [--batch-sizes 1,8]
            [--prompt-len 512] [--batch-prompt-len 32] [--new-tokens 32] [--buffer-mib 1024] [--oga-python PY]
            [--llama-cpp-python PY --llama-cpp-convert SCRIPT [--llama-cpp-types Q4_0,Q4_K_M] [--llama-cpp-outtype q8_0]]
@@ -31,6 +31,9 @@ usage: python -m benchmarks.real_size (--checkpoint DIR | --preset NAME [--layer
    to each ``--llama-cpp-types``; build wall time = conversion + quantization, build peak = the larger of the two.
    llama-cpp-python generates one sequence at a time: its larger batches are rows with that error. Its roofline
    fraction counts the quantized file's tensor bytes as one decode step's reads (every weight once; KV not counted).
+   With ``--gguf FILE`` (a GGUF as the source: ours built from it, e.g. ``--precisions gguf``), llama.cpp runs that
+   very file (one row, no conversion); the prompt's ids come from the first engine's tokenizer (the GGUF's
+   vocabulary as trtinfer converted it).
 
 Each engine is deleted once measured, the default cache once the builds are done, and the run folder (engines, logs)
 at the end, unless ``--keep``; ``--cache DIR`` is never deleted. Prints one table, writes PREFIX.json (raw figures, CPU flags,
@@ -63,12 +66,19 @@ VERSIONED = ("trtinfer", "onnxruntime", "onnx", "numpy", "tokenizers", "torch", 
 TIME_START = re.compile(r"^(\tCommand being timed:|Command exited with non-zero status|Command terminated by signal)")
 
 
-def tree_bytes(root: Path) -> int:
+def tree_bytes(root: Path, exclude: Path | None = None) -> int:
     """Bytes allocated to the files under ``root`` (or to the file ``root``) as ``du`` counts them (blocks, hard
-    links once); 0 if absent."""
+    links once); 0 if absent. Files that are ``exclude``'s (a file or folder: the source a cache links to, as a
+    converted GGUF's folder does) are not counted: they are no new bytes."""
+    seen: set[tuple[int, int]] = set()
+    if exclude is not None and exclude.exists():
+        for p in [exclude] if exclude.is_file() else exclude.rglob("*"):
+            st = p.stat()
+            seen.add((st.st_dev, st.st_ino))
     if root.is_file():
-        return root.stat().st_blocks * 512
-    seen, total = set(), 0
+        st = root.stat()
+        return 0 if (st.st_dev, st.st_ino) in seen else st.st_blocks * 512
+    total = 0
     for dirpath, dirs, files in os.walk(root):
         for name in dirs + files:
             st = os.lstat(os.path.join(dirpath, name))
@@ -132,7 +142,7 @@ def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cach
         cmd += ["--method", method or "rtn"]
     cmd += build_flags(precision)
     log_path = engine.parent / f"build-{precision}.log"
-    before = tree_bytes(cache)
+    before = tree_bytes(cache, exclude=ckpt)
     log.info("building %s (log: %s)", precision, log_path)
     with log_path.open("w+") as stderr:
         proc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=subprocess.PIPE, stderr=stderr, text=True,
@@ -142,7 +152,7 @@ def build_row(ckpt: Path, precision: str, method: str | None, engine: Path, cach
     row: dict[str, Any] = {"precision": precision, "command": cmd, "env": {"TRTINFER_CACHE": str(cache)},
                            "exit_code": proc.returncode, "build_wall_s": timed["wall_s"],
                            "build_peak_rss_bytes": timed["peak_rss_bytes"], "signal": timed["signal"],
-                           "cache_growth_bytes": tree_bytes(cache) - before, "stdout": proc.stdout.strip()}
+                           "cache_growth_bytes": tree_bytes(cache, exclude=ckpt) - before, "stdout": proc.stdout.strip()}
     if proc.returncode != 0 or not (engine / "manifest.json").is_file():
         row["error"] = timed["last_line"] or f"exit code {proc.returncode}, no output"
         row["stderr_tail"] = timed["tail"]
@@ -222,19 +232,13 @@ def llama_cpp_rows(ckpt: Path, python: str, convert: Path, out: Path, types: Seq
     """llama.cpp's converter (a GGUF of ``outtype``: bf16, or q8_0 where the disk holds no second bf16 copy) and
     quantizer on the checkpoint, then ``peer_workers/run_llama_cpp.py`` at batch 1 with the ``prompt_len`` prompt;
     one row per quantization type (a failure is a row with its error)."""
-    from tokenizers import Tokenizer
-
-    from trtinfer.bench import PROMPT_TEXT
-
     out.mkdir(parents=True, exist_ok=True)
     converted = out / f"model-{outtype}.gguf"
     conv_cmd = [sys.executable, str(HERE / "peer_workers" / "convert_llama_cpp.py"), str(convert), str(ckpt),
                 "--outtype", outtype, "--outfile", str(converted)]
     log.info("converting the checkpoint with llama.cpp's convert_hf_to_gguf.py (log: %s)", out / "convert.log")
     conv, conv_t = _timed(conv_cmd, out / "convert.log")
-    ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(PROMPT_TEXT).ids
-    ids_file = out / f"ids-{prompt_len}.json"
-    ids_file.write_text(json.dumps(ids[:prompt_len]))
+    ids_file = prompt_ids(ckpt / "tokenizer.json", prompt_len, out / f"ids-{prompt_len}.json")
     rows = []
     for kind in types:
         row: dict[str, Any] = {"precision": f"llama.cpp {kind}", "peer": True, "command": [conv_cmd],
@@ -258,28 +262,52 @@ def llama_cpp_rows(ckpt: Path, python: str, convert: Path, out: Path, types: Seq
         if quant.returncode or not gguf.is_file():
             row.update(error=f"llama_model_quantize: {quant_t['last_line']}", stderr_tail=quant_t["tail"])
             continue
-        row["engine_bytes"] = tree_bytes(gguf)
         row["version"] = quant.stdout.strip().splitlines()[-1] if quant.stdout.strip() else None
-        row["runs"] = []
-        for bs in batch_sizes:
-            if bs != 1:
-                row["runs"].append({"batch_size": bs, "error": "llama-cpp-python generates one sequence at a time"})
-                continue
-            log.info("measuring llama.cpp %s at batch 1 (prompt %d)", kind, prompt_len)
-            run = subprocess.run([python, str(HERE / "peer_workers" / "run_llama_cpp.py"), "--model", str(gguf),
-                                  "--ids", str(ids_file), "--bs", "1", "--new-tokens", str(new_tokens)],
-                                 check=False, capture_output=True, text=True)
-            if run.returncode:
-                row["runs"].append({"batch_size": 1, "prompt_len": prompt_len,
-                                    "error": (run.stderr.strip() or "no output").splitlines()[-1]})
-                continue
-            res = json.loads(run.stdout.strip().splitlines()[-1])
-            # every weight read once per step (the file's bytes; KV not counted): a lower bound on its reads
-            res["achieved_gb_s"] = row["engine_bytes"] * res["decode_tok_s"] / 1e9
-            row["runs"].append({**res, "batch_size": 1})
+        llama_cpp_runs(row, python, gguf, ids_file, batch_sizes, prompt_len, new_tokens)
         gguf.unlink()
     converted.unlink(missing_ok=True)
     return rows
+
+
+def prompt_ids(tokenizer_json: Path, prompt_len: int, out: Path) -> Path:
+    """``out``: the first ``prompt_len`` token ids of the benchmark prompt (``trtinfer.bench.PROMPT_TEXT``), JSON."""
+    from tokenizers import Tokenizer
+
+    from trtinfer.bench import PROMPT_TEXT
+
+    ids = Tokenizer.from_file(str(tokenizer_json)).encode(PROMPT_TEXT).ids
+    out.write_text(json.dumps(ids[:prompt_len]))
+    return out
+
+
+def llama_cpp_runs(row: dict[str, Any], python: str, gguf: Path, ids_file: Path, batch_sizes: Sequence[int],
+                   prompt_len: int, new_tokens: int) -> None:
+    """Add ``engine_bytes`` and ``runs`` to ``row``: ``peer_workers/run_llama_cpp.py`` on ``gguf`` at batch 1 (its
+    larger batches are rows with an error: llama-cpp-python generates one sequence at a time)."""
+    row["engine_bytes"] = tree_bytes(gguf)
+    row["runs"] = []
+    for bs in batch_sizes:
+        if bs != 1:
+            row["runs"].append({"batch_size": bs, "error": "llama-cpp-python generates one sequence at a time"})
+            continue
+        log.info("measuring %s at batch 1 (prompt %d)", row["precision"], prompt_len)
+        run = subprocess.run([python, str(HERE / "peer_workers" / "run_llama_cpp.py"), "--model", str(gguf),
+                              "--ids", str(ids_file), "--bs", "1", "--new-tokens", str(new_tokens)],
+                             check=False, capture_output=True, text=True)
+        if run.returncode:
+            row["runs"].append({"batch_size": 1, "prompt_len": prompt_len,
+                                "error": (run.stderr.strip() or "no output").splitlines()[-1]})
+            continue
+        res = json.loads(run.stdout.strip().splitlines()[-1])
+        # every weight read once per step (the file's bytes; KV not counted): a lower bound on its reads
+        res["achieved_gb_s"] = row["engine_bytes"] * res["decode_tok_s"] / 1e9
+        row["runs"].append({**res, "batch_size": 1})
+
+
+def llama_cpp_version(python: str) -> str | None:
+    run = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True,
+                         text=True, check=False)
+    return run.stdout.strip() or None
 
 
 def measure_row(row: dict[str, Any], engine: Path, batch_sizes: Sequence[int], prompt_len: int,
@@ -413,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", type=Path, help="a Hugging Face model folder")
     src.add_argument("--preset", help="make_checkpoint.py preset (llama-3.2-1b, qwen3-8b, qwen3-14b)")
+    src.add_argument("--gguf", type=Path, help="a GGUF file: ours built from it (e.g. --precisions gguf,int4), "
+                     "llama.cpp run on the file itself")
     ap.add_argument("--layers", type=int, help="--preset: an N-layer slice")
     ap.add_argument("--vocab", type=int, help="--preset: this vocabulary size")
     ap.add_argument("--precisions", type=_csv(str), default=["fp32", "int8", "int4"],
@@ -449,8 +479,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     work = args.work.expanduser()
     ckpt_cmd: list[str] | None = None
-    if args.checkpoint:
-        ckpt = args.checkpoint.expanduser().resolve()
+    if args.gguf and (args.oga_python or args.llama_cpp_convert):
+        ap.error("--gguf: llama.cpp runs the file itself (no --llama-cpp-convert); onnxruntime-genai's builder "
+                 "takes a Hugging Face folder (no --oga-python)")
+    if args.checkpoint or args.gguf:
+        ckpt = (args.checkpoint or args.gguf).expanduser().resolve()
     else:
         ckpt, ckpt_cmd = ensure_checkpoint(work, args.preset, args.layers, args.vocab)
     (work / "runs").mkdir(parents=True, exist_ok=True)
@@ -468,6 +501,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             engine.parent.mkdir(parents=True, exist_ok=True)
             row = build_row(ckpt, precision, args.method, engine, cache)
             if "error" not in row:
+                if args.gguf and not (run_dir / "ids.json").is_file():  # the GGUF's vocabulary, as converted
+                    prompt_ids(engine / "tokenizer.json", args.prompt_len, run_dir / "ids.json")
                 measure_row(row, engine, args.batch_sizes, args.prompt_len, args.batch_prompt_len,
                             args.new_tokens, ceiling)
                 if not args.keep:
@@ -479,7 +514,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             rows.append(oga_row(ckpt, args.oga_python, run_dir / "engines" / "oga-int4", args.batch_sizes,
                                 args.prompt_len, args.batch_prompt_len, args.new_tokens))
             shutil.rmtree(run_dir / "engines" / "oga-int4", ignore_errors=True)
-        if args.llama_cpp_python:
+        if args.llama_cpp_python and args.gguf:
+            row = {"precision": "llama.cpp (this GGUF)", "peer": True, "command": [], "cache_growth_bytes": 0,
+                   "build_wall_s": None, "build_peak_rss_bytes": None,
+                   "version": llama_cpp_version(args.llama_cpp_python)}
+            if (run_dir / "ids.json").is_file():
+                llama_cpp_runs(row, args.llama_cpp_python, ckpt, run_dir / "ids.json", args.batch_sizes,
+                               args.prompt_len, args.new_tokens)
+            else:
+                row["error"] = "not run: no engine was built, whose tokenizer gives the prompt's ids"
+            rows.append(row)
+        elif args.llama_cpp_python:
             if not args.llama_cpp_convert:
                 ap.error("--llama-cpp-python needs --llama-cpp-convert (llama.cpp's convert_hf_to_gguf.py)")
             rows += llama_cpp_rows(ckpt, args.llama_cpp_python, args.llama_cpp_convert.expanduser(),
@@ -497,7 +542,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             run["fraction_of_copy"] = run["achieved_gb_s"] / ceiling["copy"]
             if r["precision"].split("+")[0] == "int4":  # our int4 engines: against the int4 kernel's own ceiling
                 run["fraction_of_int4_kernel"] = run["achieved_gb_s"] / ceiling["int4"]
-    config = json.loads((ckpt / "config.json").read_text())
+    if args.gguf:
+        from trtinfer.gguf_file import GGUFFile
+
+        meta = GGUFFile(ckpt).metadata
+        arch = meta.get("general.architecture")
+        keys = {"architectures": "general.architecture", "hidden_size": f"{arch}.embedding_length",
+                "num_hidden_layers": f"{arch}.block_count", "intermediate_size": f"{arch}.feed_forward_length",
+                "vocab_size": f"{arch}.vocab_size", "file_type": "general.file_type"}
+        config = {k: meta.get(v) for k, v in keys.items()}
+    else:
+        config = json.loads((ckpt / "config.json").read_text())
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
                             check=False).stdout.strip()
     report = {"machine": machine, "cpu_tag": cpu_kind(machine), "date": date, "git_commit": commit,
@@ -505,7 +560,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "load_average": {"before": load_before, "after": os.getloadavg()},
               "checkpoint": {"path": str(ckpt), "name": ckpt.name, "bytes": tree_bytes(ckpt), "made_by": ckpt_cmd,
                              "config": {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers",
-                                                                   "intermediate_size", "vocab_size", "dtype")}},
+                                                                   "intermediate_size", "vocab_size", "dtype",
+                                                                   "file_type") if k in config}},
               "settings": {"precisions": args.precisions, "method": args.method, "batch_sizes": args.batch_sizes,
                            "prompt_len": args.prompt_len, "batch_prompt_len": args.batch_prompt_len,
                            "new_tokens": args.new_tokens, "cache": str(cache), "run_dir": str(run_dir),
@@ -514,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "int4_kernel_probes": int4,
               "ceiling_gb_s": ceiling, "rows": rows}
     print(format_table(report))
-    out = args.out or result_path(f"real_size_{ckpt.name}", suffix="", machine=machine)  # one name per model
+    out = args.out or result_path(f"real_size_{ckpt.stem if args.gguf else ckpt.name}", suffix="", machine=machine)  # one name per model
     out.parent.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out.with_name(out.name + ".json"), out.with_name(out.name + ".png")
     json_path.write_text(json.dumps(report, indent=2))

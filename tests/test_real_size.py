@@ -65,6 +65,25 @@ def test_precision_suffixes_become_build_flags(tmp_path):
     assert refused.value.code == 2 and not any(tmp_path.iterdir())
 
 
+def test_a_gguf_source_refuses_the_peers_that_need_a_folder(tmp_path, capsys):
+    gguf = tmp_path / "m.gguf"
+    for flag in ("--oga-python", "--llama-cpp-convert"):
+        with pytest.raises(SystemExit) as refused:  # refused before anything is probed, built or written
+            real_size.main(["--gguf", str(gguf), flag, sys.executable, "--work", str(tmp_path / "w")])
+        assert refused.value.code == 2 and "--gguf: llama.cpp runs the file itself" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def test_prompt_ids_are_the_benchmark_prompt(tmp_path, tiny_model_dir):
+    from tokenizers import Tokenizer
+
+    from trtinfer.bench import PROMPT_TEXT
+
+    tok = tiny_model_dir("llama") / "tokenizer.json"
+    ids = json.loads(real_size.prompt_ids(tok, 12, tmp_path / "ids.json").read_text())
+    assert ids == Tokenizer.from_file(str(tok)).encode(PROMPT_TEXT).ids[:12] and len(ids) == 12
+
+
 def test_main_on_a_one_layer_slice(tmp_path):
     try:
         report = real_size.main(["--preset", "llama-3.2-1b", "--layers", "1", "--vocab", "512", "--precisions",
@@ -88,3 +107,18 @@ def test_main_on_a_one_layer_slice(tmp_path):
         assert (tmp_path / "checkpoints" / "llama-3.2-1b-l1-v512" / "config.json").is_file()
     finally:
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_tree_bytes_counts_a_link_to_the_source_once_and_can_leave_it_out(tmp_path):
+    import os
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x" * 65536)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.link(src, cache / "model.gguf")  # as a converted GGUF's folder links to it
+    (cache / "stage.bin").write_bytes(b"y" * 8192)
+    whole = real_size.tree_bytes(cache)
+    assert whole >= 65536 + 8192
+    assert real_size.tree_bytes(cache, exclude=src) == whole - src.stat().st_blocks * 512
+    assert real_size.tree_bytes(cache / "model.gguf", exclude=src) == 0
