@@ -48,7 +48,7 @@ def pack_shared_inputs(graph: ir.Graph) -> dict[str, int]:
         if _packable(node):
             key = tuple(node.attributes.get_int(a, -1) for a in ATTRS)
             groups[(id(node.inputs[0]), key)].append(node)
-    packed = 0
+    packed = corrected = 0
     splits: list[ir.Node] = []
     for members in groups.values():
         if len(members) < 2:
@@ -73,14 +73,12 @@ def pack_shared_inputs(graph: ir.Graph) -> dict[str, int]:
             old.replace_all_uses_with(out, replace_graph_outputs=True)
         for m in members:
             graph.remove(m, safe=True)
-        splits.append(split)
-        packed += len(members)
-    corrected = 0
-    for i, split in enumerate(splits):
+        # right after the group's B and scales: a save writes them in a row, so a weight computed when written
+        # (an imported GGUF's blocks) is still in the block cache for its corrections, not computed twice
         merged = _merge_corrections(graph, split)
-        if merged is not None:
-            splits[i] = merged
-            corrected += 1
+        corrected += merged is not None
+        splits.append(split if merged is None else merged)
+        packed += len(members)
     qkv = 0
     for split in splits:
         outs = list(split.outputs)
