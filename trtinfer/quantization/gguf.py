@@ -221,18 +221,14 @@ class _Pending:
         raw = self.file.raw(self.name)
         return decode_tensor(self.name, self.qtype, raw[self.perm], self.k)
 
-    def _lazy(self, make: Callable[[GGUFBlocks], np.ndarray], dtype: ir.DataType, shape: list[int]) -> ir.LazyTensor:
-        return ir.LazyTensor(lambda: ir.Tensor(np.ascontiguousarray(make(self.cache.get(self)))), dtype=dtype,
-                             shape=ir.Shape(shape))
-
     def packed(self) -> ir.LazyTensor:
         """B ``[N, K/block, block*bits/8]``."""
-        return self._lazy(lambda b: b.weight.packed(), ir.DataType.UINT8,
+        return self.cache.lazy(self, lambda b: b.weight.packed(), ir.DataType.UINT8,
                           [self.n, self.k // self.block, self.block * self.bits // 8])
 
     def scales(self) -> ir.LazyTensor:
         """``[N, K/block]``."""
-        return self._lazy(lambda b: b.weight.scales, ir.DataType.FLOAT, [self.n, self.k // self.block])
+        return self.cache.lazy(self, lambda b: b.weight.scales, ir.DataType.FLOAT, [self.n, self.k // self.block])
 
     def offsets(self, transposed: bool) -> ir.LazyTensor:
         """``C [K/32, N]`` (a MatMul's correction) or, not ``transposed``, the table's ``[N, K/32]``."""
@@ -241,7 +237,7 @@ class _Pending:
             return b.offsets.T if transposed else b.offsets
 
         shape = [self.k // SUM_BLOCK, self.n] if transposed else [self.n, self.k // SUM_BLOCK]
-        return self._lazy(make, ir.DataType.FLOAT, shape)
+        return self.cache.lazy(self, make, ir.DataType.FLOAT, shape)
 
 
 @dataclass

@@ -108,6 +108,12 @@ class BlockCache:
                 self._items.popitem(last=False)
         return q
 
+    def lazy(self, blocks: Computes[T], make: Callable[[T], np.ndarray], dtype: ir.DataType,
+             shape: list[int]) -> ir.LazyTensor:
+        """A tensor of ``make(blocks' computed value)``, computed (through this cache) when a save reads it."""
+        return ir.LazyTensor(lambda: ir.Tensor(np.ascontiguousarray(make(self.get(blocks)))), dtype=dtype,
+                             shape=ir.Shape(shape))
+
 
 class LazyBlocks:
     """Round-to-nearest blocks of one weight, computed when a save first reads its tensors (quantize while writing).
@@ -140,29 +146,25 @@ class LazyBlocks:
         release(t)
         return q
 
-    def _lazy(self, make: Callable[[BlockWeight], np.ndarray], dtype: ir.DataType, shape: list[int]) -> ir.LazyTensor:
-        return ir.LazyTensor(lambda: ir.Tensor(np.ascontiguousarray(make(self.cache.get(self)))), dtype=dtype,
-                             shape=ir.Shape(shape))
-
     def packed(self) -> ir.LazyTensor:
         """``MatMulNBits``' B ``[N, K/block, block*bits/8]`` uint8."""
-        return self._lazy(BlockWeight.packed, ir.DataType.UINT8,
+        return self.cache.lazy(self, BlockWeight.packed, ir.DataType.UINT8,
                           [self.n, self.k // self.block, self.block * self.bits // 8])
 
     def flat_scales(self) -> ir.LazyTensor:
         """``MatMulNBits``' scales ``[N * K/block]``."""
-        return self._lazy(BlockWeight.flat_scales, ir.DataType.FLOAT, [self.n * (self.k // self.block)])
+        return self.cache.lazy(self, BlockWeight.flat_scales, ir.DataType.FLOAT, [self.n * (self.k // self.block)])
 
     def gather_scales(self) -> ir.LazyTensor:
         """``GatherBlockQuantized``'s scales ``[N, K/block, 1]``."""
-        return self._lazy(BlockWeight.gather_scales, ir.DataType.FLOAT, [self.n, self.k // self.block, 1])
+        return self.cache.lazy(self, BlockWeight.gather_scales, ir.DataType.FLOAT, [self.n, self.k // self.block, 1])
 
     def packed_zero_points(self) -> ir.LazyTensor | None:
         """``MatMulNBits``' zero points, or None when symmetric."""
         if self.symmetric:
             return None
         per_row = -(-(self.k // self.block) * self.bits // 8)
-        return self._lazy(lambda q: q.packed_zero_points(), ir.DataType.UINT8,  # type: ignore[arg-type,return-value]
+        return self.cache.lazy(self, lambda q: q.packed_zero_points(), ir.DataType.UINT8,  # type: ignore[arg-type,return-value]
                           [self.n, per_row])
 
 
