@@ -172,3 +172,11 @@ def test_a_large_gguf_is_read_through_views(tmp_path: Path, monkeypatch: pytest.
         "blk.0.attn_q.weight", "token_embd.weight"}
     gguf.unlink()  # the folder's hard link keeps the GGUF's bytes
     assert gguf_source(viewed) == resolved.path / GGUF_LINK
+    # the eager baseline of `trtinfer bench` loads such a folder through the views: the copy's tokens and timings
+    from trtinfer.bench import run_eager
+    from trtinfer.builder import build
+
+    got, ref = (run_eager(build(stage.path, tmp_path / f"engine-{stage.path.name}", progress=False), 1, 16, 6,
+                          repeats=1) for stage in (viewed, whole))
+    assert got.first_tokens == ref.first_tokens and len(got.first_tokens) == 6
+    assert got.ttft_ms > 0 and got.decode_tok_s > 0
