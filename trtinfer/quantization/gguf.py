@@ -224,7 +224,7 @@ class _Pending:
     def packed(self) -> ir.LazyTensor:
         """B ``[N, K/block, block*bits/8]``."""
         return self.cache.lazy(self, lambda b: b.weight.packed(), ir.DataType.UINT8,
-                          [self.n, self.k // self.block, self.block * self.bits // 8])
+                               [self.n, self.k // self.block, self.block * self.bits // 8])
 
     def scales(self) -> ir.LazyTensor:
         """``[N, K/block]``."""

@@ -149,7 +149,7 @@ class LazyBlocks:
     def packed(self) -> ir.LazyTensor:
         """``MatMulNBits``' B ``[N, K/block, block*bits/8]`` uint8."""
         return self.cache.lazy(self, BlockWeight.packed, ir.DataType.UINT8,
-                          [self.n, self.k // self.block, self.block * self.bits // 8])
+                               [self.n, self.k // self.block, self.block * self.bits // 8])
 
     def flat_scales(self) -> ir.LazyTensor:
         """``MatMulNBits``' scales ``[N * K/block]``."""
@@ -164,8 +164,8 @@ class LazyBlocks:
         if self.symmetric:
             return None
         per_row = -(-(self.k // self.block) * self.bits // 8)
-        return self.cache.lazy(self, lambda q: q.packed_zero_points(), ir.DataType.UINT8,  # type: ignore[arg-type,return-value]
-                          [self.n, per_row])
+        return self.cache.lazy(self, lambda q: q.packed_zero_points(),  # type: ignore[arg-type,return-value]
+                               ir.DataType.UINT8, [self.n, per_row])
 
 
 class SpilledBlocks(LazyBlocks):
