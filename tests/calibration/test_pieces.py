@@ -9,7 +9,8 @@ import onnx
 import pytest
 
 from trtinfer.calibration import CalibrationSet, StageFeeds, collect, weight_matmul_inputs
-from trtinfer.calibration.pieces import collect_in_pieces, plan
+from trtinfer.calibration.data import kv_names
+from trtinfer.calibration.pieces import collect_in_pieces, piece_model, plan
 from trtinfer.export import ExportConfig, export
 from trtinfer.passes import PassConfig
 from trtinfer.passes.optimizer import optimize_stage
@@ -81,6 +82,30 @@ def test_a_cut_never_splits_the_readers_of_one_tensor(stages):
             assert all(piece.start <= i < piece.stop for i in readers), t
     whole = plan(model, tensors)  # the default budget: a tiny model is one piece
     assert len(whole) == 1 and whole[0].inputs == tuple(sorted(v.name for v in model.graph.inputs))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_calibration_pieces_leave_out_the_lm_head_product(stages, arch):
+    """Calibration reads the MatMul inputs and threads the KV, never the logits: the LM head's input is the last
+    piece's output, its product is not computed (on Gemma-3-270M it was 63% of the calibration FLOPs)."""
+    stage = stages(arch, "shared_buffer")
+    tensors = weight_matmul_inputs(stage)
+    presents = kv_names(stage)[1]
+    head = next(n for n in load_graph(stage.onnx_path).graph if n.outputs[0].name == "logits")
+    while head.op_type != "MatMul":  # the product behind the logits (a Cast or Reshape may follow it)
+        head = head.inputs[0].producer()
+    assert head.inputs[0].name in tensors
+
+    def made(outputs):
+        (piece,) = plan(load_graph(stage.onnx_path), tensors, outputs=outputs)  # a tiny model is one piece
+        model = piece_model(stage.onnx_path, piece, {})
+        return {v.name for n in model.graph for v in n.outputs}, {v.name for v in model.graph.outputs}
+
+    values, outs = made(presents)
+    assert head.outputs[0].name not in values and "logits" not in values
+    assert outs == set(presents) | set(tensors)
+    values, outs = made(None)  # every graph output by default: the logits are made
+    assert head.outputs[0].name in values and "logits" in outs
 
 
 def test_gptq_in_pieces_writes_what_one_piece_writes(stages, tmp_path, monkeypatch):

@@ -63,7 +63,9 @@ def test_hessian_accumulator_buffers_rows() -> None:
         acc.add(row[None])
     assert acc.rows == len(x)  # two flushes so far, 7 rows waiting: hessian() adds them
     x64 = x.astype(np.float64)
-    np.testing.assert_allclose(acc.hessian(), 2 * x64.T @ x64 / len(x), rtol=1e-4, atol=1e-5)
+    h = acc.hessian()
+    np.testing.assert_allclose(h, 2 * x64.T @ x64 / len(x), rtol=1e-4, atol=1e-5)
+    assert np.array_equal(h, h.T)  # the rank-k updates fill one triangle; hessian() mirrors it exactly
     with pytest.raises(ValueError, match="no activations"):
         HessianAccumulator(4).hessian()
 

@@ -184,7 +184,7 @@ def _dtype(spec: TensorSpec) -> Any:
     return _NUMPY[name]
 
 
-def _kv_names(stage: StageDir) -> tuple[list[str], list[str]]:
+def kv_names(stage: StageDir) -> tuple[list[str], list[str]]:
     """Past inputs and the matching present outputs, in graph order."""
     past = [t.name for t in stage.io.past]
     present = ["present." + p[len("past_key_values."):] for p in past]
@@ -245,7 +245,7 @@ def iter_feeds(stage: StageDir, cset: CalibrationSet, session: Any = None,
 
         with materialized_file(stage.onnx_path) as whole:  # the session keeps what it read after the copy is gone
             session = cpu_session(str(whole), stage_session_options(whole), whole.parent)
-    past, present = _kv_names(stage)
+    past, present = kv_names(stage)
     specs = {t.name: t for t in stage.io.inputs}
     geo = stage.geometry
     out_names = [o.name for o in session.get_outputs()]
