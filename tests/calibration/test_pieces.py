@@ -87,7 +87,8 @@ def test_a_cut_never_splits_the_readers_of_one_tensor(stages):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_calibration_pieces_leave_out_the_lm_head_product(stages, arch):
     """Calibration reads the MatMul inputs and threads the KV, never the logits: the LM head's input is the last
-    piece's output, its product is not computed (on Gemma-3-270M it was 63% of the calibration FLOPs)."""
+    piece's output, its product is not computed (on Gemma-3-270M it was 63% of the calibration FLOPs), and the
+    statistics are those of the whole graph whatever the cut."""
     stage = stages(arch, "shared_buffer")
     tensors = weight_matmul_inputs(stage)
     presents = kv_names(stage)[1]
@@ -106,6 +107,17 @@ def test_calibration_pieces_leave_out_the_lm_head_product(stages, arch):
     assert outs == set(presents) | set(tensors)
     values, outs = made(None)  # every graph output by default: the logits are made
     assert head.outputs[0].name in values and "logits" in outs
+    # a budget under the LM head's weight, which would cut before it: the product, left out, rides with the piece
+    # before it, as no piece is made only of what feeds nothing (a Qwen3-8B-shape slice got an empty piece)
+    head_bytes = sum(v.const_value.nbytes for v in head.inputs if v is not None and v.const_value is not None)
+    budget = head_bytes - 1
+    feeds = StageFeeds(stage, CalibrationSet(WINDOWS, seq_len=10, decode_steps=4, source="t"), all_logits=True)
+    whole, rows = sums(lambda add: collect(stage, feeds, tensors, add, progress=False), stage, tensors)
+    parts, part_rows = sums(lambda add: list(collect_in_pieces(stage, feeds, tensors, add, budget=budget,
+                                                               progress=False)), stage, tensors)
+    assert part_rows == rows and set(parts) == set(tensors)
+    for t in tensors:
+        assert np.abs(parts[t] - whole[t]).max() <= 1e-5 * np.abs(whole[t]).max(), t
 
 
 def test_gptq_in_pieces_writes_what_one_piece_writes(stages, tmp_path, monkeypatch):

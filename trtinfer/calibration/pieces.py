@@ -72,9 +72,9 @@ def plan(model: ir.Model, wanted: Sequence[str], budget: int = PIECE_BYTES,
          outputs: Sequence[str] | None = None) -> list[Piece]:
     """Cut ``model``'s nodes into pieces of about ``budget`` weight bytes (at least one node each); see the module
     docstring. Every name of ``wanted`` must be a value some node reads, or a graph output. ``outputs``: the graph
-    outputs the caller reads besides ``wanted`` (every one by default); nodes that feed none of them or of ``wanted``
-    are dropped from their piece (calibration threads the ``present.*`` KV and reads no logits: the LM head's product,
-    63% of Gemma-3-270M's calibration FLOPs, is not computed)."""
+    outputs the caller reads besides ``wanted`` (every one by default). Nodes that feed none of them nor ``wanted``
+    weigh nothing, never start a piece and are dropped from their piece's graph (calibration threads the ``present.*``
+    KV and reads no logits: the LM head's product, 63% of Gemma-3-270M's calibration FLOPs, is not computed)."""
     graph = model.graph
     nodes = list(graph)
     if any(attr.type == ir.AttributeType.GRAPH or attr.type == ir.AttributeType.GRAPHS
@@ -84,9 +84,14 @@ def plan(model: ir.Model, wanted: Sequence[str], budget: int = PIECE_BYTES,
     first: dict[str, int] = {}
     read = {v.name for v in graph.outputs if v.name} if outputs is None else set(outputs)
     last: dict[str, int] = {v.name: len(nodes) for v in graph.outputs if v.name in read}
+    needed, live = set(wanted) | read, np.zeros(len(nodes), bool)  # live: feeds something wanted or read
+    for i in range(len(nodes) - 1, -1, -1):
+        if any(v.name in needed for v in nodes[i].outputs):
+            live[i] = True
+            needed.update(v.name for v in nodes[i].inputs if v is not None and v.name)
     for i, node in enumerate(nodes):
         for v in node.inputs:
-            if v is None or not v.name or _is_weight(v):
+            if v is None or not v.name or _is_weight(v) or not live[i]:
                 continue
             first.setdefault(v.name, i)
             last[v.name] = max(last.get(v.name, i), i)
@@ -100,9 +105,10 @@ def plan(model: ir.Model, wanted: Sequence[str], budget: int = PIECE_BYTES,
     if missing:
         raise CalibrationError(f"the graph has no node reading {', '.join(missing[:3])}; name tensors nodes read")
     blocked = np.zeros(len(nodes) + 1, bool)  # blocked[p]: no cut before node p
+    blocked[:len(nodes)] = ~live  # a dead node rides with the piece before it: no piece is only dead nodes
     for t in wanted:
         blocked[first[t] + 1:last[t] + 1] = True
-    weights = [_weight_bytes(node) for node in nodes]
+    weights = [_weight_bytes(node) if live[i] else 0 for i, node in enumerate(nodes)]
     cuts, held = [0], 0
     for i, w in enumerate(weights):
         if held and held + w > budget and not blocked[i]:
@@ -112,7 +118,7 @@ def plan(model: ir.Model, wanted: Sequence[str], budget: int = PIECE_BYTES,
     cuts.append(len(nodes))
     pieces = []
     for a, b in itertools.pairwise(cuts):
-        reads = {v.name for node in nodes[a:b] for v in node.inputs
+        reads = {v.name for i in range(a, b) if live[i] for v in nodes[i].inputs
                  if v is not None and v.name and not _is_weight(v)}
         inputs = tuple(sorted(n for n in reads if produced_at[n] < a))
         outputs = tuple(sorted(n for n, at in produced_at.items() if a <= at < b and last.get(n, -1) >= b))
