@@ -3,8 +3,9 @@
 The graph's nodes, in file order (which ONNX keeps topological), are cut into consecutive pieces of about
 ``budget`` bytes of weights each, never between two consumers of one wanted tensor (q/k/v read one input: its
 statistics are then complete when its piece ends). Each piece becomes a graph of its own: its inputs are the graph
-inputs it reads and the values earlier pieces made, its outputs what later pieces or the graph's outputs read, plus
-the wanted tensors it makes. Its weights are written to a temporary folder (fp32, from the stage's data file or its
+inputs it reads and the values earlier pieces made, its outputs what later pieces or the caller (the KV: the
+``present.*`` outputs) read, plus the wanted tensors it makes; a node feeding none of these is left out (the LM
+head's product). Its weights are written to a temporary folder (fp32, from the stage's data file or its
 checkpoint) and one ONNX Runtime session runs it over every calibration feed before the next piece is made. Memory
 holds one piece's weights, the values crossing the cut for every run (a hidden state or two per token), and what the
 caller keeps of the wanted tensors; a decode feed's KV cache is the piece's own ``present.*`` of the run before.

@@ -52,9 +52,9 @@ class HessianAccumulator:
     Llama-3.2-1B shape, whose 16 down-projection inputs alone take a 8192 x 8192 matrix each). Rows are buffered
     and added :data:`FLUSH_ROWS` at a time: a decode step's single row would otherwise cost a pass over the whole
     ``K x K`` matrix. Each addition is one BLAS rank-k update (``ssyrk``) into the sum's lower triangle, in place:
-    ``xtx += x.T @ x`` made and added a ``K x K`` temporary per flush, 5-7x slower at K = 2048-4096 (256 rows of
-    Gemma-3-270M's / the Qwen3-8B shape's widths: 249 -> 44 ms, 1257 -> 167 ms) and 604 MB more at K = 12288.
-    :meth:`hessian` mirrors the triangle.
+    ``xtx += x.T @ x`` made and added a ``K x K`` temporary per flush, 5-7x slower (2,176 rows in 256-row flushes:
+    K = 2048 249 -> 44 ms, K = 4096 1257 -> 167 ms) and 604 MB more at K = 12288. :meth:`hessian` mirrors the
+    triangle.
     """
 
     #: rows gathered before they are added to the sum in one product
@@ -86,8 +86,9 @@ class HessianAccumulator:
             from scipy.linalg import blas
 
             x = np.concatenate(self._pending)
-            # Fortran views of the C-ordered buffers: x.T is [K, rows], its A @ A.T lands in xtx.T's upper triangle
-            blas.ssyrk(1.0, x.T, beta=1.0, c=self.xtx.T, trans=0, lower=0, overwrite_c=1)
+            # Fortran views of the C-ordered buffers: x.T is [K, rows], its A @ A.T lands in xtx.T's upper triangle,
+            # in place (the result is taken back all the same: were the view ever copied, the sum would not be lost)
+            self.xtx = blas.ssyrk(1.0, x.T, beta=1.0, c=self.xtx.T, trans=0, lower=0, overwrite_c=1).T
             self._pending, self._pending_rows = [], 0
 
     def hessian(self) -> np.ndarray:
