@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import trtinfer
 from trtinfer.builder import BuildConfig
 from trtinfer.builder.check import PREFILL_BOUND
+from trtinfer.builder.config import PREFILL_GEMM_OPS
 from trtinfer.errors import ConfigError
 from trtinfer.runtime.config import RuntimeConfig
 
@@ -108,6 +109,68 @@ def test_head_adds_its_rounding_residual(tmp_path):
     assert np.abs(logits - exact).max() < 0.02 * np.abs(one_pass - exact).max()
 
 
+def _mlp_graph(path, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray, up_is_output: bool = False) -> None:
+    """x -> gate, up (MatMul) -> m = sigmoid(gate) * up -> down (MatMul, the widest K) -> y: a gated MLP."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", wg.shape[0]])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", *(["u"] if up_is_output else []))]
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("MatMul", ["x", "wu"], ["u"]),
+                           helper.make_node("Sigmoid", ["g"], ["a"]), helper.make_node("Mul", ["a", "u"], ["m"]),
+                           helper.make_node("MatMul", ["m", "wd"], ["y"])],
+                          "g", [x], outs, [numpy_helper.from_array(a, n) for a, n in ((wg, "wg"), (wu, "wu"), (wd, "wd"))])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+
+
+def _q8(a: np.ndarray, axis: int) -> np.ndarray:
+    s = np.abs(a).max(axis, keepdims=True) / 127
+    return np.clip(np.rint(a / s), -127, 127) * s
+
+
+@pytest.mark.parametrize("folded", [True, False])
+def test_down_projection_smoothed_into_int8(tmp_path, folded):
+    """With its input's per-channel max|x|, the down projection runs in int8 too, SmoothQuant's way: ``x / s`` (the
+    division folded into the up projection's per-channel scales, free; an explicit Mul where the up projection's
+    output is read elsewhere) times ``diag(s) W``: exactly that arithmetic, and on activations with outlier channels
+    nearer the fp32 product than the same GEMM without smoothing."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from trtinfer.builder.prefill_graph import SMOOTH_ALPHA, int8_prefill
+    from trtinfer.quantization.smoothquant import smoothing_factors
+
+    rng = np.random.default_rng(2)
+    wg, wu = (rng.standard_normal((64, 128)).astype(np.float32) * 0.1 for _ in range(2))
+    wu[:, [5, 40, 99]] *= 60  # outlier channels of the down projection's input
+    wd = rng.standard_normal((128, 64)).astype(np.float32) * 0.1
+    _mlp_graph(tmp_path / "model.onnx", wg, wu, wd, up_is_output=not folded)
+    x = rng.standard_normal((1, 24, 64)).astype(np.float32)
+    m = 1 / (1 + np.exp(-(x @ wg))) * (x @ wu)
+    amax = np.abs(m).reshape(-1, 128).max(0) * 1.1
+    model = ir.load(tmp_path / "model.onnx")
+    assert int8_prefill(model, ("MatMul",), {"m": amax}) == 3
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("MatMulInteger") == 3 and "MatMul" not in ops
+    mul_count = ops.count("Mul")
+    ir.save(model, tmp_path / "p.onnx")
+    (y, *_) = ort.InferenceSession(str(tmp_path / "p.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    s = smoothing_factors(amax, np.abs(wd).max(1), SMOOTH_ALPHA)
+    plain = ir.load(tmp_path / "model.onnx")
+    int8_prefill(plain, ("MatMul",), {})
+    # the down projection's epilogue (two Muls), and where 1/s could not be folded, the Mul dividing its input
+    assert mul_count == [n.op_type for n in plain.graph].count("Mul") + 2 + (0 if folded else 1)
+    xq = _q8(x, -1)
+    gate = 1 / (1 + np.exp(-(xq @ _q8(wg, 0))))
+    up = xq @ _q8(wu / s if folded else wu, 0)  # per-column scales: wu / s has wu's codes
+    smoothed = gate * up if folded else (gate * up) / s
+    want = _q8(smoothed, -1) @ _q8(wd * s[:, None], 0)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    m_q = gate * (xq @ _q8(wu, 0))  # the down projection's input as the int8 gate and up give it (= smoothed * s)
+    exact = m_q @ wd
+    unsmoothed = _q8(m_q, -1) @ _q8(wd, 0)
+    assert np.abs(y - exact).max() < 0.5 * np.abs(unsmoothed - exact).max()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_engine_with_prefill_graph(tiny_engine, precision):
     """The engine carries the graph and the build's check of it; passes of several tokens run on it (a prompt gives the
@@ -120,6 +183,12 @@ def test_engine_with_prefill_graph(tiny_engine, precision):
     assert m["files"]["prefill"] == "prefill.onnx" and (path / "prefill.onnx.data").stat().st_size > 0
     check = m["prefill_check"]
     assert check["passed"] and check["ratio"] <= PREFILL_BOUND and check["tokens"] > 100, check
+    # every GEMM in int8, the down projections smoothed with statistics of the calibration text
+    assert check["smoothed_down_projections"] == m["geometry"]["num_layers"]
+    ops = [n.op_type for n in onnx.load(str(path / "prefill.onnx"), load_external_data=False).graph.node]
+    gemms = [n.op_type for n in onnx.load(str(path / "model.onnx"), load_external_data=False).graph.node
+             if n.op_type in PREFILL_GEMM_OPS[precision]]
+    assert not set(PREFILL_GEMM_OPS[precision]) & set(ops) and ops.count("MatMulInteger") == len(gemms) > 0
     assert m["build_config"]["prefill"] == "int8"
     prompt = list(range(3, 35))
     with trtinfer.load(path) as eng, trtinfer.load(path, RuntimeConfig(prefill_graph=False)) as plain:
@@ -150,6 +219,25 @@ def test_engine_with_prefill_graph(tiny_engine, precision):
         np.testing.assert_allclose(verified, one_by_one, rtol=1e-4, atol=1e-4 * np.abs(one_by_one).max())
         out = eng.generate(input_ids=[prompt], max_new_tokens=6, min_new_tokens=6)
         assert len(out[0].token_ids) == 6
+
+
+@pytest.mark.slow
+def test_real_model_smoothed_and_the_fallback(real_engine, in_user_cache, tmp_path, monkeypatch):
+    """SmolLM2 int4: every down projection smoothed into int8 within the bound. A smoothed graph the check refuses
+    (an absurd migration strength) is written again with the down projections on the decoder's kernel, checked again,
+    and the build succeeds with that graph."""
+    from trtinfer.builder import build, prefill_graph
+
+    m = json.loads((real_engine("smollm2-135m", precision="int4", prefill="int8") / "manifest.json").read_text())
+    check = m["prefill_check"]
+    assert check["passed"] and check["smoothed_down_projections"] == m["geometry"]["num_layers"] == 30, check
+    monkeypatch.setattr(prefill_graph, "SMOOTH_ALPHA", 6.0)
+    with in_user_cache():
+        path = build("smollm2-135m", tmp_path / "e", BuildConfig(prefill="int8"), progress=False)
+    check = json.loads((path / "manifest.json").read_text())["prefill_check"]
+    assert check["smoothed_down_projections"] == 0 and check["smoothed_ratio"] > PREFILL_BOUND >= check["ratio"], check
+    ops = [n.op_type for n in onnx.load(str(path / "prefill.onnx"), load_external_data=False).graph.node]
+    assert ops.count("MatMul") == 30  # the down projections, on the decoder's fp32 kernel
 
 
 def test_cli_turns_the_prefill_graph_off(tiny_engine, tmp_path, capsys):

@@ -126,7 +126,7 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
     if config.prefill is not None:
         from trtinfer.builder.prefill_graph import write_prefill_graph
 
-        files.update(write_prefill_graph(dest, files["decoder"], config.precision))
+        files.update(write_prefill_graph(dest, files["decoder"], config.precision, stage))
     if stage.reference_path is None:
         return files, None, _stage_accuracy(stage)
     manifest = _manifest(config, stage, files, dest, max_seq)
@@ -153,15 +153,25 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
 
 
 def _check_prefill(engine: Path, manifest: Manifest, stage: StageDir) -> dict[str, Any]:
-    """:func:`~trtinfer.builder.check.check_prefill` on the engine being built; a graph past the bound fails the
-    build."""
+    """:func:`~trtinfer.builder.check.check_prefill` on the engine being built. A graph with smoothed down projections
+    past the bound is written again with them on the decoder's kernel and checked again; past it still, the build
+    fails."""
     from trtinfer.builder.check import check_prefill
+    from trtinfer.builder.prefill_graph import smoothed_down_projections, write_prefill_graph
 
     report = check_prefill(engine, manifest, stage.path / "tokenizer.json")
+    smoothed = smoothed_down_projections(engine)
+    if not report["passed"] and smoothed:
+        log.warning("the int8 prefill graph with %d smoothed down projections scored x%.3f the decoder's perplexity "
+                    "(bound x%s): writing it with the down projections on the decoder's kernel", smoothed,
+                    report["ratio"], report["bound"])
+        write_prefill_graph(engine, manifest.files["decoder"], manifest.precision)
+        report = {**check_prefill(engine, manifest, stage.path / "tokenizer.json"), "smoothed_ratio": report["ratio"]}
+        smoothed = 0
     if not report["passed"]:
         raise BuildError(f"the int8 prefill graph's held-out perplexity is x{report['ratio']:.3f} of the decoder "
                          f"graph's alone (bound x{report['bound']}); build without --prefill")
-    return report
+    return {**report, "smoothed_down_projections": smoothed}
 
 
 def _stage_accuracy(stage: StageDir) -> dict[str, Any] | None:

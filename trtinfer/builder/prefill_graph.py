@@ -38,12 +38,13 @@ x1.024 and Gemma-3 int4 x1.021 against x1.018 and x1.001 unfused.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
+from trtinfer.artifact import StageDir
 from trtinfer.builder.config import PREFILL_GEMM_OPS
 from trtinfer.quantization.blocks import BlockWeight
 from trtinfer.quantization.int8_static import per_channel_int8
@@ -57,6 +58,12 @@ PREFILL_DATA = "prefill.onnx.data"
 _INLINE_BYTES = 1024
 #: activation zero point: symmetric int8 codes shifted into MLAS's fastest (u8 x s8) GEMM
 _SHIFT = 128
+#: the prefill graph's metadata entry: how many down projections it runs smoothed in int8
+SMOOTHED_KEY = "trtinfer.smoothed_down_projections"
+#: SmoothQuant's migration strength for the down projections (module docstring: measured)
+SMOOTH_ALPHA = 0.6
+#: windows x tokens of the built-in calibration text the down projections' input statistics are taken over
+SMOOTH_WINDOWS, SMOOTH_TOKENS = 8, 128
 
 
 def _float_weight(node: ir.Node) -> tuple[ir.TensorProtocol, bool] | None:
@@ -177,14 +184,75 @@ def _row_codes(graph: ir.Graph, x: ir.Value, c: dict[str, ir.Value], opset: int,
     return nodes + [rounded, rest, up, q2, s2, codes, scales], (codes.outputs[0], scales.outputs[0])
 
 
-def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...]) -> int:
+def _fold_target(x: ir.Value, rewritten: dict[int, ir.Node]) -> ir.Node | None:
+    """The GEMM whose output columns can take a down projection's ``1/s`` for free: ``x`` is ``a * (h @ W_up)``, read
+    only by the down projection, ``W_up`` rewritten to int8 (its per-output-channel scales absorb the division), its
+    output read only by that Mul and no bias after it; else None (an explicit Mul divides ``x``)."""
+    mul = x.producer()
+    if mul is None or mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or x.is_graph_output() \
+            or len(x.uses()) != 1:
+        return None
+    for v in mul.inputs:
+        up = None if v is None else v.producer()
+        if (v is not None and up is not None and id(up) in rewritten and not v.is_graph_output()
+                and all(u.node is mul for u in v.uses()) and _bias(up) is None):
+            return up
+    return None
+
+
+def _bias(node: ir.Node) -> ir.Value | None:
+    return node.inputs[5] if node.op_type == "MatMulNBits" and len(node.inputs) > 5 else None
+
+
+def _smoothing(gemms: list[tuple[ir.Node, tuple[int, int, Callable[[], np.ndarray]]]], keep_k: int,
+               act_amax: Mapping[str, np.ndarray]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray], set[int]]:
+    """For each down projection whose input has statistics: ``s`` by node (scaling its weight's rows), ``1/s`` by
+    the up projection that takes it (scaling its weight's columns), and the down projections so folded."""
+    from trtinfer.quantization.smoothquant import smoothing_factors
+
+    rewritten = {id(node): node for node, (k, _n, _r) in gemms
+                 if node.inputs[0] is not None and (k != keep_k or node.inputs[0].name in act_amax)}
+    rows: dict[int, np.ndarray] = {}
+    cols: dict[int, np.ndarray] = {}
+    folded: set[int] = set()
+    for node, (k, _n, read) in gemms:
+        x = node.inputs[0]
+        if k != keep_k or x is None or x.name is None or x.name not in act_amax:
+            continue
+        w = read()
+        rows[id(node)] = s = smoothing_factors(act_amax[x.name], np.maximum(w.max(axis=1), -w.min(axis=1)),
+                                               SMOOTH_ALPHA)
+        del w
+        up = _fold_target(x, rewritten)
+        if up is not None and id(up) not in cols:
+            cols[id(up)] = (np.float32(1.0) / s).astype(np.float32)
+            folded.add(id(node))
+    return rows, cols, folded
+
+
+def _scaled(read: Callable[[], np.ndarray], rows: np.ndarray | None, cols: np.ndarray | None
+            ) -> Callable[[], np.ndarray]:
+    def scaled() -> np.ndarray:
+        w = read()
+        if rows is not None:
+            w = w * rows[:, None]
+        if cols is not None:
+            w = w * cols[None, :]
+        return w
+
+    return scaled
+
+
+def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...], act_amax: Mapping[str, np.ndarray] | None = None) -> int:
     """Rewrite ``model`` in place: every ``gemm_ops`` node with a constant weight becomes the int8 form of the module
-    docstring (one activation quantization per distinct input), except the MLPs' down projections: the GEMMs with
-    the most input features (a decoder's intermediate size is larger than its hidden size and its attention width).
-    Returns how many GEMMs were rewritten."""
+    docstring (one activation quantization per distinct input). The MLPs' down projections (the GEMMs with the most
+    input features: a decoder's intermediate size is larger than its hidden size and its attention width) are
+    rewritten smoothed where ``act_amax`` has their input's per-channel ``max|x|``, else they keep the decoder's
+    kernel. Returns how many GEMMs were rewritten."""
     graph = model.graph
     gemms = [(node, got) for node in graph if node.op_type in gemm_ops for got in [_gemm_weight(node)] if got]
     keep_k = max((k for _, (k, _n, _r) in gemms), default=0)
+    rows, cols, folded = _smoothing(gemms, keep_k, act_amax or {})
     opset = graph.opset_imports.get("", 0)
     c = {"axes": _const(graph, "prefill.axes", np.array([-1], np.int64)),
          "eps": _const(graph, "prefill.eps", np.array(1e-12, np.float32)),
@@ -195,15 +263,20 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...]) -> int:
     done = 0
     for node, (k, n, read) in gemms:
         x = node.inputs[0]
-        if x is None or k == keep_k:  # an MLP's down projection stays on the decoder's kernel (module docstring)
+        if x is None or (k == keep_k and id(node) not in rows):  # a down projection without statistics: kept
             continue
         tag = f"prefill.{done}"
         twice = _is_head(x)  # the head's codes carry their rounding residual too (module docstring)
         new: list[ir.Node] = []
+        if id(node) in rows and id(node) not in folded:  # x / s where no up projection could take it
+            div = ir.node("Mul", [x, _const(graph, f"{tag}.smooth", (np.float32(1.0) / rows[id(node)]))])
+            new.append(div)
+            x = div.outputs[0]
         if id(x) not in quantized:
-            new, quantized[id(x)] = _row_codes(graph, x, c, opset, twice)
+            codes, quantized[id(x)] = _row_codes(graph, x, c, opset, twice)
+            new += codes
         xq, xs = quantized[id(x)]
-        w = _Int8Weight(read, k, n)
+        w = _Int8Weight(_scaled(read, rows.get(id(node)), cols.get(id(node))), k, n)
         wq = ir.Value(name=f"{tag}.weight", const_value=w.codes)
         ws = ir.Value(name=f"{tag}.scale", const_value=w.scales)
         for v in (wq, ws):
@@ -219,7 +292,7 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...]) -> int:
         y = ir.node("Mul", [tail[-1].outputs[0], ws])
         tail.append(y)
         out = y.outputs[0]
-        bias = node.inputs[5] if node.op_type == "MatMulNBits" and len(node.inputs) > 5 else None
+        bias = _bias(node)
         if bias is not None:
             add = ir.node("Add", [out, bias])
             tail.append(add)
@@ -242,11 +315,42 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...]) -> int:
     return done
 
 
-def write_prefill_graph(engine: Path, decoder: str, precision: str) -> dict[str, str]:
+def down_input_amax(stage: StageDir, model: ir.Model, gemm_ops: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Per-channel ``max|x|`` of the down projections' inputs in ``model`` (an engine's decoder graph), measured on
+    ``stage``'s graph (the same model before compilation; the inputs keep their names) over the built-in calibration
+    text; an input the stage's graph does not name gets none (its GEMM keeps the decoder's kernel)."""
+    from trtinfer.calibration import ChannelRangeCollector, StageFeeds, calibration_set, collect, weight_matmul_inputs
+
+    gemms = [(node, got[0]) for node in model.graph if node.op_type in gemm_ops for got in [_gemm_weight(node)] if got]
+    keep_k = max((k for _, k in gemms), default=0)
+    known = set(weight_matmul_inputs(stage, gemm_ops))
+    names = [x.name for node, k in gemms if k == keep_k for x in [node.inputs[0]] if x is not None and x.name in known]
+    if not names:
+        return {}
+    cset = calibration_set(stage.path / "tokenizer.json", None, num_samples=SMOOTH_WINDOWS, seq_len=SMOOTH_TOKENS,
+                           decode_steps=0)
+    ranges = ChannelRangeCollector()
+    collect(stage, StageFeeds(stage, cset), names, ranges.update, progress=False)
+    return {name: r.amax for name, r in ranges.ranges().items()}
+
+
+def smoothed_down_projections(engine: Path) -> int:
+    """How many down projections the engine's prefill graph runs smoothed in int8 (its metadata; no weight read)."""
+    import onnx
+
+    props = {p.key: p.value for p in onnx.load(str(engine / PREFILL_NAME), load_external_data=False).metadata_props}
+    return int(props.get(SMOOTHED_KEY, 0))
+
+
+def write_prefill_graph(engine: Path, decoder: str, precision: str, stage: StageDir | None = None) -> dict[str, str]:
     """Write :data:`PREFILL_NAME` (+ its data file) into ``engine`` from the engine's ``decoder`` graph of
-    ``precision``; returns the manifest's file entries."""
+    ``precision``; returns the manifest's file entries. With ``stage`` (the graph the engine was compiled from), the
+    down projections are smoothed into int8 too (:func:`down_input_amax`), else they keep the decoder's kernel."""
     model = ir.load(engine / decoder)
-    done = int8_prefill(model, PREFILL_GEMM_OPS[precision])
+    gemm_ops = PREFILL_GEMM_OPS[precision]
+    amax = None if stage is None else down_input_amax(stage, model, gemm_ops)
+    done = int8_prefill(model, gemm_ops, amax)
+    model.metadata_props[SMOOTHED_KEY] = str(len(amax or {}))
     # only the int8 weights are new: what the graph keeps of the decoder's (the embedding table, the down projections,
     # norms) is read from the decoder's own data file in the same folder, not copied (SmolLM2 fp32: 109 MB, was 329)
     fresh = [(v, t) for v in model.graph.initializers.values() for t in [v.const_value]
@@ -257,6 +361,6 @@ def write_prefill_graph(engine: Path, decoder: str, precision: str) -> dict[str,
     ir.save(model, engine / PREFILL_NAME)  # external tensors keep their files and offsets
     shared = sum(v.const_value.nbytes for v in model.graph.initializers.values()
                  if isinstance(v.const_value, ir.ExternalTensor) and v.const_value.location != PREFILL_DATA)
-    log.debug("prefill graph: %d GEMMs on int8 activations and weights; %.0f MiB of weights read from %s",
-              done, shared / 2**20, decoder)
+    log.debug("prefill graph: %d GEMMs on int8 activations and weights (%d down projections smoothed); %.0f MiB of "
+              "weights read from %s", done, len(amax or {}), shared / 2**20, decoder)
     return {"prefill": PREFILL_NAME, "prefill_data": PREFILL_DATA}
