@@ -9,13 +9,24 @@ A prompt's prefill is compute-bound, a decode step bandwidth-bound. The engines'
     y = (MatMulInteger(q, Wq, 128) as float) * s * ws            Wq [K, N] int8, ws [N]: per-output-channel scales
 
 Per-token activation scales are what keep the accuracy (one scale per tensor, ``DynamicQuantizeMatMul``, costs
-SmolLM2 x1.27 perplexity). The MLPs' down projections keep the decoder's kernel: their input (the gated activation)
-has the outliers one scale per token rounds worst (SmolLM2 int4, held-out text scored with the prefill graph over the
-decoder alone: x1.033 with every GEMM in int8, x1.014 with the down projections kept; also tried for them and not
-kept: K split in 4 groups with a scale each, x1.028 but slower than the decoder's kernel; a 64- or 512-wide block
-Hadamard rotation of their input and weight, x1.042 / x1.030; the rounding residual quantized again as a second int8
-GEMM, x1.016 on SmolLM2 int4 but x1.039 fp32 and x1.025 Gemma-3 int4, where the weights' int8 rounding per output
-channel is what costs). The LM head's activations (its input is gathered at the positions whose logits are asked:
+SmolLM2 x1.27 perplexity). The MLPs' down projections need more: their input (the gated activation) has outlier
+channels (SmolLM2: a channel's max|x| up to 2,900x the median channel's) that one scale per token rounds worst
+(SmolLM2, held-out text scored with the prefill graph over the decoder alone, every GEMM in int8 as above: fp32
+x1.031, past the bound). So they are smoothed, SmoothQuant's way (Xiao et al. 2023; the same factors as
+:mod:`trtinfer.quantization.smoothquant`): ``x W = (x / s) (diag(s) W)`` with ``s_j = max|x_j| ** a / max|W_j| **
+(1 - a)``, ``max|x_j|`` measured per channel on the stage's graph over the built-in calibration text (8 windows of 128
+tokens, never the held-out text the check scores), ``a`` = :data:`SMOOTH_ALPHA`. ``1/s`` costs nothing: the input is
+``act(gate) * up`` and the up projection's output columns take it, in its per-output-channel scales (its int8 codes
+are unchanged); where no up projection can take it, one Mul divides the input. Measured, held-out perplexity over the
+decoder's (SmolLM2 fp32 / int4, Gemma-3 fp32 / int4): a = 0.6: x1.010 / 1.014 / 1.024 / 1.025; a = 0.5: x1.031 /
+1.041 / 1.033 / 1.008; the 99.9th percentile of |x_j| instead of its max, a = 0.5: x1.022 / 1.016 / 1.017 / 1.010;
+the down projections kept on the decoder's kernel (this graph before): x1.016 / 0.998 / 1.006 / 1.009, at 1.3-1.4x
+the TTFT (docs/benchmarks/cpu.md). A smoothed graph the check refuses is written again with the down projections on
+the decoder's kernel (:func:`write_prefill_graph` without a stage), so no model that built before fails now. Also
+tried for them before and not kept: K split in 4 groups with a scale each, x1.028 but slower than the decoder's
+kernel; a 64- or 512-wide block Hadamard rotation of their input and weight, x1.042 / x1.030; the rounding residual
+quantized again as a second int8 GEMM, x1.016 on SmolLM2 int4 but x1.039 fp32 and x1.025 Gemma-3 int4, where the
+weights' int8 rounding per output channel is what costs. The LM head's activations (its input is gathered at the positions whose logits are asked:
 one row in a prefill) go in twice, as more rows of the same GEMM: their codes and the codes of their rounding
 residual, ``x / s - round(x / s)`` at ``s / 254``, added up after it: ~15-bit activations where one more row costs
 nothing (the GEMM reads the weight once), and the head's one-pass rounding was the largest single cost in the
@@ -26,7 +37,7 @@ rounded per output channel, so prefill and decode compute the same model up to i
 (attention, norms, the KV interface) is the decoder's graph unchanged, its weights read from the decoder's data
 file: the runtime runs passes of several tokens on this graph and decode steps on the decoder, over the same KV
 values. The price is one int8 copy of the rewritten weights beside the decoder's. Measured:
-docs/benchmarks/cpu.md (128-token TTFT 0.32-0.54x eager's on two AVX-512 VNNI CPUs).
+docs/benchmarks/cpu.md.
 
 Not kept: ``MatMulIntegerToFloat`` (the int32 product, its cast and the weight's scales in one kernel, the token's
 scale one Mul after it) prefilled SmolLM2 int4 in 82 ms instead of 89 on a Xeon, the same arithmetic up to float
