@@ -17,6 +17,7 @@ from trtinfer.calibration import (
     graph_hash,
     iter_feeds,
     load_table,
+    stage_calibration_set,
     weight_matmul_inputs,
 )
 from trtinfer.errors import CalibrationError
@@ -80,6 +81,20 @@ def test_calibrate_a_stage_runs_each_feed_once_and_saves_a_reusable_table(stages
         table.ranges.keys()
     with pytest.raises(CalibrationError, match="computed for another graph"):
         calibrate_stage(stages["concat"], CalibrationConfig(cache_file=tmp_path / "calibration.json"))
+
+
+def test_windows_fit_the_graph(stages):
+    """Calibration windows longer than the optimized graph takes (its rotary tables end at its max_seq_len: ONNX
+    Runtime refuses a longer sequence) are shortened to it, decode steps kept; an export stage's are as asked. The
+    default 128+8 windows calibrate a 64-token graph (they failed in GroupQueryAttention before)."""
+    opt, exp = stages["shared_buffer"], stages["concat"]
+    assert opt.history["optimize"]["config"]["max_seq_len"] == 64
+    short = stage_calibration_set(opt, None, num_samples=2, seq_len=128, decode_steps=8)
+    assert (short.seq_len, short.decode_steps) == (56, 8) and {len(w) for w in short.windows} == {64}
+    assert stage_calibration_set(opt, None, num_samples=2, seq_len=40, decode_steps=8).seq_len == 40
+    assert stage_calibration_set(exp, None, num_samples=2, seq_len=128, decode_steps=8).seq_len == 128
+    table = calibrate_stage(opt, CalibrationConfig(num_samples=2), progress=False)
+    assert table.ranges and all(r.amax > 0 for r in table.ranges.values())
 
 
 def test_minmax_over_the_decode_feeds_sees_more_than_the_prefill(stages):

@@ -330,7 +330,13 @@ def down_input_amax(stage: StageDir, model: ir.Model, gemm_ops: tuple[str, ...])
     """Per-channel ``max|x|`` of the down projections' inputs in ``model`` (an engine's decoder graph), measured on
     ``stage``'s graph (the same model before compilation; the inputs keep their names) over the built-in calibration
     text; an input the stage's graph does not name gets none (its GEMM keeps the decoder's kernel)."""
-    from trtinfer.calibration import ChannelRangeCollector, StageFeeds, calibration_set, collect, weight_matmul_inputs
+    from trtinfer.calibration import (
+        ChannelRangeCollector,
+        StageFeeds,
+        collect,
+        stage_calibration_set,
+        weight_matmul_inputs,
+    )
 
     gemms = [(node, got[0]) for node in model.graph if node.op_type in gemm_ops for got in [_gemm_weight(node)] if got]
     keep_k = max((k for _, k in gemms), default=0)
@@ -338,8 +344,7 @@ def down_input_amax(stage: StageDir, model: ir.Model, gemm_ops: tuple[str, ...])
     names = [x.name for node, k in gemms if k == keep_k for x in [node.inputs[0]] if x is not None and x.name in known]
     if not names:
         return {}
-    cset = calibration_set(stage.path / "tokenizer.json", None, num_samples=SMOOTH_WINDOWS, seq_len=SMOOTH_TOKENS,
-                           decode_steps=0)
+    cset = stage_calibration_set(stage, None, num_samples=SMOOTH_WINDOWS, seq_len=SMOOTH_TOKENS, decode_steps=0)
     ranges = ChannelRangeCollector()
     collect(stage, StageFeeds(stage, cset), names, ranges.update, progress=False)
     return {name: r.amax for name, r in ranges.ranges().items()}

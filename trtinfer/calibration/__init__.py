@@ -44,6 +44,7 @@ from trtinfer.calibration.data import (
     calibration_set,
     iter_feeds,
     load_texts,
+    stage_calibration_set,
 )
 from trtinfer.calibration.table import (
     CACHE_NAME,
@@ -138,8 +139,8 @@ def _calibrate_stage(stage: StageDir, config: CalibrationConfig, tensors: Sequen
         table.check(ghash, [renamed[t] for t in names])
         log.info("reusing calibration %s (%d tensors, %s)", config.cache_file, len(table.ranges), table.method)
         return table
-    cset = calibration_set(stage.path / "tokenizer.json", config.source, num_samples=config.num_samples,
-                           seq_len=config.seq_len, decode_steps=config.decode_steps)
+    cset = stage_calibration_set(stage, config.source, num_samples=config.num_samples, seq_len=config.seq_len,
+                                 decode_steps=config.decode_steps)
     if smoothing is None:
         ranges = calibrate(stage, cset, method=config.method, tensors=names, percentile=config.percentile,
                            progress=progress)
@@ -185,5 +186,5 @@ __all__ = [
     "MinMaxCalibrator", "PercentileCalibrator", "Smoothing", "StageFeeds", "TensorRange",
     "builtin_text", "calibrate", "calibrate_stage", "calibration_set", "calibrator_names", "collect",
     "entropy_threshold", "get_calibrator", "graph_hash", "iter_feeds", "load_table", "load_texts",
-    "register_calibrator", "scale_hex", "weight_matmul_inputs",
+    "register_calibrator", "scale_hex", "stage_calibration_set", "weight_matmul_inputs",
 ]

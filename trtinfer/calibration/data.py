@@ -174,6 +174,20 @@ def calibration_set(tokenizer_json: str | Path, source: str | Path | None, *, nu
     return CalibrationSet(windows, seq_len, decode_steps, name)
 
 
+def stage_calibration_set(stage: StageDir, source: str | Path | None, *, num_samples: int, seq_len: int,
+                          decode_steps: int) -> CalibrationSet:
+    """:func:`calibration_set` with ``stage``'s tokenizer, its windows shortened to the longest sequence the stage's
+    graph takes (its optimize config's ``max_seq_len``: the rotary tables end there), decode steps kept."""
+    limit = stage.history.get("optimize", {}).get("config", {}).get("max_seq_len")
+    if limit is not None and seq_len + decode_steps > int(limit):
+        steps = min(decode_steps, int(limit) - 1)
+        log.info("calibration windows of %d+%d tokens shortened to %d+%d: the graph takes %d tokens", seq_len,
+                 decode_steps, int(limit) - steps, steps, int(limit))
+        seq_len, decode_steps = int(limit) - steps, steps
+    return calibration_set(stage.path / "tokenizer.json", source, num_samples=num_samples, seq_len=seq_len,
+                           decode_steps=decode_steps)
+
+
 # --- feeds --------------------------------------------------------------------------------------------------------
 
 def _dtype(spec: TensorSpec) -> Any:

@@ -29,7 +29,7 @@ def matmul_hessians(ctx: QuantContext, sites: Sequence[WeightSite], *,
     The graph is asked for the logits of every position, so the LM head's input counts every token (with the
     last-position logits generation uses, it would see one row per run).
     """
-    from trtinfer.calibration import calibration_set
+    from trtinfer.calibration import stage_calibration_set
     from trtinfer.calibration.data import StageFeeds
     from trtinfer.calibration.pieces import PIECE_BYTES, collect_in_pieces
     from trtinfer.quantization.gptq import HessianAccumulator
@@ -43,8 +43,8 @@ def matmul_hessians(ctx: QuantContext, sites: Sequence[WeightSite], *,
         assert name is not None
         width.setdefault(name, s.k)
         readers.setdefault(name, []).append(s)
-    cset = calibration_set(ctx.stage.path / "tokenizer.json", cal.source, num_samples=cal.num_samples,
-                           seq_len=cal.seq_len, decode_steps=cal.decode_steps)
+    cset = stage_calibration_set(ctx.stage, cal.source, num_samples=cal.num_samples, seq_len=cal.seq_len,
+                                 decode_steps=cal.decode_steps)
     acc: dict[str, HessianAccumulator] = {}
 
     def add(tensor: str, x: np.ndarray) -> None:
