@@ -129,14 +129,16 @@ def _q8(a: np.ndarray, axis: int) -> np.ndarray:
 
 @pytest.mark.parametrize("folded", [True, False])
 def test_down_projection_smoothed_into_int8(tmp_path, folded):
-    """With its input's per-channel max|x|, the down projection runs in int8 too, SmoothQuant's way: ``x / s`` (the
-    division folded into the up projection's per-channel scales, free; an explicit Mul where the up projection's
-    output is read elsewhere) times ``diag(s) W``: exactly that arithmetic, and on activations with outlier channels
-    nearer the fp32 product than the same GEMM without smoothing."""
+    """With statistics of its input, the down projection runs in int8 too, SmoothQuant's way: ``x / s`` (the division
+    folded into the up projection's per-channel scales, free; an explicit Mul where the up projection's output is
+    read elsewhere) times ``diag(s) W``, the strength the one of the grid nearest the float product on the sampled
+    rows: exactly that arithmetic, and on activations with outlier channels nearer the fp32 product than the same
+    GEMM without smoothing."""
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from trtinfer.builder.prefill_graph import SMOOTH_ALPHA, int8_prefill
+    from trtinfer.builder.prefill_graph import int8_prefill
+    from trtinfer.builder.prefill_smoothing import ALPHAS, InputStats, best_smoothing
     from trtinfer.quantization.smoothquant import smoothing_factors
 
     rng = np.random.default_rng(2)
@@ -146,17 +148,25 @@ def test_down_projection_smoothed_into_int8(tmp_path, folded):
     _mlp_graph(tmp_path / "model.onnx", wg, wu, wd, up_is_output=not folded)
     x = rng.standard_normal((1, 24, 64)).astype(np.float32)
     m = 1 / (1 + np.exp(-(x @ wg))) * (x @ wu)
-    amax = np.abs(m).reshape(-1, 128).max(0) * 1.1
+    sample = m.reshape(-1, 128)[::3]
+    stats = InputStats(np.abs(m).reshape(-1, 128).max(0), sample)
+    s, alpha = best_smoothing(wd, stats)
+    assert alpha in ALPHAS and alpha is not None and s is not None
+    np.testing.assert_array_equal(s, smoothing_factors(stats.amax, np.abs(wd).max(1), alpha))
+    errors = {}  # the search's own criterion, written out: squared error of the int8 product on the sampled rows
+    for a in ALPHAS:
+        sa = np.ones(128, np.float32) if a is None else smoothing_factors(stats.amax, np.abs(wd).max(1), a)
+        errors[a] = float((((_q8(sample / sa, -1) @ _q8(wd * sa[:, None], 0)) - sample @ wd) ** 2).sum())
+    assert errors[alpha] == pytest.approx(min(errors.values()), rel=1e-3) and errors[alpha] < errors[None]
     model = ir.load(tmp_path / "model.onnx")
-    assert int8_prefill(model, ("MatMul",), {"m": amax}) == 3
+    assert int8_prefill(model, ("MatMul",), {"m": stats}) == (3, [alpha])
     ops = [n.op_type for n in model.graph]
     assert ops.count("MatMulInteger") == 3 and "MatMul" not in ops
     mul_count = ops.count("Mul")
     ir.save(model, tmp_path / "p.onnx")
     (y, *_) = ort.InferenceSession(str(tmp_path / "p.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    s = smoothing_factors(amax, np.abs(wd).max(1), SMOOTH_ALPHA)
     plain = ir.load(tmp_path / "model.onnx")
-    int8_prefill(plain, ("MatMul",), {})
+    assert int8_prefill(plain, ("MatMul",)) == (2, [])  # no statistics: the down projection keeps its MatMul
     # the down projection's epilogue (two Muls), and where 1/s could not be folded, the Mul dividing its input
     assert mul_count == [n.op_type for n in plain.graph].count("Mul") + 2 + (0 if folded else 1)
     xq = _q8(x, -1)
@@ -184,7 +194,7 @@ def test_engine_with_prefill_graph(tiny_engine, precision):
     check = m["prefill_check"]
     assert check["passed"] and check["ratio"] <= PREFILL_BOUND and check["tokens"] > 100, check
     # every GEMM in int8, the down projections smoothed with statistics of the calibration text
-    assert check["smoothed_down_projections"] == m["geometry"]["num_layers"]
+    assert len(check["down_projection_alphas"]) == m["geometry"]["num_layers"]
     ops = [n.op_type for n in onnx.load(str(path / "prefill.onnx"), load_external_data=False).graph.node]
     gemms = [n.op_type for n in onnx.load(str(path / "model.onnx"), load_external_data=False).graph.node
              if n.op_type in PREFILL_GEMM_OPS[precision]]
@@ -223,19 +233,22 @@ def test_engine_with_prefill_graph(tiny_engine, precision):
 
 @pytest.mark.slow
 def test_real_model_smoothed_and_the_fallback(real_engine, in_user_cache, tmp_path, monkeypatch):
-    """SmolLM2 int4: every down projection smoothed into int8 within the bound. A smoothed graph the check refuses
-    (an absurd migration strength) is written again with the down projections on the decoder's kernel, checked again,
-    and the build succeeds with that graph."""
-    from trtinfer.builder import build, prefill_graph
+    """SmolLM2 int4: every down projection in int8, smoothed at a strength of the grid chosen per layer, within the
+    bound. A graph the check refuses with them in int8 (only an absurd strength to choose from) is written again with
+    the down projections on the decoder's kernel, checked again, and the build succeeds with that graph."""
+    from trtinfer.builder import build, prefill_smoothing
 
     m = json.loads((real_engine("smollm2-135m", precision="int4", prefill="int8") / "manifest.json").read_text())
     check = m["prefill_check"]
-    assert check["passed"] and check["smoothed_down_projections"] == m["geometry"]["num_layers"] == 30, check
-    monkeypatch.setattr(prefill_graph, "SMOOTH_ALPHA", 6.0)
+    alphas = check["down_projection_alphas"]
+    assert check["passed"] and len(alphas) == m["geometry"]["num_layers"] == 30, check
+    assert set(alphas) <= set(prefill_smoothing.ALPHAS) and len(set(alphas)) > 1  # not one strength for all layers
+    monkeypatch.setattr(prefill_smoothing, "ALPHAS", (6.0,))
     with in_user_cache():
         path = build("smollm2-135m", tmp_path / "e", BuildConfig(prefill="int8"), progress=False)
     check = json.loads((path / "manifest.json").read_text())["prefill_check"]
-    assert check["smoothed_down_projections"] == 0 and check["smoothed_ratio"] > PREFILL_BOUND >= check["ratio"], check
+    assert check["down_projection_alphas"] == [] and \
+        check["ratio_with_int8_down_projections"] > PREFILL_BOUND >= check["ratio"], check
     ops = [n.op_type for n in onnx.load(str(path / "prefill.onnx"), load_external_data=False).graph.node]
     assert ops.count("MatMul") == 30  # the down projections, on the decoder's fp32 kernel
 

@@ -153,25 +153,26 @@ def _compile(stage: StageDir, config: BuildConfig, backend: BuildBackend, max_se
 
 
 def _check_prefill(engine: Path, manifest: Manifest, stage: StageDir) -> dict[str, Any]:
-    """:func:`~trtinfer.builder.check.check_prefill` on the engine being built. A graph with smoothed down projections
-    past the bound is written again with them on the decoder's kernel and checked again; past it still, the build
-    fails."""
+    """:func:`~trtinfer.builder.check.check_prefill` on the engine being built. A graph with its down projections in
+    int8 past the bound is written again with them on the decoder's kernel and checked again; past it still, the
+    build fails."""
     from trtinfer.builder.check import check_prefill
-    from trtinfer.builder.prefill_graph import smoothed_down_projections, write_prefill_graph
+    from trtinfer.builder.prefill_graph import down_projection_alphas, write_prefill_graph
 
     report = check_prefill(engine, manifest, stage.path / "tokenizer.json")
-    smoothed = smoothed_down_projections(engine)
-    if not report["passed"] and smoothed:
-        log.warning("the int8 prefill graph with %d smoothed down projections scored x%.3f the decoder's perplexity "
-                    "(bound x%s): writing it with the down projections on the decoder's kernel", smoothed,
+    alphas = down_projection_alphas(engine)
+    if not report["passed"] and alphas:
+        log.warning("the int8 prefill graph with %d down projections in int8 scored x%.3f the decoder's perplexity "
+                    "(bound x%s): writing it with the down projections on the decoder's kernel", len(alphas),
                     report["ratio"], report["bound"])
         write_prefill_graph(engine, manifest.files["decoder"], manifest.precision)
-        report = {**check_prefill(engine, manifest, stage.path / "tokenizer.json"), "smoothed_ratio": report["ratio"]}
-        smoothed = 0
+        report = {**check_prefill(engine, manifest, stage.path / "tokenizer.json"),
+                  "ratio_with_int8_down_projections": report["ratio"]}
+        alphas = []
     if not report["passed"]:
         raise BuildError(f"the int8 prefill graph's held-out perplexity is x{report['ratio']:.3f} of the decoder "
                          f"graph's alone (bound x{report['bound']}); build without --prefill")
-    return {**report, "smoothed_down_projections": smoothed}
+    return {**report, "down_projection_alphas": alphas}
 
 
 def _stage_accuracy(stage: StageDir) -> dict[str, Any] | None:

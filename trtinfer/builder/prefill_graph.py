@@ -11,22 +11,15 @@ A prompt's prefill is compute-bound, a decode step bandwidth-bound. The engines'
 Per-token activation scales are what keep the accuracy (one scale per tensor, ``DynamicQuantizeMatMul``, costs
 SmolLM2 x1.27 perplexity). The MLPs' down projections need more: their input (the gated activation) has outlier
 channels (SmolLM2: a channel's max|x| up to 2,900x the median channel's) that one scale per token rounds worst
-(SmolLM2, held-out text scored with the prefill graph over the decoder alone, every GEMM in int8 as above: fp32
-x1.031, past the bound). So they are smoothed, SmoothQuant's way (Xiao et al. 2023; the same factors as
-:mod:`trtinfer.quantization.smoothquant`): ``x W = (x / s) (diag(s) W)`` with ``s_j = max|x_j| ** a / max|W_j| **
-(1 - a)``, ``max|x_j|`` measured per channel on the stage's graph over the built-in calibration text (8 windows of 128
-tokens, never the held-out text the check scores), ``a`` = :data:`SMOOTH_ALPHA`. ``1/s`` costs nothing: the input is
-``act(gate) * up`` and the up projection's output columns take it, in its per-output-channel scales (its int8 codes
-are unchanged); where no up projection can take it, one Mul divides the input. Measured, held-out perplexity over the
-decoder's (SmolLM2 fp32 / int4, Gemma-3 fp32 / int4): a = 0.6: x1.010 / 1.014 / 1.024 / 1.025; a = 0.5: x1.031 /
-1.041 / 1.033 / 1.008; the 99.9th percentile of |x_j| instead of its max, a = 0.5: x1.022 / 1.016 / 1.017 / 1.010;
-the down projections kept on the decoder's kernel (this graph before): x1.016 / 0.998 / 1.006 / 1.009, at 1.3-1.4x
-the TTFT (docs/benchmarks/cpu.md). A smoothed graph the check refuses is written again with the down projections on
-the decoder's kernel (:func:`write_prefill_graph` without a stage), so no model that built before fails now. Also
-tried for them before and not kept: K split in 4 groups with a scale each, x1.028 but slower than the decoder's
-kernel; a 64- or 512-wide block Hadamard rotation of their input and weight, x1.042 / x1.030; the rounding residual
-quantized again as a second int8 GEMM, x1.016 on SmolLM2 int4 but x1.039 fp32 and x1.025 Gemma-3 int4, where the
-weights' int8 rounding per output channel is what costs. The LM head's activations (its input is gathered at the positions whose logits are asked:
+(SmolLM2 fp32, held-out text scored with the prefill graph over the decoder alone: x1.031 with them in int8 as the
+rest, past the bound). So they are smoothed first, SmoothQuant's way, the strength searched per layer on calibration
+rows, the division folded into the up projection's scales (:mod:`~trtinfer.builder.prefill_smoothing`, measurements
+there). A graph the check refuses with them in int8 is written again with them on the decoder's kernel
+(:func:`write_prefill_graph` without a stage), so no model that built before fails now. Also tried for them before
+and not kept: K split in 4 groups with a scale each, x1.028 but slower than the decoder's kernel; a 64- or 512-wide
+block Hadamard rotation of their input and weight, x1.042 / x1.030; the rounding residual quantized again as a second
+int8 GEMM, x1.016 on SmolLM2 int4 but x1.039 fp32 and x1.025 Gemma-3 int4, where the weights' int8 rounding per
+output channel is what costs. The LM head's activations (its input is gathered at the positions whose logits are asked:
 one row in a prefill) go in twice, as more rows of the same GEMM: their codes and the codes of their rounding
 residual, ``x / s - round(x / s)`` at ``s / 254``, added up after it: ~15-bit activations where one more row costs
 nothing (the GEMM reads the weight once), and the head's one-pass rounding was the largest single cost in the
@@ -48,6 +41,7 @@ x1.024 and Gemma-3 int4 x1.021 against x1.018 and x1.001 unfused.
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -57,6 +51,7 @@ import onnx_ir as ir
 
 from trtinfer.artifact import StageDir
 from trtinfer.builder.config import PREFILL_GEMM_OPS
+from trtinfer.builder.prefill_smoothing import Gemm, InputStats, input_stats, plan
 from trtinfer.quantization.blocks import BlockWeight
 from trtinfer.quantization.int8_static import per_channel_int8
 from trtinfer.quantization.weights import MS_DOMAIN
@@ -69,12 +64,8 @@ PREFILL_DATA = "prefill.onnx.data"
 _INLINE_BYTES = 1024
 #: activation zero point: symmetric int8 codes shifted into MLAS's fastest (u8 x s8) GEMM
 _SHIFT = 128
-#: the prefill graph's metadata entry: how many down projections it runs smoothed in int8
-SMOOTHED_KEY = "trtinfer.smoothed_down_projections"
-#: SmoothQuant's migration strength for the down projections (module docstring: measured)
-SMOOTH_ALPHA = 0.6
-#: windows x tokens of the built-in calibration text the down projections' input statistics are taken over
-SMOOTH_WINDOWS, SMOOTH_TOKENS = 8, 128
+#: the prefill graph's metadata entry: the smoothing strength of each down projection it runs in int8 (JSON list)
+ALPHAS_KEY = "trtinfer.down_projection_alphas"
 
 
 def _float_weight(node: ir.Node) -> tuple[ir.TensorProtocol, bool] | None:
@@ -195,52 +186,6 @@ def _row_codes(graph: ir.Graph, x: ir.Value, c: dict[str, ir.Value], opset: int,
     return nodes + [rounded, rest, up, q2, s2, codes, scales], (codes.outputs[0], scales.outputs[0])
 
 
-def _fold_target(x: ir.Value, rewritten: dict[int, ir.Node]) -> ir.Node | None:
-    """The GEMM whose output columns can take a down projection's ``1/s`` for free: ``x`` is ``a * (h @ W_up)``, read
-    only by the down projection, ``W_up`` rewritten to int8 (its per-output-channel scales absorb the division), its
-    output read only by that Mul and no bias after it; else None (an explicit Mul divides ``x``)."""
-    mul = x.producer()
-    if mul is None or mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or x.is_graph_output() \
-            or len(x.uses()) != 1:
-        return None
-    for v in mul.inputs:
-        up = None if v is None else v.producer()
-        if (v is not None and up is not None and id(up) in rewritten and not v.is_graph_output()
-                and all(u.node is mul for u in v.uses()) and _bias(up) is None):
-            return up
-    return None
-
-
-def _bias(node: ir.Node) -> ir.Value | None:
-    return node.inputs[5] if node.op_type == "MatMulNBits" and len(node.inputs) > 5 else None
-
-
-def _smoothing(gemms: list[tuple[ir.Node, tuple[int, int, Callable[[], np.ndarray]]]], keep_k: int,
-               act_amax: Mapping[str, np.ndarray]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray], set[int]]:
-    """For each down projection whose input has statistics: ``s`` by node (scaling its weight's rows), ``1/s`` by
-    the up projection that takes it (scaling its weight's columns), and the down projections so folded."""
-    from trtinfer.quantization.smoothquant import smoothing_factors
-
-    rewritten = {id(node): node for node, (k, _n, _r) in gemms
-                 if node.inputs[0] is not None and (k != keep_k or node.inputs[0].name in act_amax)}
-    rows: dict[int, np.ndarray] = {}
-    cols: dict[int, np.ndarray] = {}
-    folded: set[int] = set()
-    for node, (k, _n, read) in gemms:
-        x = node.inputs[0]
-        if k != keep_k or x is None or x.name is None or x.name not in act_amax:
-            continue
-        w = read()
-        rows[id(node)] = s = smoothing_factors(act_amax[x.name], np.maximum(w.max(axis=1), -w.min(axis=1)),
-                                               SMOOTH_ALPHA)
-        del w
-        up = _fold_target(x, rewritten)
-        if up is not None and id(up) not in cols:
-            cols[id(up)] = (np.float32(1.0) / s).astype(np.float32)
-            folded.add(id(node))
-    return rows, cols, folded
-
-
 def _scaled(read: Callable[[], np.ndarray], rows: np.ndarray | None, cols: np.ndarray | None
             ) -> Callable[[], np.ndarray]:
     def scaled() -> np.ndarray:
@@ -254,16 +199,27 @@ def _scaled(read: Callable[[], np.ndarray], rows: np.ndarray | None, cols: np.nd
     return scaled
 
 
-def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...], act_amax: Mapping[str, np.ndarray] | None = None) -> int:
+def _gemms(model: ir.Model, gemm_ops: tuple[str, ...]) -> tuple[list[Gemm], set[int]]:
+    """The GEMMs with a constant weight and an input, and (node ids) the MLPs' down projections among them: those with
+    the most input features (a decoder's intermediate size is larger than its hidden size and its attention width)."""
+    gemms = [(node, got) for node in model.graph if node.op_type in gemm_ops and node.inputs[0] is not None
+             for got in [_gemm_weight(node)] if got]
+    widest = max((k for _, (k, _n, _r) in gemms), default=0)
+    return gemms, {id(node) for node, (k, _n, _r) in gemms if k == widest}
+
+
+def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...],
+                 stats: Mapping[str, InputStats] | None = None) -> tuple[int, list[float | None]]:
     """Rewrite ``model`` in place: every ``gemm_ops`` node with a constant weight becomes the int8 form of the module
-    docstring (one activation quantization per distinct input). The MLPs' down projections (the GEMMs with the most
-    input features: a decoder's intermediate size is larger than its hidden size and its attention width) are
-    rewritten smoothed where ``act_amax`` has their input's per-channel ``max|x|``, else they keep the decoder's
-    kernel. Returns how many GEMMs were rewritten."""
+    docstring (one activation quantization per distinct input). The MLPs' down projections are rewritten smoothed
+    (:mod:`~trtinfer.builder.prefill_smoothing`) where ``stats`` has their input, else they keep the decoder's
+    kernel. Returns how many GEMMs were rewritten and the smoothing strength of each down projection in int8."""
     graph = model.graph
-    gemms = [(node, got) for node in graph if node.op_type in gemm_ops for got in [_gemm_weight(node)] if got]
-    keep_k = max((k for _, (k, _n, _r) in gemms), default=0)
-    rows, cols, folded = _smoothing(gemms, keep_k, act_amax or {})
+    stats = stats or {}
+    gemms, downs = _gemms(model, gemm_ops)
+    gemms = [g for g in gemms if id(g[0]) not in downs or (g[0].inputs[0].name or "") in stats]  # type: ignore[union-attr]
+    smoothing = plan(gemms, downs, stats)
+    rows, cols, folded = smoothing.rows, smoothing.cols, smoothing.folded
     opset = graph.opset_imports.get("", 0)
     c = {"axes": _const(graph, "prefill.axes", np.array([-1], np.int64)),
          "eps": _const(graph, "prefill.eps", np.array(1e-12, np.float32)),
@@ -274,8 +230,7 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...], act_amax: Mapping[s
     done = 0
     for node, (k, n, read) in gemms:
         x = node.inputs[0]
-        if x is None or (k == keep_k and id(node) not in rows):  # a down projection without statistics: kept
-            continue
+        assert x is not None
         tag = f"prefill.{done}"
         twice = _is_head(x)  # the head's codes carry their rounding residual too (module docstring)
         new: list[ir.Node] = []
@@ -303,7 +258,7 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...], act_amax: Mapping[s
         y = ir.node("Mul", [tail[-1].outputs[0], ws])
         tail.append(y)
         out = y.outputs[0]
-        bias = _bias(node)
+        bias = node.inputs[5] if node.op_type == "MatMulNBits" and len(node.inputs) > 5 else None
         if bias is not None:
             add = ir.node("Add", [out, bias])
             tail.append(add)
@@ -323,50 +278,36 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...], act_amax: Mapping[s
     for name, value in list(graph.initializers.items()):  # the replaced weights: not written to the prefill graph
         if not value.uses() and not value.is_graph_output():
             del graph.initializers[name]
-    return done
+    return done, smoothing.alphas
 
 
-def down_input_amax(stage: StageDir, model: ir.Model, gemm_ops: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Per-channel ``max|x|`` of the down projections' inputs in ``model`` (an engine's decoder graph), measured on
-    ``stage``'s graph (the same model before compilation; the inputs keep their names) over the built-in calibration
-    text; an input the stage's graph does not name gets none (its GEMM keeps the decoder's kernel)."""
-    from trtinfer.calibration import (
-        ChannelRangeCollector,
-        StageFeeds,
-        collect,
-        stage_calibration_set,
-        weight_matmul_inputs,
-    )
-
-    gemms = [(node, got[0]) for node in model.graph if node.op_type in gemm_ops for got in [_gemm_weight(node)] if got]
-    keep_k = max((k for _, k in gemms), default=0)
-    known = set(weight_matmul_inputs(stage, gemm_ops))
-    names = [x.name for node, k in gemms if k == keep_k for x in [node.inputs[0]] if x is not None and x.name in known]
-    if not names:
-        return {}
-    cset = stage_calibration_set(stage, None, num_samples=SMOOTH_WINDOWS, seq_len=SMOOTH_TOKENS, decode_steps=0)
-    ranges = ChannelRangeCollector()
-    collect(stage, StageFeeds(stage, cset), names, ranges.update, progress=False)
-    return {name: r.amax for name, r in ranges.ranges().items()}
-
-
-def smoothed_down_projections(engine: Path) -> int:
-    """How many down projections the engine's prefill graph runs smoothed in int8 (its metadata; no weight read)."""
+def down_projection_alphas(engine: Path) -> list[float | None]:
+    """The smoothing strength of each down projection the engine's prefill graph runs in int8 (its metadata; no
+    weight read); empty where they keep the decoder's kernel."""
     import onnx
 
     props = {p.key: p.value for p in onnx.load(str(engine / PREFILL_NAME), load_external_data=False).metadata_props}
-    return int(props.get(SMOOTHED_KEY, 0))
+    return list(json.loads(props.get(ALPHAS_KEY, "[]")))
 
 
 def write_prefill_graph(engine: Path, decoder: str, precision: str, stage: StageDir | None = None) -> dict[str, str]:
     """Write :data:`PREFILL_NAME` (+ its data file) into ``engine`` from the engine's ``decoder`` graph of
     ``precision``; returns the manifest's file entries. With ``stage`` (the graph the engine was compiled from), the
-    down projections are smoothed into int8 too (:func:`down_input_amax`), else they keep the decoder's kernel."""
+    down projections are smoothed into int8 too, their inputs' statistics taken on it
+    (:func:`~trtinfer.builder.prefill_smoothing.input_stats`), else they keep the decoder's kernel."""
+    from trtinfer.calibration import weight_matmul_inputs
+
     model = ir.load(engine / decoder)
     gemm_ops = PREFILL_GEMM_OPS[precision]
-    amax = None if stage is None else down_input_amax(stage, model, gemm_ops)
-    done = int8_prefill(model, gemm_ops, amax)
-    model.metadata_props[SMOOTHED_KEY] = str(len(amax or {}))
+    stats = None
+    if stage is not None:
+        gemms, downs = _gemms(model, gemm_ops)
+        known = set(weight_matmul_inputs(stage, gemm_ops))
+        names = [x.name for node, _ in gemms if id(node) in downs for x in [node.inputs[0]]
+                 if x is not None and x.name in known]
+        stats = input_stats(stage, names) if names else None
+    done, alphas = int8_prefill(model, gemm_ops, stats)
+    model.metadata_props[ALPHAS_KEY] = json.dumps(alphas)
     # only the int8 weights are new: what the graph keeps of the decoder's (the embedding table, the down projections,
     # norms) is read from the decoder's own data file in the same folder, not copied (SmolLM2 fp32: 109 MB, was 329)
     fresh = [(v, t) for v in model.graph.initializers.values() for t in [v.const_value]
@@ -377,6 +318,6 @@ def write_prefill_graph(engine: Path, decoder: str, precision: str, stage: Stage
     ir.save(model, engine / PREFILL_NAME)  # external tensors keep their files and offsets
     shared = sum(v.const_value.nbytes for v in model.graph.initializers.values()
                  if isinstance(v.const_value, ir.ExternalTensor) and v.const_value.location != PREFILL_DATA)
-    log.debug("prefill graph: %d GEMMs on int8 activations and weights (%d down projections smoothed); %.0f MiB of "
-              "weights read from %s", done, len(amax or {}), shared / 2**20, decoder)
+    log.debug("prefill graph: %d GEMMs on int8 activations and weights (down projections' smoothing: %s); %.0f MiB of "
+              "weights read from %s", done, alphas or "kept", shared / 2**20, decoder)
     return {"prefill": PREFILL_NAME, "prefill_data": PREFILL_DATA}
