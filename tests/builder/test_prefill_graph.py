@@ -315,4 +315,6 @@ def test_inspect_shows_the_prefill_check(tiny_engine, capsys):
     path = tiny_engine("llama", precision="int4", prefill="int8")
     assert main(["inspect", str(path)]) == 0
     ratio = json.loads((path / "manifest.json").read_text())["prefill_check"]["ratio"]
-    assert f"int8 prefill graph: held-out perplexity x{ratio:.3f} of the decoder graph's alone" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"int8 prefill graph: held-out perplexity x{ratio:.3f} of the decoder graph's alone" in out
+    assert "; down projections in int8 (" in out

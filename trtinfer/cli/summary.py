@@ -49,5 +49,15 @@ def stage_summary(stage: Any) -> str:
 
 def prefill_text(check: dict[str, Any]) -> str:
     """One line for an engine's int8 prefill graph check (``prefill_check`` in the manifest)."""
-    return (f"int8 prefill graph: held-out perplexity x{check['ratio']:.3f} of the decoder graph's alone (bound "
+    line = (f"int8 prefill graph: held-out perplexity x{check['ratio']:.3f} of the decoder graph's alone (bound "
             f"x{check['bound']:g}), top-1 agreement {check['top1_agreement']:.0%}")
+    alphas = check.get("down_projection_alphas")  # absent: an engine built before c2ecd7c
+    if alphas:
+        strengths = sorted({a for a in alphas if a is not None})
+        how = "unsmoothed" if not strengths else f"smoothed {strengths[0]:g}" + (
+            f"-{strengths[-1]:g}" if len(strengths) > 1 else "")
+        line += f"; down projections in int8 ({how})"
+    elif alphas is not None:  # kept on the decoder's kernel: the graph with them in int8 was past the bound
+        past = check.get("ratio_with_int8_down_projections")
+        line += "; down projections on the decoder's kernel" + (f" (in int8: x{past:.3f})" if past else "")
+    return line
