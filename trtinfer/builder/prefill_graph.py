@@ -51,7 +51,7 @@ import onnx_ir as ir
 
 from trtinfer.artifact import StageDir
 from trtinfer.builder.config import PREFILL_GEMM_OPS
-from trtinfer.builder.prefill_smoothing import Gemm, InputStats, input_stats, plan
+from trtinfer.builder.prefill_smoothing import Gemm, InputStats, gemm_bias, input_stats, plan
 from trtinfer.quantization.blocks import BlockWeight
 from trtinfer.quantization.int8_static import per_channel_int8
 from trtinfer.quantization.weights import MS_DOMAIN
@@ -258,7 +258,7 @@ def int8_prefill(model: ir.Model, gemm_ops: tuple[str, ...],
         y = ir.node("Mul", [tail[-1].outputs[0], ws])
         tail.append(y)
         out = y.outputs[0]
-        bias = node.inputs[5] if node.op_type == "MatMulNBits" and len(node.inputs) > 5 else None
+        bias = gemm_bias(node)
         if bias is not None:
             add = ir.node("Add", [out, bias])
             tail.append(add)

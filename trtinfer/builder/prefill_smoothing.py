@@ -51,19 +51,20 @@ class InputStats:
 
 
 class _Collector:
+    """Per-channel ranges of each tensor (:class:`~trtinfer.calibration.ChannelRangeCollector`) and every
+    :data:`ROW_STRIDE`-th of its finite rows."""
+
     def __init__(self) -> None:
-        self.amax: dict[str, np.ndarray] = {}
+        from trtinfer.calibration import ChannelRangeCollector
+
+        self.ranges = ChannelRangeCollector()
         self.rows: dict[str, list[np.ndarray]] = {}
 
     def update(self, tensor: str, batch: np.ndarray) -> None:
+        self.ranges.update(tensor, batch)
         x = np.asarray(batch, dtype=np.float32)
-        x = x.reshape(-1, x.shape[-1])
-        x = x[np.isfinite(x).all(axis=1)]
-        if not len(x):
-            return
-        a = np.abs(x).max(axis=0)
-        self.amax[tensor] = np.maximum(self.amax[tensor], a) if tensor in self.amax else a
-        self.rows.setdefault(tensor, []).append(x[::ROW_STRIDE].copy())
+        x = x.reshape(-1, x.shape[-1])[::ROW_STRIDE]
+        self.rows.setdefault(tensor, []).append(x[np.isfinite(x).all(axis=1)].copy())
 
 
 def input_stats(stage: StageDir, names: Sequence[str]) -> dict[str, InputStats]:
@@ -73,10 +74,10 @@ def input_stats(stage: StageDir, names: Sequence[str]) -> dict[str, InputStats]:
     cset = stage_calibration_set(stage, None, num_samples=WINDOWS, seq_len=TOKENS, decode_steps=0)
     got = _Collector()
     collect(stage, StageFeeds(stage, cset), list(names), got.update, progress=False)
-    return {n: InputStats(a, np.concatenate(got.rows[n])) for n, a in got.amax.items()}
+    return {n: InputStats(r.amax, np.concatenate(got.rows[n])) for n, r in got.ranges.ranges().items()}
 
 
-def _row_codes(x: np.ndarray) -> np.ndarray:
+def _per_row_int8(x: np.ndarray) -> np.ndarray:
     """``x`` rounded to int8 per row, as the prefill graph does (max|x| / 127 a row, half to even), dequantized."""
     s = np.maximum(np.abs(x).max(axis=-1, keepdims=True), np.float32(1e-12)) / np.float32(127.0)
     return np.clip(np.rint(x / s), -127, 127) * s  # type: ignore[no-any-return]
@@ -86,16 +87,16 @@ def best_smoothing(w: np.ndarray, stats: InputStats) -> tuple[np.ndarray | None,
     """``(s, a)`` of the strength in :data:`ALPHAS` whose int8 product of the sampled rows with ``w [K, N]`` is
     nearest the float product in squared error; ``(None, None)`` where no smoothing is nearest."""
     from trtinfer.quantization.int8_static import per_channel_int8
-    from trtinfer.quantization.smoothquant import smoothing_factors
+    from trtinfer.quantization.smoothquant import row_amax, smoothing_factors
 
     x = stats.rows
     want = x @ w
-    w_amax = np.maximum(w.max(axis=1), -w.min(axis=1))
+    w_amax = row_amax(w)
     best: tuple[float, np.ndarray | None, float | None] = (np.inf, None, None)
     for a in ALPHAS:
         s = None if a is None else smoothing_factors(stats.amax, w_amax, a)
         codes, scales = per_channel_int8(w if s is None else w * s[:, None])
-        got = _row_codes(x if s is None else x / s) @ codes.astype(np.float32) * scales
+        got = _per_row_int8(x if s is None else x / s) @ codes.astype(np.float32) * scales
         got -= want
         err = float(np.vdot(got, got))
         if err < best[0]:
@@ -103,7 +104,8 @@ def best_smoothing(w: np.ndarray, stats: InputStats) -> tuple[np.ndarray | None,
     return best[1], best[2]
 
 
-def _bias(node: ir.Node) -> ir.Value | None:
+def gemm_bias(node: ir.Node) -> ir.Value | None:
+    """A ``MatMulNBits`` node's bias input (added to its product), else None."""
     return node.inputs[5] if node.op_type == "MatMulNBits" and len(node.inputs) > 5 else None
 
 
@@ -118,7 +120,7 @@ def fold_target(x: ir.Value, rewritten: Mapping[int, ir.Node]) -> ir.Node | None
     for v in mul.inputs:
         up = None if v is None else v.producer()
         if (v is not None and up is not None and id(up) in rewritten and not v.is_graph_output()
-                and all(u.node is mul for u in v.uses()) and _bias(up) is None):
+                and all(u.node is mul for u in v.uses()) and gemm_bias(up) is None):
             return up
     return None
 

@@ -55,10 +55,10 @@ class SmoothSite:
 
     def weight_row_amax(self) -> np.ndarray:
         """``max_i max_n |W_i[j, n]|`` per input channel ``j``."""
-        return np.max([_row_amax(g.array()) for g in self.gemms], axis=0)
+        return np.max([row_amax(g.array()) for g in self.gemms], axis=0)
 
 
-def _row_amax(w: np.ndarray) -> np.ndarray:
+def row_amax(w: np.ndarray) -> np.ndarray:
     """``max_n |w[j, n]|`` per row, without an ``|w|`` copy of the weight."""
     return np.maximum(w.max(axis=1), -w.min(axis=1))  # type: ignore[no-any-return]
 
