@@ -62,6 +62,68 @@ def test_a_stage_record_of_the_wrong_shape_is_one_line(tiny_model_dir, tmp_path)
             read_stage(bad, verify=False)
 
 
+def test_a_stage_made_again_keys_the_next_stage_the_same(tiny_model_dir, tmp_path):
+    """The next stage's cache key is the stage's content: made again from the same input (a damaged or cleaned
+    entry), it must key the same, or an 8B model's GPTQ (55 minutes) would run again for a pass that took 0.42 s
+    instead of 0.46. What the stage did still counts: another pass config keys differently."""
+    import json
+
+    from trtinfer.artifact import STAGE_FILE
+    from trtinfer.export.onnx_export import export
+    from trtinfer.passes import PassConfig
+    from trtinfer.passes.optimizer import optimize_stage
+    from trtinfer.stages import read_stage
+
+    exp = export(tiny_model_dir("llama"), tmp_path / "export")
+    config = PassConfig(target="onnxruntime-cpu", max_seq_len=64)
+    one, two = (optimize_stage(exp, tmp_path / n, config) for n in ("one", "two"))
+    info = json.loads((two.path / STAGE_FILE).read_text())
+    for fusion in info["history"]["optimize"]["fusion_report"]["fusions"].values():  # timings differ run to run
+        fusion["seconds"] = fusion.get("seconds", 0) + 1.0
+    info["history"]["optimize"]["seconds"] += 1.0
+    (two.path / STAGE_FILE).write_text(json.dumps(info))
+    assert read_stage(two.path).content_key() == one.content_key()
+    import onnx
+
+    from trtinfer.passes.optimizer import REPORT_KEY
+
+    props = {p.key: p.value for p in onnx.load(str(one.onnx_path), load_external_data=False).metadata_props}
+    assert json.loads(props[REPORT_KEY])["fusions"]["attention"] == {"kind": "fusion", "fired": 2, "expected": 2}
+    other = optimize_stage(exp, tmp_path / "other", PassConfig(target="onnxruntime-cpu", max_seq_len=32))
+    assert other.content_key() != one.content_key()
+
+
+def test_the_cached_export_links_the_model_folders_tokenizer(tiny_model_dir, tmp_path, monkeypatch):
+    """The cached export names the model folder's tokenizer files without a second copy (a hard link: Qwen3's
+    tokenizer.json is 11 MB, the whole of what a 14B build's cache held past one copy of the weights), a file whose
+    mode the cache would change is copied, and an export the user asked for gets copies they may edit. Edited in
+    place in the model folder, the tokenizer reaches the next build, its cached entry made again."""
+    import os
+    import shutil
+    import stat
+
+    from trtinfer._outputs import current_umask
+    from trtinfer.export.onnx_export import export, export_cached
+    from trtinfer.stages import read_stage
+
+    monkeypatch.setenv("TRTINFER_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), src)
+    os.chmod(src / "tokenizer.json", 0o666 & ~current_umask())
+    os.chmod(src / "tokenizer_config.json", 0o400)
+    cached = export_cached(src)
+    assert (cached.path / "tokenizer.json").samefile(src / "tokenizer.json")
+    assert not (cached.path / "tokenizer_config.json").samefile(src / "tokenizer_config.json")
+    assert stat.S_IMODE((src / "tokenizer_config.json").stat().st_mode) == 0o400
+    assert (cached.path / "tokenizer_config.json").read_bytes() == (src / "tokenizer_config.json").read_bytes()
+    mine = export(src, tmp_path / "mine")
+    assert not (mine.path / "tokenizer.json").samefile(src / "tokenizer.json")
+    with open(src / "tokenizer.json", "ab") as f:  # in place: the cached entry's file changes with it
+        f.write(b" ")
+    again = export_cached(src)
+    assert read_stage(again.path).info["files"]["tokenizer.json"]["size"] == (src / "tokenizer.json").stat().st_size
+
+
 def test_stages_share_their_tokenizer_files_and_engines_copy_them(tiny_model_dir, tmp_path):
     """A chain of stages keeps one copy of each carried file on disk (hard links): a 14B build's cache held 11 MB
     of tokenizer per stage. The engine's files stay copies: editing an engine's chat template must not change the

@@ -367,6 +367,32 @@ def test_outputs_follow_the_umask(tmp_path, umask, dir_mode, file_mode):
     assert len(modes) == 10
 
 
+def test_a_cache_entry_links_a_users_file_only_where_its_modes_never_reach_it(cache_dir, tmp_path):
+    """A user's file a cache entry names (a GGUF, a model folder's tokenizer) is hard-linked only when it already has
+    the mode the entry's files get: setting an entry's modes through a link would make a 0600 model world-readable
+    or a read-only one writable. Otherwise no link (the caller copies, or links symbolically)."""
+    import stat
+
+    from trtinfer._outputs import current_umask, link_into
+
+    plain, private, read_only = (tmp_path / n for n in ("plain.gguf", "private.gguf", "read_only.gguf"))
+    for f, mode in ((plain, 0o666 & ~current_umask()), (private, 0o600), (read_only, 0o444)):
+        f.write_bytes(b"GGUF")
+        os.chmod(f, mode)
+    modes = {f: stat.S_IMODE(f.stat().st_mode) for f in (plain, private, read_only)}
+    assert modes[plain] not in (modes[private], modes[read_only])  # the test needs a umask other than 077 / 0222
+
+    def make(out: Path) -> None:
+        assert [link_into(f, out / f.name) for f in (plain, private, read_only)] == [True, False, False]
+        for f in (private, read_only):
+            shutil.copyfile(f, out / f.name)
+
+    entry = cache.cached_dir("models", "k", make)
+    assert (entry / plain.name).samefile(plain) and not (entry / private.name).samefile(private)
+    assert {f: stat.S_IMODE(f.stat().st_mode) for f in modes} == modes  # the entry's modes left the user's alone
+    assert not link_into(tmp_path / "missing.gguf", tmp_path / "l")
+
+
 # --- unwritable and full outputs ------------------------------------------------------------------------------------
 
 @pytest.fixture

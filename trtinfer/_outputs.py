@@ -70,6 +70,23 @@ def apply_modes(top: Path, umask: int) -> None:
     fix(str(top), os.lstat(top), dir_mode)
 
 
+def link_into(src: Path, dst: Path) -> bool:
+    """Hard-link ``dst`` to ``src`` (a user's file a cache entry names without a second copy); False where not done.
+
+    Only a file that already has the mode :func:`apply_modes` gives an entry's files is linked: the entry's modes
+    are set through its names, and a chmod through the link would change the user's file (a 0600 model made
+    world-readable, a read-only one writable). Not linked either: another file system, a file the user may not link.
+    """
+    try:
+        st = os.stat(src)  # a hub snapshot's symlink is followed: the link names the blob
+        if stat.S_IMODE(st.st_mode) != 0o666 & ~current_umask():
+            return False
+        os.link(src, dst)
+    except OSError:
+        return False
+    return True
+
+
 def lock_dir(path: Path, wait: bool = False) -> int | None:
     """An fd on directory ``path`` holding its exclusive flock, or None if another process holds it (or it is gone)."""
     try:

@@ -208,9 +208,18 @@ class StageDir(ArtifactRecord):
         """A key for everything this directory holds (its files' hashes and its stage.json facts)."""
         files = {n: r["sha256"] for n, r in self.info["files"].items()}
         facts = {k: v for k, v in self.info.items() if k not in ("files", "history", "source")}
-        # what each stage did matters, how long it took and where the model was read from do not
-        done = {stage: {k: v for k, v in rec.items() if k != "seconds"} for stage, rec in self.history.items()}
-        return key_of([files, facts, done, self.info.get("source", {}).get("sha256")])
+        # what each stage did matters; how long it (or any pass of it) took and where the model was read from do not:
+        # a stage made again from the same input must key the next stage's cache entry the same
+        return key_of([files, facts, _untimed(self.history), self.info.get("source", {}).get("sha256")])
+
+
+def _untimed(record: Any) -> Any:
+    """``record`` without its ``seconds`` entries, at any depth."""
+    if isinstance(record, dict):
+        return {k: _untimed(v) for k, v in record.items() if k != "seconds"}
+    if isinstance(record, list):
+        return [_untimed(v) for v in record]
+    return record
 
 
 def write_stage(folder: Path, info: dict[str, Any]) -> StageDir:

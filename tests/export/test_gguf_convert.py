@@ -180,3 +180,27 @@ def test_a_large_gguf_is_read_through_views(tmp_path: Path, monkeypatch: pytest.
                           repeats=1) for stage in (viewed, whole))
     assert got.first_tokens == ref.first_tokens and len(got.first_tokens) == 6
     assert got.ttft_ms > 0 and got.decode_tok_s > 0
+
+
+def test_a_private_gguf_is_linked_symbolically_and_keeps_its_mode(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF the cache would have to chmod (here 0600: readable by its owner only) is not hard-linked into the
+    cached model folder: the folder's modes are set through its names, and would have made the user's file
+    world-readable. A symbolic link reads the same bytes."""
+    import os
+    import shutil
+    import stat
+
+    from trtinfer.checkpoint import GGUF_LINK
+    from trtinfer.export import gguf_convert
+    from trtinfer.export.sources import ALIASES, resolve_model
+
+    monkeypatch.setenv("TRTINFER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRTINFER_EXPORT_IN_PROCESS", "1")
+    monkeypatch.setattr(gguf_convert, "COPY_LIMIT", 0)  # read through views: the folder links to the GGUF
+    gguf = tmp_path / "smollm2.gguf"
+    shutil.copyfile(ALIASES["smollm2-135m"](), gguf)
+    os.chmod(gguf, 0o600)
+    link = resolve_model(str(gguf)).path / GGUF_LINK
+    assert link.is_symlink() and link.samefile(gguf)
+    assert stat.S_IMODE(gguf.stat().st_mode) == 0o600 and gguf.stat().st_nlink == 1

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from trtinfer._outputs import link_into
 from trtinfer.checkpoint import GGUF_LINK, GGUF_ORIGINS, SINGLE_NAME
 from trtinfer.errors import ModelSourceError
 from trtinfer.export.architectures import spec_for
@@ -166,10 +167,8 @@ def _write_weights(file: GGUFFile, plan: list[tuple[str, str, np.ndarray | None]
 
 def _link(gguf: Path, link: Path) -> None:
     """``link`` names ``gguf``'s bytes: a hard link (the cache entry keeps them when the original moves), else a
-    symbolic link (another file system, or a file the user may not link)."""
-    try:
-        os.link(gguf, link)
-    except OSError:
+    symbolic link (another file system, a file the user may not link, or one whose mode the cache would change)."""
+    if not link_into(gguf, link):
         os.symlink(gguf.resolve(), link)
         log.info("the cached model folder links to %s (moved, it is converted again)", gguf)
 

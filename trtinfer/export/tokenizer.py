@@ -6,15 +6,26 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from trtinfer._outputs import link_into
 from trtinfer.errors import ExportError, ModelSourceError
 from trtinfer.stages import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
 
+def _in_cache(folder: Path) -> bool:
+    """True if ``folder`` lies in trtinfer's cache (where a stage is made in a temporary folder, then renamed)."""
+    from trtinfer._cache import cache_path
+
+    return folder.resolve().is_relative_to(cache_path().resolve())
+
+
 def save_tokenizer(src: Path, out: Path) -> dict[str, Any]:
     """Copy the tokenizer files of ``src`` into ``out``; return BOS/EOS/PAD as transformers' ``generate`` uses them.
 
+    Into the cache they are hard links to the model folder's files where allowed (:func:`link_into`: no second copy
+    of a 10 MB ``tokenizer.json`` per model; a cache entry is never edited, and one whose file changed through the
+    model folder fails its stamp check and is made again); a folder the user asked for gets copies, which they edit.
     A slow tokenizer is converted to ``tokenizer.json`` (the torch-free runtime reads only that); a chat template
     held in ``tokenizer_config.json`` is also written to ``chat_template.jinja``.
     """
@@ -31,8 +42,9 @@ def save_tokenizer(src: Path, out: Path) -> dict[str, Any]:
         tok.save_pretrained(out)  # a slow tokenizer gets converted to tokenizer.json here
     if tok.chat_template and not (src / "chat_template.jinja").is_file():
         (out / "chat_template.jinja").write_text(tok.chat_template)
+    link = _in_cache(out)
     for name in TOKENIZER_FILES:
-        if (src / name).is_file() and not (out / name).exists():
+        if (src / name).is_file() and not (out / name).exists() and not (link and link_into(src / name, out / name)):
             shutil.copyfile(src / name, out / name)
     for extra in ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "added_tokens.json"):
         if (out / extra).exists():  # left by save_pretrained; the runtime reads tokenizer.json only

@@ -44,14 +44,14 @@ class FusionReport:
         return [f"fusion '{r.name}' fired {r.fired} of {r.expected} expected times" for r in self.passes
                 if r.missed]
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly form."""
+    def to_dict(self, timings: bool = True) -> dict[str, Any]:
+        """JSON-friendly form; without ``timings``, what the passes did only (the same for the same input)."""
         return {
             "target": self.target,
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
             "fusions": {r.name: {"kind": r.kind, "fired": r.fired, "expected": r.expected,
-                                 "seconds": round(r.seconds, 3)} for r in self.passes},
+                                 **({"seconds": round(r.seconds, 3)} if timings else {})} for r in self.passes},
             "warnings": self.warnings,
         }
 
