@@ -109,16 +109,20 @@ def test_the_cached_export_links_the_model_folders_tokenizer(tiny_model_dir, tmp
     monkeypatch.setenv("TRTINFER_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "model"
     shutil.copytree(tiny_model_dir("llama"), src)
-    os.chmod(src / "tokenizer.json", 0o666 & ~current_umask())
+    blob = tmp_path / "blobs" / "0f3a"  # a hub snapshot: the folder's files are symbolic links to blobs
+    blob.parent.mkdir()
+    (src / "tokenizer.json").rename(blob)
+    (src / "tokenizer.json").symlink_to(blob)
+    os.chmod(blob, 0o666 & ~current_umask())
     os.chmod(src / "tokenizer_config.json", 0o400)
     cached = export_cached(src)
-    assert (cached.path / "tokenizer.json").samefile(src / "tokenizer.json")
+    assert (cached.path / "tokenizer.json").samefile(blob) and not (cached.path / "tokenizer.json").is_symlink()
     assert not (cached.path / "tokenizer_config.json").samefile(src / "tokenizer_config.json")
     assert stat.S_IMODE((src / "tokenizer_config.json").stat().st_mode) == 0o400
     assert (cached.path / "tokenizer_config.json").read_bytes() == (src / "tokenizer_config.json").read_bytes()
     mine = export(src, tmp_path / "mine")
     assert not (mine.path / "tokenizer.json").samefile(src / "tokenizer.json")
-    with open(src / "tokenizer.json", "ab") as f:  # in place: the cached entry's file changes with it
+    with open(blob, "ab") as f:  # in place: the cached entry's file changes with it
         f.write(b" ")
     again = export_cached(src)
     assert read_stage(again.path).info["files"]["tokenizer.json"]["size"] == (src / "tokenizer.json").stat().st_size

@@ -77,11 +77,13 @@ def link_into(src: Path, dst: Path) -> bool:
     are set through its names, and a chmod through the link would change the user's file (a 0600 model made
     world-readable, a read-only one writable). Not linked either: another file system, a file the user may not link.
     """
+    # a hub snapshot's file is a relative symlink: the link names its blob (os.link would link the symlink itself,
+    # dangling once it lies in the cache)
+    real = os.path.realpath(src)
     try:
-        st = os.stat(src)  # a hub snapshot's symlink is followed: the link names the blob
-        if stat.S_IMODE(st.st_mode) != 0o666 & ~current_umask():
+        if stat.S_IMODE(os.stat(real).st_mode) != 0o666 & ~current_umask():
             return False
-        os.link(src, dst)
+        os.link(real, dst)
     except OSError:
         return False
     return True
