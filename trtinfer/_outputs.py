@@ -47,13 +47,18 @@ def current_umask() -> int:
     return mask
 
 
+def entry_modes(umask: int) -> tuple[int, int]:
+    """The (folder, file) modes a plain mkdir/open gives under ``umask``: 0o777/0o666 less it."""
+    return 0o777 & ~umask, 0o666 & ~umask
+
+
 def apply_modes(top: Path, umask: int) -> None:
     """Give ``top`` and everything below it the modes a plain mkdir/open would have: 0o777/0o666 less the umask.
 
     Files that were owner-executable stay executable for whoever the umask allows. Modes already right are left
     alone: chmod changes ctime, which the cache's stat stamps compare.
     """
-    dir_mode, file_mode = 0o777 & ~umask, 0o666 & ~umask
+    dir_mode, file_mode = entry_modes(umask)
 
     def fix(path: str, st: os.stat_result, want: int) -> None:
         if stat.S_IMODE(st.st_mode) != want:
@@ -81,7 +86,7 @@ def link_into(src: Path, dst: Path) -> bool:
     # dangling once it lies in the cache)
     real = os.path.realpath(src)
     try:
-        if stat.S_IMODE(os.stat(real).st_mode) != 0o666 & ~current_umask():
+        if stat.S_IMODE(os.stat(real).st_mode) != entry_modes(current_umask())[1]:
             return False
         os.link(real, dst)
     except OSError:
