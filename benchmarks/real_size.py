@@ -379,8 +379,9 @@ def format_table(report: dict[str, Any]) -> str:
     if "int4" in c:
         ours = [f"{r['precision']} bs{u['batch_size']} {u['fraction_of_int4_kernel']:.0%}" for r in report["rows"]
                 for u in r.get("runs", []) if "fraction_of_int4_kernel" in u]
-        lines.append(f"int4 kernel ceiling (MatMulNBits at batch 1 over packed weights, best of before/after): "
-                     f"{c['int4']:.1f} GB/s, {c['int4'] / c['read']:.0%} of the read probe; of it: "
+        plain = f" ({c['int4_4k']:.1f} on 4 KiB pages)" if "int4_4k" in c else ""
+        lines.append(f"int4 kernel ceiling (MatMulNBits at batch 1 over packed weights on huge pages, best of "
+                     f"before/after): {c['int4']:.1f} GB/s{plain}, {c['int4'] / c['read']:.0%} of the read probe; of it: "
                      + (", ".join(ours) or "no int4 rows"))
     return "\n".join(lines)
 
@@ -494,8 +495,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         log.info("probing memory bandwidth (%g MiB arrays)", args.buffer_mib)
         probe = roofline.probe_bandwidth(args.buffer_mib)
-        int4 = [roofline.probe_int4_kernel(args.buffer_mib)]
-        ceiling = {**roofline.ceilings(probe), "int4": int4[0]["gb_s"]}
+        int4 = roofline.int4_probes(args.buffer_mib)
+        ceiling = {**roofline.ceilings(probe), **roofline.int4_ceilings(int4)}
         for precision in args.precisions:
             engine = run_dir / "engines" / precision
             engine.parent.mkdir(parents=True, exist_ok=True)
@@ -531,11 +532,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                    run_dir / "engines" / "llama.cpp", args.llama_cpp_types, args.batch_sizes,
                                    args.prompt_len, args.new_tokens, args.llama_cpp_outtype)
         probe_after = roofline.probe_bandwidth(args.buffer_mib)  # a shared machine's bandwidth drifts
-        int4.append(roofline.probe_int4_kernel(args.buffer_mib))
+        int4 += roofline.int4_probes(args.buffer_mib)
     finally:
         if not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
-    ceiling = {**roofline.ceilings(probe, probe_after), "int4": max(p["gb_s"] for p in int4)}
+    ceiling = {**roofline.ceilings(probe, probe_after), **roofline.int4_ceilings(int4)}
     for r in rows:
         for run in (u for u in r.get("runs", []) if "achieved_gb_s" in u):
             run["fraction_of_read"] = run["achieved_gb_s"] / ceiling["read"]  # against the final best-of ceiling

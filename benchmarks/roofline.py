@@ -143,7 +143,7 @@ def probe_bandwidth(buffer_mib: float = 1024, threads: int | None = None, repeat
 
 
 def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repeats: int = 5,
-                      block_size: int = 32) -> dict[str, Any]:
+                      block_size: int = 32, huge_pages: bool = True) -> dict[str, Any]:
     """GB/s at which ONNX Runtime's int4 kernel streams weights at batch 1: one ``MatMulNBits`` node (K 4096, blocks
     of ``block_size``, fp32 scales, ``accuracy_level`` 4 as int4 engines build it) over ``buffer_mib`` MiB of packed
     weights, stored as the engines store them (external data: ONNX Runtime packs them once at load, as it packs an
@@ -151,12 +151,15 @@ def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repe
     ``repeats`` calls after one warm-up. This is the ceiling an int4 decode step can reach through this kernel
     whatever the graph around it; beside :func:`probe_bandwidth` it says how much of the memory's bandwidth the
     kernel itself leaves unused (2-vCPU AMD EPYC: 25 GB/s on 2 threads and 15-17 on one, whether the read probe gave
-    37 or 60 GB/s: compute-bound)."""
+    37 or 60 GB/s: compute-bound). ``huge_pages``: the packed blocks moved onto 2 MiB pages as engine sessions
+    move theirs (:mod:`trtinfer.runtime.huge_pages`), else left on the 4 KiB pages ONNX Runtime allocates."""
     import tempfile
 
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
+
+    from trtinfer.runtime.page_out import cpu_session
 
     threads = engine_threads() if threads is None else threads
     k, blocks = 4096, 4096 // block_size
@@ -176,7 +179,7 @@ def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repe
         path = Path(tmp) / "int4.onnx"
         onnx.save(model, str(path), save_as_external_data=True, location="int4.data", size_threshold=0)
         del model, graph, codes
-        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        sess = cpu_session(str(path), so, Path(tmp), huge_pages=huge_pages)
     x = np.ones((1, k), np.float32)
     y = np.zeros((1, n), np.float32)
     io = sess.io_binding()
@@ -189,8 +192,22 @@ def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repe
     nbytes = n * (k // 2 + blocks * 4)
     return {"op": f"MatMulNBits(x [1, {k}], {n} columns, blocks of {block_size}, accuracy_level 4)",
             "threads": threads, "threads_effective": threads or _physical_cores(), "bytes": nbytes,
+            "huge_pages": huge_pages, "anon_huge_pages_mib": _anon_huge_mib(),
             "best_s": min(times), "gb_s": nbytes / min(times) / 1e9,
             "all_gb_s": [round(nbytes / t / 1e9, 2) for t in times]}
+
+
+def int4_probes(buffer_mib: float = 1024, threads: int | None = None, repeats: int = 5) -> list[dict[str, Any]]:
+    """:func:`probe_int4_kernel` with its packed blocks on huge pages (as engines run) and on 4 KiB pages."""
+    return [probe_int4_kernel(buffer_mib, threads, repeats, huge_pages=h) for h in (True, False)]
+
+
+def int4_ceilings(probes: list[dict[str, Any]]) -> dict[str, float]:
+    """``int4``: the best GB/s of the :func:`int4_probes` on huge pages (the ceiling int4 rows are set against);
+    ``int4_4k``: the best on 4 KiB pages (recorded: what huge pages gain)."""
+    return {name: max(p["gb_s"] for p in probes if p.get("huge_pages", False) is huge)
+            for name, huge in (("int4", True), ("int4_4k", False)) if any(p.get("huge_pages", False) is huge
+                                                                            for p in probes)}
 
 
 def _anon_huge_mib() -> float | None:
@@ -333,7 +350,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
     bars = ax.bar(range(len(rows)), [r["achieved_gb_s"] for r in rows], color="tab:blue")
     ax.bar_label(bars, labels=[f"{r['achieved_gb_s']:.1f}\n{r['fraction_of_read']:.0%} of read" for r in rows],
                  fontsize=7)
-    shown = [kv for kv in report["ceiling_gb_s"].items() if kv[0] != "int4"][:3]
+    shown = [kv for kv in report["ceiling_gb_s"].items() if not kv[0].startswith("int4")][:3]
     shown += [("int4", report["ceiling_gb_s"]["int4"])] if "int4" in report["ceiling_gb_s"] else []
     for (kernel, v), color in zip(shown, ("tab:red", "tab:orange", "tab:green", "tab:purple")):
         name = "int4 kernel (MatMulNBits, batch 1)" if kernel == "int4" else f"probe {kernel}"
@@ -366,12 +383,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     load_before = os.getloadavg()
     machine = machine_info()
     probe = probe_bandwidth(args.buffer_mib, args.threads, args.repeats)
-    int4 = [probe_int4_kernel(args.buffer_mib, args.threads, args.repeats)]
+    int4 = int4_probes(args.buffer_mib, args.threads, args.repeats)
     measured = [(e, bs, measure_decode(e, bs, args.prompt_len, args.new_tokens)) for e in args.engines
                 for bs in args.batch_sizes]
     probe_after = probe_bandwidth(args.buffer_mib, args.threads, args.repeats)  # the bandwidth drifts: probe again
-    int4.append(probe_int4_kernel(args.buffer_mib, args.threads, args.repeats))
-    ceiling = {**ceilings(probe, probe_after), "int4": max(p["gb_s"] for p in int4)}
+    int4 += int4_probes(args.buffer_mib, args.threads, args.repeats)
+    ceiling = {**ceilings(probe, probe_after), **int4_ceilings(int4)}
     rows = [roofline_row(e, bs, args.prompt_len, args.new_tokens, res, ceiling) for e, bs, res in measured]
     extra = {str(t): {**{k: round(v["gb_s"], 2) for k, v in probe_bandwidth(args.buffer_mib, t, args.repeats)
                          ["kernels"].items()}, "int4": round(probe_int4_kernel(args.buffer_mib, t, args.repeats)

@@ -50,13 +50,11 @@ class BenchResult:
     peak_rss_mib: float
     first_tokens: list[int]
     gpu: dict[str, Any] | None = None  # GPU runs only: device, memory figures and how each was measured
+    load_s: float | None = None  # engines: seconds to load (trtinfer.load)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON; CPU results leave ``gpu`` out, as they always have."""
-        d = asdict(self)
-        if d["gpu"] is None:
-            del d["gpu"]
-        return d
+        """Plain dict for JSON; CPU results leave ``gpu`` out, as they always have, and eager ones ``load_s``."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in ("gpu", "load_s")}
 
 
 def _prompt_ids(engine_dir: Path, prompt_len: int) -> list[int]:
@@ -153,15 +151,19 @@ class GpuMemory:
 
 
 def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repeats: int = 5,
-               provider: str | None = None) -> BenchResult:
-    """Measure an engine in this process; ``provider`` None loads with the engine's defaults (``RuntimeConfig``)."""
+               provider: str | None = None, huge_pages: bool = True) -> BenchResult:
+    """Measure an engine in this process; ``provider`` None loads with the engine's defaults (``RuntimeConfig``);
+    ``huge_pages`` False: its packed weights stay on 4 KiB pages (``RuntimeConfig.huge_pages``)."""
     import trtinfer
     from trtinfer.artifact import read_manifest
 
     ids = [_prompt_ids(engine_dir, prompt_len)] * bs
     on_gpu = provider in ("cuda", "tensorrt") or read_manifest(engine_dir).backend == "tensorrt"
     probe = GpuMemory() if on_gpu else None
-    with (trtinfer.load(engine_dir, provider=provider) if provider else trtinfer.load(engine_dir)) as eng:
+    t_load = time.perf_counter()
+    options: dict[str, Any] = {"huge_pages": huge_pages, **({"provider": provider} if provider else {})}
+    with trtinfer.load(engine_dir, **options) as eng:
+        load_s = time.perf_counter() - t_load
         eng.generate(input_ids=ids, max_new_tokens=4, ignore_eos=True)  # warm-up
         def first_token_ms() -> float:  # the whole call, as for eager: prefill, sampling, bookkeeping
             t0 = time.perf_counter()
@@ -177,7 +179,7 @@ def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repe
             first = r[0].token_ids[:8]
         gpu = None if probe is None else {"provider": provider, **probe.result()}
     system = "trtinfer " + engine_dir.name + (f" ({provider})" if provider else "")
-    return BenchResult(system, bs, prompt_len, new_tokens, ttft, max(rates), peak_rss_mib(), first, gpu)
+    return BenchResult(system, bs, prompt_len, new_tokens, ttft, max(rates), peak_rss_mib(), first, gpu, load_s)
 
 
 def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repeats: int = 5, device: str = "cpu",
@@ -299,16 +301,16 @@ def check_engine(engine_dir: str | Path, batch_size: int, prompt_len: int, new_t
 
 
 def measure_engine(engine_dir: str | Path, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 64,
-                   provider: str | None = None) -> BenchResult:
+                   provider: str | None = None, huge_pages: bool = True) -> BenchResult:
     """:func:`run_engine` in its own process (its memory figures are its own)."""
     _check_provider(provider)
     check_engine(engine_dir, batch_size, prompt_len, new_tokens)
-    return _engine_process(engine_dir, batch_size, prompt_len, new_tokens, provider)
+    return _engine_process(engine_dir, batch_size, prompt_len, new_tokens, provider, huge_pages)
 
 
 def _engine_process(engine_dir: str | Path, batch_size: int, prompt_len: int, new_tokens: int,
-                    provider: str | None) -> BenchResult:
-    flags = ["--provider", provider] if provider else []
+                    provider: str | None, huge_pages: bool = True) -> BenchResult:
+    flags = (["--provider", provider] if provider else []) + ([] if huge_pages else ["--no-huge-pages"])
     return _in_subprocess("engine", Path(engine_dir), batch_size, prompt_len, new_tokens, flags)
 
 
@@ -377,11 +379,14 @@ def _worker(argv: Sequence[str]) -> BenchResult:
     ap.add_argument("prompt_len", type=int)
     ap.add_argument("new_tokens", type=int)
     ap.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None, help="engine: execution provider")
+    ap.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                    help="engine: leave the packed weights on 4 KiB pages")
     ap.add_argument("--device", default="cpu", help="eager: cpu, cuda or cuda:N")
     ap.add_argument("--dtype", choices=sorted(EAGER_DTYPES), default="fp32", help="eager: weights and compute dtype")
     a = ap.parse_args(argv)
     if a.kind == "engine":
-        return run_engine(a.engine_dir, a.batch_size, a.prompt_len, a.new_tokens, provider=a.provider)
+        return run_engine(a.engine_dir, a.batch_size, a.prompt_len, a.new_tokens, provider=a.provider,
+                          huge_pages=a.huge_pages)
     _check_eager(a.device, a.dtype)
     return run_eager(a.engine_dir, a.batch_size, a.prompt_len, a.new_tokens, device=a.device, dtype=a.dtype)
 

@@ -105,7 +105,8 @@ def check_engine(engine_dir: Path, manifest: Manifest, reference: Path, precisio
     # 2.2 GiB) to run the same fp32 arithmetic; a quantized engine keeps it (packing picks MatMulNBits' int8 kernels)
     lean = precision in FLOAT_PRECISIONS
     # the decoder graph alone: an int8 prefill graph differs by design and is judged by check_prefill
-    config = RuntimeConfig(provider=provider, prepack_weights=False if lean else None, prefill_graph=False)
+    config = RuntimeConfig(provider=provider, prepack_weights=False if lean else None, prefill_graph=False,
+                           huge_pages=False)
     with open_session(engine_dir, manifest, config) as sess:
         ours = _runtime_logits(sess, prompts, tokens)
     what = "exported fp32 graph"
@@ -113,7 +114,7 @@ def check_engine(engine_dir: Path, manifest: Manifest, reference: Path, precisio
     if graph is not None:
         from trtinfer.runtime.scoring import open_stage_session
 
-        with open_stage_session(graph, RuntimeConfig(provider=provider)) as sess:
+        with open_stage_session(graph, RuntimeConfig(provider=provider, huge_pages=False)) as sess:
             theirs = _runtime_logits(sess, prompts, tokens)
         what = f"{precision} quantize-stage graph"
     scale = float(max(1.0, np.abs(theirs).max()))
@@ -138,7 +139,7 @@ def check_accuracy(engine_dir: Path, manifest: Manifest, heldout: Path, provider
     from trtinfer.runtime.session import open_session
 
     ref = np.load(heldout)
-    with open_session(engine_dir, manifest, RuntimeConfig(provider=provider)) as sess:
+    with open_session(engine_dir, manifest, RuntimeConfig(provider=provider, huge_pages=False)) as sess:
         got = score_ids(sess, ref["ids"].tolist(), what="the held-out text")
     report = compare_scores(ref["logprobs"], ref["argmax"], got.logprobs, got.argmax,
                             manifest.geometry["vocab_size"])
@@ -159,7 +160,7 @@ def check_prefill(engine_dir: Path, manifest: Manifest, tokenizer_json: Path) ->
     ids = held_out_ids(tokenizer_json, min(EVAL_TOKENS, manifest.max_seq_len), vocab)
     scores = {}
     for use in (False, True):
-        with open_session(engine_dir, manifest, RuntimeConfig(prefill_graph=use)) as sess:
+        with open_session(engine_dir, manifest, RuntimeConfig(prefill_graph=use, huge_pages=False)) as sess:
             scores[use] = score_ids(sess, ids, what="the held-out text")
     r = compare_scores(scores[False].logprobs, scores[False].argmax, scores[True].logprobs, scores[True].argmax, vocab)
     report = {"text": r["text"], "tokens": r["tokens"], "perplexity": r["perplexity"],

@@ -93,12 +93,16 @@ class RuntimeConfig:
     #: CPU: run passes of several tokens (prefills, chunks, scoring) on the engine's int8 prefill graph where it has
     #: one (``trtinfer build --prefill int8``); False: every pass on the decoder graph
     prefill_graph: bool = True
+    #: CPU: move the weights MLAS packs at load onto 2 MiB pages (``madvise(MADV_COLLAPSE)``, Linux 6.1+;
+    #: :mod:`trtinfer.runtime.huge_pages`): decode streams them faster, the load takes longer
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.provider, str) or self.provider not in PROVIDERS:
             raise ConfigError(f"provider must be one of {PROVIDERS}, got {describe(self.provider)}", field="provider")
         _check_types(self, {"device_id": "int", "intra_op_threads": "int", "trt_timing_cache": "bool",
-                            "trt_max_workspace_size": "int", "cuda_graphs": "bool", "prefill_graph": "bool"})
+                            "trt_max_workspace_size": "int", "cuda_graphs": "bool", "prefill_graph": "bool",
+                            "huge_pages": "bool"})
         for name, note in (("device_id", ""), ("intra_op_threads", " (0: one per core)"),
                            ("trt_max_workspace_size", " bytes (0: ONNX Runtime's default)")):
             if getattr(self, name) < 0:

@@ -10,6 +10,9 @@ mapped originals are paged out while the session loads (:mod:`trtinfer.runtime.p
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -65,13 +68,24 @@ def children_peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
 
 
+@functools.lru_cache(maxsize=1)
+def libc_madvise() -> Any:
+    """libc's ``madvise``, or None where there is no C library to load it from."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).madvise
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def return_freed_memory() -> None:
     """Free unreachable cycles, then hand the heap's freed pages back to the system (glibc ``malloc_trim``; a no-op
     elsewhere). A trace leaves hundreds of MB freed but held by the allocator; the fp32 eager model loaded after it
     would stack on top. The cycle collector runs first: an onnx_ir graph is a web of reference cycles (values know
     their nodes and uses), freed only by it."""
-    import ctypes
-    import ctypes.util
     import gc
 
     gc.collect()

@@ -321,7 +321,8 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
                      for p in providers]
     try:
         # MLAS packs the weights it reads: the mapped originals need not stay resident beside the packed copy
-        sess = cpu_session(str(model), so, model.parent, providers, row_packed=row_packed(manifest, graph))
+        sess = cpu_session(str(model), so, model.parent, providers, row_packed=row_packed(manifest, graph),
+                           huge_pages=config.huge_pages)
     except Exception as e:
         said = " ".join(str(e).split())  # ONNX Runtime's message, on one line
         raise EngineLoadError(f"ONNX Runtime could not load {model}: {said}; rebuild the engine") from e

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
-import functools
 import logging
 import os
 import threading
@@ -28,7 +26,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from trtinfer.runtime.memory import prepacks
+from trtinfer.runtime.huge_pages import collapse_resident_memory
+from trtinfer.runtime.memory import libc_madvise, prepacks
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +42,6 @@ INTERVAL_S = 0.01
 #: MatMul, 2.4 GB: 2.4 s to load plainly, unfinished after 10 min with the pages paged out every 10 ms). Other
 #: graphs are paged out once, when loaded.
 ROW_PACKED_PRECISIONS = frozenset({"int4", "int8", "gguf"})
-
-
-@functools.lru_cache(maxsize=1)
-def _madvise() -> Any:
-    """libc's ``madvise``, or None where there is no C library to load it from."""
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name, use_errno=True).madvise
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def mapped_ranges(files: set[str]) -> list[tuple[int, int]]:
@@ -77,7 +63,7 @@ def mapped_ranges(files: set[str]) -> list[tuple[int, int]]:
 def page_out(files: set[str]) -> int:
     """Ask the kernel to reclaim the resident pages of every mapping of ``files``; how many mappings it took (0 where
     it cannot: not Linux, a kernel without ``MADV_PAGEOUT``)."""
-    madvise = _madvise()
+    madvise = libc_madvise()
     if madvise is None:
         return 0
     done = 0
@@ -95,17 +81,22 @@ def data_files(folder: Path) -> set[str]:
 
 
 def cpu_session(model: str | bytes, options: Any, weights: Path, providers: Sequence[Any] = ("CPUExecutionProvider",),
-                *, row_packed: bool = False) -> Any:
+                *, row_packed: bool = False, huge_pages: bool = False) -> Any:
     """``onnxruntime.InferenceSession(model, options, providers)``; when it runs on the CPU first and MLAS packs its
     weights, the weight files in folder ``weights`` are paged out once it has loaded, and, for a graph whose packed
     weights are all ``MatMulNBits`` blocks (``row_packed``, :data:`ROW_PACKED_PRECISIONS`), while it loads too
-    (:func:`paging_out`)."""
+    (:func:`paging_out`); with ``huge_pages``, the packed copies are then moved onto 2 MiB pages
+    (:mod:`trtinfer.runtime.huge_pages`: a session that will run many steps)."""
     import onnxruntime as ort
 
     first = providers[0] if providers else "CPUExecutionProvider"
     on_cpu = (first[0] if isinstance(first, tuple) else first) == "CPUExecutionProvider"
-    with paging_out(data_files(weights) if on_cpu and prepacks(options) else (), while_loading=row_packed):
-        return ort.InferenceSession(model, options, providers=list(providers))
+    packed = on_cpu and prepacks(options)
+    with paging_out(data_files(weights) if packed else (), while_loading=row_packed):
+        sess = ort.InferenceSession(model, options, providers=list(providers))
+    if packed and huge_pages:
+        collapse_resident_memory()
+    return sess
 
 
 @contextlib.contextmanager
