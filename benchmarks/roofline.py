@@ -205,9 +205,11 @@ def int4_probes(buffer_mib: float = 1024, threads: int | None = None, repeats: i
 def int4_ceilings(probes: list[dict[str, Any]]) -> dict[str, float]:
     """``int4``: the best GB/s of the :func:`int4_probes` on huge pages (the ceiling int4 rows are set against);
     ``int4_4k``: the best on 4 KiB pages (recorded: what huge pages gain)."""
-    return {name: max(p["gb_s"] for p in probes if p.get("huge_pages", False) is huge)
-            for name, huge in (("int4", True), ("int4_4k", False)) if any(p.get("huge_pages", False) is huge
-                                                                            for p in probes)}
+    best: dict[str, float] = {}
+    for p in probes:
+        name = "int4" if p["huge_pages"] else "int4_4k"
+        best[name] = max(best.get(name, 0.0), p["gb_s"])
+    return best
 
 
 def _anon_huge_mib() -> float | None:
