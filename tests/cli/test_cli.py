@@ -147,3 +147,30 @@ def test_bench_misuse_is_said_before_any_run(tiny_engine, tmp_path):
     (tmp_path / "enc").mkdir()
     (tmp_path / "enc" / "manifest.json").write_text("{}")
     assert_one_line_error(cli("bench", tmp_path / "enc", check=False), "rebuild the engine")
+
+
+def test_huge_pages_flag_reaches_the_session(tiny_engine, tmp_path, monkeypatch, capsys):
+    """``--no-huge-pages`` (generate, eval, serve): the CPU session's packed weights are not collapsed onto huge pages
+    (a one-off run keeps the faster load); by default they are. Counted where the session decides it."""
+    import argparse
+
+    from trtinfer.cli import main
+    from trtinfer.cli.serve import add_parser, config_from_args
+    from trtinfer.runtime import page_out
+
+    collapse, calls = page_out.collapse_resident_memory, []
+    monkeypatch.setattr(page_out, "collapse_resident_memory", lambda: calls.append(1) or collapse())
+    path = str(tiny_engine("llama"))
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 4, encoding="utf-8")
+    for verb in (["generate", path, "--prompt", "hi", "--max-new-tokens", "2"],
+                 ["eval", path, "--text-file", str(text), "--json"]):
+        for flag, want in (("--no-huge-pages", False), ("--huge-pages", True), (None, True)):
+            calls.clear()
+            assert main(verb + ([flag] if flag else [])) == 0
+            assert bool(calls) is want, (verb[0], flag)
+    capsys.readouterr()
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    for argv, want in ((["E"], True), (["E", "--no-huge-pages"], False)):
+        assert config_from_args(sub.choices["serve"].parse_args(argv)).runtime().huge_pages is want

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag, path_arg
+from trtinfer.cli._flags import add_cpu_runtime_flags, add_provider_flag, path_arg
 
 
 def add_parser(sub: Any) -> None:
@@ -27,7 +27,7 @@ def add_parser(sub: Any) -> None:
                         "earlier window scored, with up to window - stride tokens of context")
     p.add_argument("--json", action="store_true", help='print {"perplexity": float, "tokens": int}')
     add_provider_flag(p)
-    add_prefill_graph_flag(p)
+    add_cpu_runtime_flags(p)
     p.set_defaults(func=run)
 
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--stride must be between 1 and the window, got {args.stride}")
     text = read_text_file(args.text_file)
     runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider,
-                                prefill_graph=args.prefill_graph)
+                                prefill_graph=args.prefill_graph, huge_pages=args.huge_pages)
     manifest = read_manifest(Path(args.engine))
     if manifest.kind == "encoder":
         raise InputError(f"{args.engine} is an encoder engine; `trtinfer eval` needs a decoder engine")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trtinfer.cli._flags import add_prefill_graph_flag, add_provider_flag, path_arg
+from trtinfer.cli._flags import add_cpu_runtime_flags, add_provider_flag, path_arg
 
 #: fields whose checks depend on fields the engine's generation_config.json may set (num_beams, do_sample)
 _COMBINED = frozenset({"num_return_sequences"})
@@ -61,7 +61,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     add_provider_flag(p)
-    add_prefill_graph_flag(p)
+    add_cpu_runtime_flags(p)
     p.set_defaults(func=run)
 
 
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         if e.field not in _COMBINED:  # a rule that involves the engine's defaults is checked once they are known
             raise
     runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider,
-                                prefill_graph=args.prefill_graph)
+                                prefill_graph=args.prefill_graph, huge_pages=args.huge_pages)
     if args.assistant is None and "num_assistant_tokens" in chosen:
         raise InputError("--num-assistant-tokens needs --assistant ENGINE_DIR")
     for flag, folder in (("ENGINE", args.engine), ("--assistant", args.assistant)):
