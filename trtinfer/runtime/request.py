@@ -8,19 +8,30 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from trtinfer.errors import InputError
 from trtinfer.runtime.config import GenerationConfig
-from trtinfer.runtime.generator import GenerationResult, LogitsProcessor, TokenLogprob
+from trtinfer.runtime.generator import (
+    GenerationResult,
+    LogitsProcessor,
+    TokenLogprob,
+    check_hooks,
+    check_prompts,
+    eos_ids,
+)
 from trtinfer.runtime.prefix_cache import MIN_REUSE
-from trtinfer.runtime.proposers import Proposer
+from trtinfer.runtime.proposers import AssistantProposer, NgramProposer, Proposer, check_assistant
 from trtinfer.runtime.structured import Matcher
 from trtinfer.runtime.tokenizer import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from trtinfer.runtime.slots import SlotCache
 
 
 @dataclass(frozen=True)
@@ -278,3 +289,47 @@ class Request:
             wakers = list(self._wakers)
         for w in wakers:
             w()
+
+
+def new_request(engine: Any, cache: SlotCache, max_seq_len: int, prompt_ids: Sequence[int],
+                cfg: GenerationConfig | None, *, clip: bool = False, seed: np.random.SeedSequence | None = None,
+                logits_processor: LogitsProcessor | None = None, assistant: Any = None, text: bool = True,
+                keep_logits: bool = False, min_reuse: int = MIN_REUSE, decode_tail: bool = False,
+                internal: bool = False) -> Request:
+    """A checked request for ``engine`` (rows of ``cache``, ``max_seq_len`` positions each), not queued yet (its id
+    is set when it queues); the options are :meth:`~trtinfer.runtime.scheduler.Scheduler.submit`'s."""
+    cfg = engine.generation_defaults if cfg is None else cfg
+    if not isinstance(cfg, GenerationConfig):
+        raise InputError(f"cfg must be a GenerationConfig, got {type(cfg).__name__}")
+    if cfg.num_beams > 1 or cfg.num_return_sequences > 1:
+        raise InputError("the scheduler runs one sequence per request without beam search (num_beams=1, "
+                         "num_return_sequences=1: submit the request n times for n sequences); beam search is "
+                         "trtinfer.runtime.beam.beam_search over a scheduler")
+    tokenizer, vocab = engine.tokenizer, int(engine.manifest.geometry["vocab_size"])
+    ids = check_prompts([prompt_ids], vocab, max_seq_len)[0]
+    if not clip and len(ids) + cfg.max_new_tokens > max_seq_len:
+        raise InputError(f"a prompt of {len(ids)} tokens + max_new_tokens {cfg.max_new_tokens} = "
+                         f"{len(ids) + cfg.max_new_tokens} exceeds the model length {max_seq_len}; shorten the "
+                         "prompt or ask for fewer tokens")
+    eos = eos_ids(cfg, tokenizer, vocab)
+    check_hooks(logits_processor, None)
+    # a response_format's grammar, compiled before the request queues (a bad schema is the caller's 400)
+    matcher = None if cfg.response_format is None else tokenizer.grammars(vocab).matcher(cfg.response_format)
+    if assistant is not None and cfg.prompt_lookup_num_tokens is not None:
+        raise InputError("assistant and prompt_lookup_num_tokens are two ways of drafting; give one of them")
+    drafting = ("assistant" if assistant is not None else
+                "prompt_lookup_num_tokens" if cfg.prompt_lookup_num_tokens is not None else None)
+    if drafting and not cache.every_position:
+        raise InputError(f"{drafting} needs logits at several positions per pass, but this engine's graph computes "
+                         "them at the last position only (no logits_positions input: an older trtinfer build or "
+                         f"that pass disabled); rebuild the engine, or generate without {drafting}")
+    if assistant is not None:
+        check_assistant(assistant, tokenizer, vocab)
+    decoder = IncrementalDecoder(tokenizer, cfg.stop) if text or cfg.stop else None
+    proposer: Proposer | None = (
+        AssistantProposer(assistant, cfg, eos, min(cache.capacity, len(ids) + cfg.max_new_tokens + 1))
+        if assistant is not None else NgramProposer(cfg) if cfg.prompt_lookup_num_tokens is not None else None)
+    req = Request(-1, ids, cfg, eos, decoder, matcher, seed=seed, proposer=proposer,
+                  logits_processor=logits_processor, keep_logits=keep_logits)
+    req.min_reuse, req.decode_tail, req.internal = min_reuse, decode_tail, internal
+    return req

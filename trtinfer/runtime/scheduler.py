@@ -43,20 +43,11 @@ import numpy as np
 from trtinfer.errors import InputError, QueueFullError, ServingError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.emission import Emission
-from trtinfer.runtime.generator import (
-    GenerationResult,
-    LogitsProcessor,
-    Timings,
-    check_hooks,
-    check_prompts,
-    eos_ids,
-)
+from trtinfer.runtime.generator import GenerationResult, LogitsProcessor, Timings
 from trtinfer.runtime.prefill_plan import chunk_size, fresh_runs, head, tail_due
 from trtinfer.runtime.prefix_cache import MIN_REUSE, common_prefix
-from trtinfer.runtime.proposers import AssistantProposer, NgramProposer, Proposer, check_assistant
-from trtinfer.runtime.request import Event, Finished, Request
+from trtinfer.runtime.request import Event, Finished, Request, new_request
 from trtinfer.runtime.slots import SlotCache
-from trtinfer.runtime.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
@@ -238,46 +229,9 @@ class Scheduler(Emission):
         item."""
         return self._enqueue([self._request(ids, cfg, **options) for ids, cfg in items], queue_limit=queue_limit)
 
-    def _request(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None, *, clip: bool = False,
-                 seed: np.random.SeedSequence | None = None, logits_processor: LogitsProcessor | None = None,
-                 assistant: Any = None, text: bool = True, keep_logits: bool = False,
-                 min_reuse: int = MIN_REUSE, decode_tail: bool = False, internal: bool = False) -> Request:
+    def _request(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None, **options: Any) -> Request:
         """A checked request, not queued yet (its id is set when it queues)."""
-        cfg = self.engine.generation_defaults if cfg is None else cfg
-        if not isinstance(cfg, GenerationConfig):
-            raise InputError(f"cfg must be a GenerationConfig, got {type(cfg).__name__}")
-        if cfg.num_beams > 1 or cfg.num_return_sequences > 1:
-            raise InputError("the scheduler runs one sequence per request without beam search (num_beams=1, "
-                             "num_return_sequences=1: submit the request n times for n sequences); beam search is "
-                             "trtinfer.runtime.beam.beam_search over a scheduler")
-        ids = check_prompts([prompt_ids], self.vocab, self.max_seq_len)[0]
-        if not clip and len(ids) + cfg.max_new_tokens > self.max_seq_len:
-            raise InputError(f"a prompt of {len(ids)} tokens + max_new_tokens {cfg.max_new_tokens} = "
-                             f"{len(ids) + cfg.max_new_tokens} exceeds the model length "
-                             f"{self.max_seq_len}; shorten the prompt or ask for fewer tokens")
-        eos = eos_ids(cfg, self.tokenizer, self.vocab)
-        check_hooks(logits_processor, None)
-        # a response_format's grammar, compiled before the request queues (a bad schema is the caller's 400)
-        matcher = (None if cfg.response_format is None else
-                   self.tokenizer.grammars(self.vocab).matcher(cfg.response_format))
-        if assistant is not None and cfg.prompt_lookup_num_tokens is not None:
-            raise InputError("assistant and prompt_lookup_num_tokens are two ways of drafting; give one of them")
-        drafting = ("assistant" if assistant is not None else
-                    "prompt_lookup_num_tokens" if cfg.prompt_lookup_num_tokens is not None else None)
-        if drafting and not self.cache.every_position:
-            raise InputError(f"{drafting} needs logits at several positions per pass, but this engine's graph computes "
-                             "them at the last position only (no logits_positions input: an older trtinfer build or "
-                             f"that pass disabled); rebuild the engine, or generate without {drafting}")
-        if assistant is not None:
-            check_assistant(assistant, self.tokenizer, self.vocab)
-        decoder = IncrementalDecoder(self.tokenizer, cfg.stop) if text or cfg.stop else None
-        proposer: Proposer | None = (
-            AssistantProposer(assistant, cfg, eos, min(self.cache.capacity, len(ids) + cfg.max_new_tokens + 1))
-            if assistant is not None else NgramProposer(cfg) if cfg.prompt_lookup_num_tokens is not None else None)
-        req = Request(-1, ids, cfg, eos, decoder, matcher, seed=seed, proposer=proposer,
-                      logits_processor=logits_processor, keep_logits=keep_logits)
-        req.min_reuse, req.decode_tail, req.internal = min_reuse, decode_tail, internal
-        return req
+        return new_request(self.engine, self.cache, self.max_seq_len, prompt_ids, cfg, **options)
 
     def _enqueue(self, reqs: list[Request], queue_limit: bool = True) -> list[Request]:
         """Give ``reqs`` their ids (arrival order) and queue them together, or raise and queue none."""
