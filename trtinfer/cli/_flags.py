@@ -33,17 +33,19 @@ def add_provider_flag(parser: argparse.ArgumentParser, default: str | None = "cp
     parser.add_argument("--provider", choices=PROVIDER_CHOICES, default=default, help=help)
 
 
-def add_cpu_runtime_flags(parser: argparse.ArgumentParser, default: bool | None = True) -> None:
+def add_cpu_runtime_flags(parser: argparse.ArgumentParser, prefill_graph: bool | None = True,
+                          huge_pages: bool | None = False) -> None:
     """``--prefill-graph/--no-prefill-graph`` and ``--huge-pages/--no-huge-pages`` (``RuntimeConfig.prefill_graph``,
-    ``.huge_pages``) on a verb that loads a decoder engine; ``default`` None where the verb's config holds the
-    defaults."""
-    parser.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=default,
+    ``.huge_pages``) on a verb that loads a decoder engine, with the verb's defaults (None where the verb's config
+    holds them). Huge pages are off by default for one-off verbs: moving the packed weights costs ~2.6 s per GiB at
+    load, more than a few hundred decoded tokens gain (Gemma-3-270M fp32, 48 tokens: 8.4 s against 5.3-5.9 s)."""
+    parser.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=prefill_graph,
                         help="CPU: run prompts on the engine's int8 prefill graph where it has one (`build --prefill "
                              "int8`); --no-prefill-graph runs every pass on the decoder graph (default: on)")
-    parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=default,
+    parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=huge_pages,
                         help="CPU: move the weights ONNX Runtime packs at load onto 2 MiB pages (Linux 6.1+, "
                              "transparent huge pages in 'madvise' mode): decode 3-11%% faster, the load ~2.6 s "
-                             "longer per GiB packed; --no-huge-pages for a quick one-off run (default: on)")
+                             "longer per GiB packed (default: on for serve, off for generate and eval)")
 
 
 def config_from_flags(factory: Callable[..., T], flags: Mapping[str, str], **values: object) -> T:

@@ -67,7 +67,7 @@ def add_parser(sub: Any) -> None:
                         "calling) and parse <tool_call> blocks back")
     add_provider_flag(p, default=None, help="default cpu")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default 0: one per core)")
-    add_cpu_runtime_flags(p, default=None)
+    add_cpu_runtime_flags(p, prefill_graph=None, huge_pages=None)
     ray = p.add_argument_group("scale-out on Ray Serve (pip install 'trtinfer[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve as a Ray Serve deployment: one engine per replica, each with its own batcher")

@@ -94,7 +94,8 @@ class RuntimeConfig:
     #: one (``trtinfer build --prefill int8``); False: every pass on the decoder graph
     prefill_graph: bool = True
     #: CPU: move the weights MLAS packs at load onto 2 MiB pages (``madvise(MADV_COLLAPSE)``, Linux 6.1+;
-    #: :mod:`trtinfer.runtime.huge_pages`): decode streams them faster, the load takes longer
+    #: :mod:`trtinfer.runtime.huge_pages`): decode streams them faster, the load takes ~2.6 s longer per GiB (the
+    #: CLI's one-off verbs, generate and eval, turn it off unless ``--huge-pages``)
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
