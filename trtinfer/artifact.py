@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 from trtinfer._cache import check_files, key_of, record_files
 from trtinfer.errors import EngineLoadError, ModelSourceError
+from trtinfer.manifest_check import check_manifest, is_int, show
 
 STAGE_FILE = "stage.json"
 STAGE_FORMAT = 1
@@ -386,7 +386,7 @@ def new_manifest(model: ArtifactRecord, *, kind: str, backend: str, precision: s
              "files", "tokenizer"}
     if typed & set(record):
         raise TypeError(f"new_manifest: {sorted(typed & set(record))} are typed arguments, not record fields")
-    _ManifestCheck(Path(f"the new {kind} manifest")).check(raw)
+    check_manifest(Path(f"the new {kind} manifest"), raw, KINDS, KV_LAYOUTS)
     return Manifest(raw)
 
 
@@ -419,7 +419,7 @@ def read_manifest(engine_dir: Path) -> Manifest:
     except ValueError as e:  # bytes that are not UTF-8 too (UnicodeDecodeError)
         raise EngineLoadError(f"{path} is not valid JSON ({e}); rebuild the engine") from e
     if not isinstance(raw, dict):
-        raise EngineLoadError(f"{path} should hold a JSON object, found {_show(raw)}; rebuild the engine")
+        raise EngineLoadError(f"{path} should hold a JSON object, found {show(raw)}; rebuild the engine")
     version = raw.get("manifest_version")
     if not is_int(version) or version != MANIFEST_VERSION:
         raise EngineLoadError(
@@ -428,97 +428,8 @@ def read_manifest(engine_dir: Path) -> Manifest:
     for key in ("backend", "geometry", "limits", "files", "io"):
         if key not in raw:
             raise EngineLoadError(f"{path} lacks '{key}'; rebuild the engine")
-    _ManifestCheck(path).check(raw)
+    check_manifest(path, raw, KINDS, KV_LAYOUTS)
     for role, name in raw["files"].items():
         if not (Path(engine_dir) / name).is_file():
             raise EngineLoadError(f"engine file {name} ({role}) is missing from {engine_dir}; rebuild the engine")
     return Manifest(raw)
-
-
-# --- structure check -----------------------------------------------------------------------------------------
-# what the runtime reads, per engine kind: geometry ints and file roles
-_GEOMETRY_INTS = {"decoder": ("num_layers", "num_kv_heads", "head_dim", "vocab_size"),
-                  "encoder": ("num_layers", "vocab_size")}
-_FILE_ROLES = {"decoder": ("decoder",), "encoder": ("encoder",)}
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _show(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (dict, list)) else repr(value)
-    text = text if len(text) <= 60 else text[:57] + "..."
-    return f"a {type(value).__name__} ({text})" if isinstance(value, (dict, list)) else text
-
-
-# (description, test) pairs: the description completes "KEY should be ..."
-_Rule = tuple[str, Callable[[Any], bool]]
-_POSITIVE_INT: _Rule = ("a positive integer", lambda v: is_int(v) and v > 0)
-_TOKEN_ID: _Rule = ("a token id (integer >= 0) or null", lambda v: v is None or (is_int(v) and v >= 0))
-_TOKEN_IDS: _Rule = ("a list of token ids (integers >= 0) or null",
-                     lambda v: v is None or (isinstance(v, list) and all(is_int(t) and t >= 0 for t in v)))
-_NAME: _Rule = ("a non-empty string", lambda v: isinstance(v, str) and bool(v))
-_TEXT_OR_NULL: _Rule = ("a string or null", lambda v: v is None or isinstance(v, str))
-_OBJECT: _Rule = ("a JSON object", lambda v: isinstance(v, dict))
-_LIST: _Rule = ("a JSON list", lambda v: isinstance(v, list))
-_SHAPE: _Rule = ("a list of dimensions (integers or names)",
-                 lambda v: isinstance(v, list) and all(is_int(d) or isinstance(d, str) for d in v))
-
-
-def _one_of(choices: tuple[str, ...]) -> _Rule:
-    return (f"one of {list(choices)}", lambda v: v in choices)
-
-
-class _ManifestCheck:
-    """Checks the fields the runtime reads; each failure names the manifest, the key path and what was found."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def get(self, section: dict[str, Any], key: str, where: str, rule: _Rule, required: bool = True) -> Any:
-        """``section[key]`` checked against ``rule``; None when absent and not ``required``."""
-        name = f"{where}.{key}" if where else key
-        if key not in section:
-            if required:
-                raise EngineLoadError(f"{self.path} lacks '{name}' ({rule[0]}); rebuild the engine")
-            return None
-        value = section[key]
-        if not rule[1](value):
-            raise EngineLoadError(f"{self.path}: {name} should be {rule[0]}, found {_show(value)}; "
-                                  "rebuild the engine")
-        return value
-
-    def check(self, raw: dict[str, Any]) -> None:
-        """Raise :class:`EngineLoadError` at the first field of ``raw`` the runtime could not use."""
-        kind = self.get(raw, "kind", "", _one_of(KINDS), required=False) or "decoder"
-        self.get(raw, "backend", "", _NAME)
-        self.get(raw, "kv_layout", "", _one_of(KV_LAYOUTS), required=False)
-        limits = self.get(raw, "limits", "", _OBJECT)
-        for key in ("max_batch_size", "max_seq_len"):
-            self.get(limits, key, "limits", _POSITIVE_INT)
-        geometry = self.get(raw, "geometry", "", _OBJECT)
-        for key in _GEOMETRY_INTS[kind]:
-            self.get(geometry, key, "geometry", _POSITIVE_INT)
-        files = self.get(raw, "files", "", _OBJECT)
-        for role in files:
-            self.get(files, role, "files", _NAME)
-        for role in _FILE_ROLES[kind]:
-            self.get(files, role, "files", _NAME)
-        io = self.get(raw, "io", "", _OBJECT)
-        for side in ("inputs", "outputs"):
-            for i, spec in enumerate(self.get(io, side, "io", _LIST)):
-                where = f"io.{side}[{i}]"
-                if not isinstance(spec, dict):
-                    raise EngineLoadError(f"{self.path}: {where} should be a JSON object with name, dtype and "
-                                          f"shape, found {_show(spec)}; rebuild the engine")
-                self.get(spec, "name", where, _NAME)
-                self.get(spec, "dtype", where, _NAME)
-                self.get(spec, "shape", where, _SHAPE)
-        tokenizer = self.get(raw, "tokenizer", "", _OBJECT, required=False) or {}
-        self.get(tokenizer, "eos_token_ids", "tokenizer", _TOKEN_IDS, required=False)
-        self.get(tokenizer, "pad_token_id", "tokenizer", _TOKEN_ID, required=False)
-        for key in ("bos_token", "eos_token"):
-            self.get(tokenizer, key, "tokenizer", _TEXT_OR_NULL, required=False)
-        if kind == "encoder":
-            self.get(raw, "pooling", "", _OBJECT, required=False)
