@@ -52,7 +52,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.machine import cpu_kind, machine_info
+from benchmarks.machine import cpu_kind, git_commit, machine_info
 
 RESULTS = Path(__file__).parent / "results"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -353,8 +353,9 @@ def main() -> None:
     with gzip.open(raw_gz, "wt") as f:
         json.dump(report, f)
     shutil.rmtree(tmp, ignore_errors=True)
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
-                            capture_output=True, text=True, check=False).stdout.strip()
+    # the server is ``python -m trtinfer.cli`` started here: the working directory's trtinfer where it has one
+    served = Path.cwd() if (Path.cwd() / "trtinfer").is_dir() else Path(__file__).resolve().parent.parent
+    commit = git_commit(served)
     record = {"machine": machine, "cpu_tag": tag, "date": date, "git_commit": commit,
               "load_average": {"before": load_before, "after": os.getloadavg()},
               "engine": eng, "server": {"serve_args": args.serve_arg, "log_head": server_log[:3]},

@@ -153,3 +153,23 @@ def test_stages_share_their_tokenizer_files_and_engines_copy_them(tiny_model_dir
     for stage in (exp.path, opt.path):
         with pytest.raises(ModelSourceError, match="tokenizer.json"):
             read_stage(stage)
+
+
+def test_a_manifest_holds_json_integers_only(tiny_engine):
+    """The structure check takes what JSON can write: a numpy integer in a manifest made in memory is refused in the
+    manifest's words (not later by json.dump), while configs (runtime.config's is_int) take numpy integers."""
+    import json
+
+    import numpy as np
+
+    from trtinfer.artifact import KINDS
+    from trtinfer.errors import EngineLoadError
+    from trtinfer.manifest_check import check_manifest
+    from trtinfer.runtime.config import is_int
+
+    raw = json.loads((tiny_engine("llama") / "manifest.json").read_text())
+    check_manifest(Path("manifest.json"), raw, KINDS, KV_LAYOUTS)  # as built
+    raw["limits"]["max_seq_len"] = np.int64(raw["limits"]["max_seq_len"])
+    with pytest.raises(EngineLoadError, match=r"limits\.max_seq_len should be a positive integer"):
+        check_manifest(Path("manifest.json"), raw, KINDS, KV_LAYOUTS)
+    assert is_int(np.int64(3)) and not is_int(True)

@@ -29,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
     if read_manifest(args.engine).kind != "encoder":
         raise InputError(f"{args.engine} is a decoder engine; `trtinfer embed` needs an encoder engine "
                          "(e.g. trtinfer build all-minilm-l6-v2 -o DIR)")
-    eng = EncoderEngine(args.engine)
+    from trtinfer.runtime.config import RuntimeConfig
+
+    eng = EncoderEngine(args.engine, RuntimeConfig(huge_pages=False))  # one-off, as generate: the faster load
     vecs = eng.embed(args.text, normalize=False if args.no_normalize else None)
     if args.json:
         print(json.dumps([{"text": t, "embedding": [round(float(x), 6) for x in v]} for t, v in zip(args.text, vecs)]))

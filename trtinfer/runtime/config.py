@@ -91,7 +91,7 @@ class RuntimeConfig:
     prefill_graph: bool = True
     #: CPU: move the weights MLAS packs at load onto 2 MiB pages (``madvise(MADV_COLLAPSE)``, Linux 6.1+;
     #: :mod:`trtinfer.runtime.huge_pages`): decode streams them faster, the load takes ~2.6 s longer per GiB (the
-    #: CLI's one-off verbs, generate and eval, turn it off unless ``--huge-pages``)
+    #: CLI's one-off verbs turn it off: generate and eval unless ``--huge-pages``, embed always)
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
