@@ -3,6 +3,7 @@
 Each system runs in its own subprocess, so its peak memory (max RSS, load included) is its own.
 Decode tokens/s counts every sequence of the batch (tokens after the first / decode time), best of 3 runs; TTFT is
 the wall time of a one-token ``generate`` call, best of 5 (this 2-core machine is shared: best-of is what repeats).
+Every system decodes greedily, whatever the model's ``generation_config.json`` says.
 
 On a GPU (an engine loaded with ``provider="cuda"``/``"tensorrt"`` or built with ``--backend tensorrt``; eager with
 ``device="cuda"``) each result also carries ``gpu``: the GPU memory the process held and how that was measured
@@ -162,18 +163,20 @@ def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repe
     probe = GpuMemory() if on_gpu else None
     t_load = time.perf_counter()
     options: dict[str, Any] = {"huge_pages": huge_pages, **({"provider": provider} if provider else {})}
+    # greedy, as eager (below) and the peers decode: a model's generation_config.json may sample (Llama-3.2's and
+    # Qwen3's do: top-p over the vocabulary every step, 12% of a 1B int4 engine's batch-8 decode step)
     with trtinfer.load(engine_dir, **options) as eng:
         load_s = time.perf_counter() - t_load
-        eng.generate(input_ids=ids, max_new_tokens=4, ignore_eos=True)  # warm-up
-        def first_token_ms() -> float:  # the whole call, as for eager: prefill, sampling, bookkeeping
+        eng.generate(input_ids=ids, max_new_tokens=4, ignore_eos=True, do_sample=False)  # warm-up
+        def first_token_ms() -> float:  # the whole call, as for eager: prefill, selection, bookkeeping
             t0 = time.perf_counter()
-            eng.generate(input_ids=ids, max_new_tokens=1)
+            eng.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
             return (time.perf_counter() - t0) * 1000.0
 
         ttft = min(first_token_ms() for _ in range(repeats))
         rates, first = [], []
         for _ in range(3):
-            r = eng.generate(input_ids=ids, max_new_tokens=new_tokens, ignore_eos=True)
+            r = eng.generate(input_ids=ids, max_new_tokens=new_tokens, ignore_eos=True, do_sample=False)
             t = r[0].timings
             rates.append(bs * len(t.decode_ms) / (sum(t.decode_ms) / 1000.0))
             first = r[0].token_ids[:8]
