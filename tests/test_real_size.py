@@ -102,7 +102,11 @@ def test_main_on_a_one_layer_slice(tmp_path):
             assert run["decode_tok_s"] > 0 and run["peak_rss_mib"] > 0 and run["ttft_ms"] > 0
             assert run["fraction_of_read"] == pytest.approx(run["achieved_gb_s"] / saved["ceiling_gb_s"]["read"])
             assert run["fraction_of_int4_kernel"] == pytest.approx(run["achieved_gb_s"] / saved["ceiling_gb_s"]["int4"])
-        assert saved["ceiling_gb_s"]["int4"] == max(p["gb_s"] for p in saved["int4_kernel_probes"])
+        # the int4 ceiling is the best probe on huge pages (as engines run); on a 16 MiB buffer a 4 KiB-page probe
+        # may come out faster by noise, and is recorded apart
+        for kind, huge in (("int4", True), ("int4_4k", False)):
+            assert saved["ceiling_gb_s"][kind] == max(p["gb_s"] for p in saved["int4_kernel_probes"]
+                                                      if p["huge_pages"] is huge)
         assert not Path(saved["settings"]["run_dir"]).exists()  # engines, logs and the default cache are gone
         assert (tmp_path / "checkpoints" / "llama-3.2-1b-l1-v512" / "config.json").is_file()
     finally:
