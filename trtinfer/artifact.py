@@ -20,7 +20,7 @@ from typing import Any
 
 from trtinfer._cache import check_files, key_of, record_files
 from trtinfer.errors import EngineLoadError, ModelSourceError
-from trtinfer.manifest_check import check_manifest, is_int, show
+from trtinfer.manifest_check import check_manifest, json_int, show
 
 STAGE_FILE = "stage.json"
 STAGE_FORMAT = 1
@@ -421,7 +421,7 @@ def read_manifest(engine_dir: Path) -> Manifest:
     if not isinstance(raw, dict):
         raise EngineLoadError(f"{path} should hold a JSON object, found {show(raw)}; rebuild the engine")
     version = raw.get("manifest_version")
-    if not is_int(version) or version != MANIFEST_VERSION:
+    if not json_int(version) or version != MANIFEST_VERSION:
         raise EngineLoadError(
             f"{path} has manifest version {version}, this trtinfer reads {MANIFEST_VERSION}; rebuild the engine"
         )

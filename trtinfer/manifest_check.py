@@ -4,7 +4,6 @@ line naming the manifest, the key path and what was found. Stdlib only: the runt
 from __future__ import annotations
 
 import json
-import numbers
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,15 +16,10 @@ GEOMETRY_INTS = {"decoder": ("num_layers", "num_kv_heads", "head_dim", "vocab_si
 FILE_ROLES = {"decoder": ("decoder",), "encoder": ("encoder",)}
 
 
-def is_int(value: Any) -> bool:
-    """An integer (numpy's too) and not a bool: True is an int to Python, not to a user (nor JSON's ``true`` a
-    count). The one test of "an integer" for manifests and configs alike."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _json_int(value: Any) -> bool:
-    """An integer JSON can write: a manifest made in memory (:func:`trtinfer.artifact.new_manifest`) with a numpy int
-    in it is refused here, in the manifest's words, not later by ``json.dump``."""
+def json_int(value: Any) -> bool:
+    """An integer JSON can write, not a bool (JSON's ``true`` is not a count): a manifest made in memory
+    (:func:`trtinfer.artifact.new_manifest`) with a numpy int in it is refused here, in the manifest's words, not later
+    by ``json.dump`` (configs take numpy ints: :func:`trtinfer.runtime.config.is_int`)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -38,16 +32,16 @@ def show(value: Any) -> str:
 
 # (description, test) pairs: the description completes "KEY should be ..."
 _Rule = tuple[str, Callable[[Any], bool]]
-_POSITIVE_INT: _Rule = ("a positive integer", lambda v: _json_int(v) and v > 0)
-_TOKEN_ID: _Rule = ("a token id (integer >= 0) or null", lambda v: v is None or (_json_int(v) and v >= 0))
+_POSITIVE_INT: _Rule = ("a positive integer", lambda v: json_int(v) and v > 0)
+_TOKEN_ID: _Rule = ("a token id (integer >= 0) or null", lambda v: v is None or (json_int(v) and v >= 0))
 _TOKEN_IDS: _Rule = ("a list of token ids (integers >= 0) or null",
-                     lambda v: v is None or (isinstance(v, list) and all(_json_int(t) and t >= 0 for t in v)))
+                     lambda v: v is None or (isinstance(v, list) and all(json_int(t) and t >= 0 for t in v)))
 _NAME: _Rule = ("a non-empty string", lambda v: isinstance(v, str) and bool(v))
 _TEXT_OR_NULL: _Rule = ("a string or null", lambda v: v is None or isinstance(v, str))
 _OBJECT: _Rule = ("a JSON object", lambda v: isinstance(v, dict))
 _LIST: _Rule = ("a JSON list", lambda v: isinstance(v, list))
 _SHAPE: _Rule = ("a list of dimensions (integers or names)",
-                 lambda v: isinstance(v, list) and all(_json_int(d) or isinstance(d, str) for d in v))
+                 lambda v: isinstance(v, list) and all(json_int(d) or isinstance(d, str) for d in v))
 
 
 def _one_of(choices: tuple[str, ...]) -> _Rule:

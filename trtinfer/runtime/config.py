@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trtinfer.errors import ConfigError, InputError
-from trtinfer.manifest_check import is_int
 
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 GPU_PROVIDERS = ("cuda", "tensorrt")  # ONNX Runtime providers that keep the KV cache on a CUDA device
@@ -23,6 +22,11 @@ def describe(value: Any) -> str:
 
 #: temperatures below this sample greedily (vLLM's rule; the server's temperature 0 is greedy too)
 GREEDY_BELOW = 1e-5
+
+
+def is_int(value: Any) -> bool:
+    # numbers.Integral takes numpy ints too; True is an int to Python, not to a user
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value: Any) -> bool:
