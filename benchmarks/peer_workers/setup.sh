@@ -9,6 +9,10 @@
 #            sentencepiece here)
 set -euo pipefail
 D=${1:-$HOME/.cache/trtinfer/peer-venvs}
+# run inside trtinfer's environment (the venv its README installs): oga and the converter borrow its packages
+python -c "import onnxruntime, torch, transformers" 2>/dev/null || {
+  echo "setup.sh: 'python' ($(command -v python)) lacks onnxruntime/torch/transformers: activate trtinfer's venv first" >&2
+  exit 2; }
 mkdir -p "$D"
 # oga sees this environment's packages through a .pth file (--system-site-packages would show the base Python's, not
 # this venv's: its builder then failed with "Could not find the onnxruntime package")
