@@ -394,7 +394,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows, bss = report["rows"], report["settings"]["batch_sizes"]
-    names = [r["precision"] for r in rows]
+    names = [r["precision"].replace(" ", "\n") for r in rows]  # "onnxruntime-genai int4" beside four others: two lines
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     series = {"build peak RSS": [r["build_peak_rss_bytes"] or 0 for r in rows],
               "load+generate peak RSS (bs1)": [(r.get("runs") or [{}])[0].get("peak_rss_mib", 0) * 2**20 for r in rows],
@@ -403,17 +403,18 @@ def chart(report: dict[str, Any], path: Path) -> None:
     for i, (label, values) in enumerate(series.items()):
         bars = ax1.bar([x + i * width for x in range(len(rows))], [v / 2**30 for v in values], width, label=label)
         ax1.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax1.set_xticks([x + width for x in range(len(rows))], names)
+    ax1.set_xticks([x + width for x in range(len(rows))], names, fontsize=7)
     ax1.set_ylabel("GiB")
     ax1.set_title(f"memory and disk ({report['checkpoint']['name']})", fontsize=9)
     ax1.legend(fontsize=7)
     width = 0.8 / len(bss)
     for i, b in enumerate(bss):
-        fr = [next((u.get("fraction_of_read", 0) for u in r.get("runs", []) if u["batch_size"] == b), 0) for r in rows]
-        bars = ax2.bar([x + i * width for x in range(len(rows))], [f * 100 for f in fr], width, label=f"bs{b}")
-        ax2.bar_label(bars, fmt="%.0f%%", fontsize=7)
+        # None: not measured (a peer without a batch-b run, or without a byte count): no bar, a dash, not "0%"
+        fr = [next((u.get("fraction_of_read") for u in r.get("runs", []) if u["batch_size"] == b), None) for r in rows]
+        bars = ax2.bar([x + i * width for x in range(len(rows))], [(f or 0) * 100 for f in fr], width, label=f"bs{b}")
+        ax2.bar_label(bars, labels=["–" if f is None else f"{f * 100:.0f}%" for f in fr], fontsize=7)
     ax2.axhline(100, color="tab:red", ls="--", lw=1, label=f"probed read {report['ceiling_gb_s']['read']:.1f} GB/s")
-    ax2.set_xticks([x + width * (len(bss) - 1) / 2 for x in range(len(rows))], names)
+    ax2.set_xticks([x + width * (len(bss) - 1) / 2 for x in range(len(rows))], names, fontsize=7)
     ax2.set_ylabel("% of read bandwidth per decode step")
     ax2.set_title(f"decode vs roofline ({report['machine']['cpu']})", fontsize=9)
     ax2.legend(fontsize=7)
