@@ -325,6 +325,7 @@ def measure_row(row: dict[str, Any], engine: Path, batch_sizes: Sequence[int], p
             continue
         run = roofline.roofline_row(engine, bs, plen, new_tokens, res, ceiling)
         run.update(prompt_len=plen, ttft_ms=res.ttft_ms, peak_rss_mib=res.peak_rss_mib,
+                   anon_rss_mib=res.anon_rss_mib, anon_huge_mib=res.anon_huge_mib,
                    command=[sys.executable, "-m", "trtinfer.bench", "engine", str(engine), str(bs), str(plen),
                             str(new_tokens)])  # what measure_engine runs
         row["runs"].append(run)

@@ -18,3 +18,15 @@ def test_the_engine_is_measured_greedy_whatever_the_model_samples(tiny_engine, t
         greedy = eng.generate(input_ids=[ids], max_new_tokens=6, ignore_eos=True, do_sample=False)[0].token_ids
     runs = [run_engine(engine, 2, 8, 6, repeats=1).first_tokens for _ in range(2)]
     assert runs[0] == runs[1] == greedy
+
+
+def test_an_engine_run_says_how_much_memory_sits_on_huge_pages(tiny_engine):
+    """A decode rate depends on whether the packed weights went onto 2 MiB pages; every CPU run records it."""
+    from trtinfer.runtime.huge_pages import anonymous_mappings
+
+    res = run_engine(tiny_engine("llama"), 1, 8, 4, repeats=1)
+    assert res.anon_rss_mib is not None and res.anon_huge_mib is not None
+    assert 0 < res.anon_rss_mib and 0 <= res.anon_huge_mib <= res.anon_rss_mib
+    now = anonymous_mappings().values()  # this process, the run's memory still mapped: the same order of size
+    assert res.anon_rss_mib <= 2 * sum(m[1] for m in now) / 2**20
+    assert {"anon_rss_mib", "anon_huge_mib"} <= res.to_dict().keys()

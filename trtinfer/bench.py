@@ -52,10 +52,16 @@ class BenchResult:
     first_tokens: list[int]
     gpu: dict[str, Any] | None = None  # GPU runs only: device, memory figures and how each was measured
     load_s: float | None = None  # engines: seconds to load (trtinfer.load)
+    #: CPU engines: the process's private anonymous memory after the runs (the packed weights live there), resident
+    #: and of it on 2 MiB pages (``RuntimeConfig.huge_pages``: whether the collapse took, which moves decode 3-18%)
+    anon_rss_mib: float | None = None
+    anon_huge_mib: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON; CPU results leave ``gpu`` out, as they always have, and eager ones ``load_s``."""
-        return {k: v for k, v in asdict(self).items() if v is not None or k not in ("gpu", "load_s")}
+        """Plain dict for JSON; figures a run has not (None) are left out: CPU results' ``gpu`` as they always have
+        been, eager ones' ``load_s`` and anonymous memory."""
+        optional = ("gpu", "load_s", "anon_rss_mib", "anon_huge_mib")
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in optional}
 
 
 def _prompt_ids(engine_dir: Path, prompt_len: int) -> list[int]:
@@ -157,6 +163,7 @@ def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repe
     ``huge_pages`` False: its packed weights stay on 4 KiB pages (``RuntimeConfig.huge_pages``)."""
     import trtinfer
     from trtinfer.artifact import read_manifest
+    from trtinfer.runtime.huge_pages import anonymous_mappings
 
     ids = [_prompt_ids(engine_dir, prompt_len)] * bs
     on_gpu = provider in ("cuda", "tensorrt") or read_manifest(engine_dir).backend == "tensorrt"
@@ -181,8 +188,11 @@ def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repe
             rates.append(bs * len(t.decode_ms) / (sum(t.decode_ms) / 1000.0))
             first = r[0].token_ids[:8]
         gpu = None if probe is None else {"provider": provider, **probe.result()}
+        anon = None if on_gpu else list(anonymous_mappings().values())
     system = "trtinfer " + engine_dir.name + (f" ({provider})" if provider else "")
-    return BenchResult(system, bs, prompt_len, new_tokens, ttft, max(rates), peak_rss_mib(), first, gpu, load_s)
+    rss, huge = (None, None) if not anon else (sum(m[1] for m in anon) / 2**20, sum(m[2] for m in anon) / 2**20)
+    return BenchResult(system, bs, prompt_len, new_tokens, ttft, max(rates), peak_rss_mib(), first, gpu, load_s,
+                       rss, huge)
 
 
 def run_eager(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repeats: int = 5, device: str = "cpu",
