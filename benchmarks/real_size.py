@@ -493,6 +493,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=work / "runs"))
     cache = (args.cache or run_dir / "cache").expanduser().resolve()
     machine, load_before, date = machine_info(), os.getloadavg(), time.strftime("%Y-%m-%d")
+    # the code that runs is the checkout's at the start: a commit made while the run goes on is not in it
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
+                            check=False).stdout.strip()
     rows: list[dict[str, Any]] = []
     try:
         log.info("probing memory bandwidth (%g MiB arrays)", args.buffer_mib)
@@ -556,8 +559,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         config = {k: meta.get(v) for k, v in keys.items()}
     else:
         config = json.loads((ckpt / "config.json").read_text())
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
-                            check=False).stdout.strip()
     report = {"machine": machine, "cpu_tag": cpu_kind(machine), "date": date, "git_commit": commit,
               "versions": _versions(), "command": [sys.executable, *sys.argv],
               "load_average": {"before": load_before, "after": os.getloadavg()},
