@@ -22,11 +22,11 @@ def test_the_engine_is_measured_greedy_whatever_the_model_samples(tiny_engine, t
 
 def test_an_engine_run_says_how_much_memory_sits_on_huge_pages(tiny_engine):
     """A decode rate depends on whether the packed weights went onto 2 MiB pages; every CPU run records it."""
-    from trtinfer.runtime.huge_pages import anonymous_mappings
+    from trtinfer.runtime.memory import proc_kib
 
     res = run_engine(tiny_engine("llama"), 1, 8, 4, repeats=1)
     assert res.anon_rss_mib is not None and res.anon_huge_mib is not None
     assert 0 < res.anon_rss_mib and 0 <= res.anon_huge_mib <= res.anon_rss_mib
-    now = anonymous_mappings().values()  # this process, the run's memory still mapped: the same order of size
-    assert res.anon_rss_mib <= 2 * sum(m[1] for m in now) / 2**20
+    now = proc_kib("/proc/self/smaps_rollup", "Anonymous")  # this process after the run: the same order of size
+    assert now is not None and res.anon_rss_mib <= 2 * now / 1024
     assert {"anon_rss_mib", "anon_huge_mib"} <= res.to_dict().keys()

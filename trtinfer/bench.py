@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trtinfer.errors import InputError, TrtInferError
-from trtinfer.runtime.memory import peak_rss_mib
+from trtinfer.runtime.memory import peak_rss_mib, proc_kib
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,6 @@ def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repe
     ``huge_pages`` False: its packed weights stay on 4 KiB pages (``RuntimeConfig.huge_pages``)."""
     import trtinfer
     from trtinfer.artifact import read_manifest
-    from trtinfer.runtime.huge_pages import anonymous_mappings
 
     ids = [_prompt_ids(engine_dir, prompt_len)] * bs
     on_gpu = provider in ("cuda", "tensorrt") or read_manifest(engine_dir).backend == "tensorrt"
@@ -188,9 +187,10 @@ def run_engine(engine_dir: Path, bs: int, prompt_len: int, new_tokens: int, repe
             rates.append(bs * len(t.decode_ms) / (sum(t.decode_ms) / 1000.0))
             first = r[0].token_ids[:8]
         gpu = None if probe is None else {"provider": provider, **probe.result()}
-        anon = None if on_gpu else list(anonymous_mappings().values())
+        anon, huge_kib = (None, None) if on_gpu else (proc_kib("/proc/self/smaps_rollup", "Anonymous"),
+                                                      proc_kib("/proc/self/smaps_rollup", "AnonHugePages"))
     system = "trtinfer " + engine_dir.name + (f" ({provider})" if provider else "")
-    rss, huge = (None, None) if not anon else (sum(m[1] for m in anon) / 2**20, sum(m[2] for m in anon) / 2**20)
+    rss, huge = (None, None) if anon is None or huge_kib is None else (anon / 1024, huge_kib / 1024)
     return BenchResult(system, bs, prompt_len, new_tokens, ttft, max(rates), peak_rss_mib(), first, gpu, load_s,
                        rss, huge)
 
