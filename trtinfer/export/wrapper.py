@@ -90,7 +90,7 @@ def cache_from_flat(past: tuple[torch.Tensor, ...]) -> DynamicCache:
     cache = DynamicCache()
     for i in range(0, len(past), 2):
         layer = DynamicLayer()
-        layer.dtype, layer.device = past[i].dtype, past[i].device
+        layer.device = past[i].device  # what lazy_initialization sets besides keys/values (transformers 5.x)
         layer.keys, layer.values = past[i], past[i + 1]
         layer.is_initialized = True
         cache.layers.append(layer)
