@@ -74,6 +74,21 @@ def test_decode_bytes_equal_an_independent_count(tiny_engine, arch, precision):
         assert one["gathered_bytes"] == hidden // 2 + hidden // 32 * 4  # 4-bit codes and one scale per block
 
 
+def test_held_bytes_add_a_float_per_block_and_column_of_every_int8_compute_matmul(tiny_engine):
+    """Beside the stored bytes, what ONNX Runtime's int8-compute kernel holds and reads: one float per block of 32
+    and column of each MatMulNBits (tiny Llama int4: q/k/v and gate/up packed, o, down, the head), none for fp32."""
+    import onnx
+
+    assert roofline.decode_bytes(tiny_engine("llama", precision="fp32"), 1)["held_extra_bytes"] == 0
+    engine = tiny_engine("llama", precision="int4")
+    counted = roofline.decode_bytes(engine, 2, kv_len=3)
+    graph = onnx.load(str(engine / "model.onnx"), load_external_data=False).graph
+    shapes = [{a.name: a.i for a in n.attribute} for n in graph.node if n.op_type == "MatMulNBits"]
+    assert shapes and all(s["accuracy_level"] == 4 and s["block_size"] == 32 for s in shapes)
+    assert counted["held_extra_bytes"] == sum(s["N"] * (s["K"] // 32) * 4 for s in shapes)
+    assert counted["total_held"] == counted["total"] + counted["held_extra_bytes"]
+
+
 def test_kv_bytes_cap_sliding_layers_at_their_window(tiny_engine):
     # tiny Gemma-3: layers sliding, sliding, full; window 5; 2 KV heads of 16; fp32 KV (int4 weights)
     counted = roofline.decode_bytes(tiny_engine("gemma3", precision="int4"), batch_size=2, kv_len=10.5)
@@ -105,6 +120,20 @@ def test_int4_kernel_probe_on_a_small_buffer():
     assert p["threads"] == 1 and p["bytes"] == columns * (4096 // 2 + 4096 // 32 * 4)
     assert p["gb_s"] == pytest.approx(p["bytes"] / p["best_s"] / 1e9) and p["gb_s"] > 0
     assert str(columns) in p["op"] and len(p["all_gb_s"]) == 2
+    # held: + a float per block and column, which is what ONNX Runtime's load really grew by (its packed copy)
+    assert p["held_bytes"] == p["bytes"] + columns * 4096 // 32 * 4
+    assert p["gb_s_held"] == pytest.approx(p["held_bytes"] / p["best_s"] / 1e9)
+
+
+def test_int4_kernel_holds_what_the_held_count_says():
+    """ONNX Runtime's load of the int4 probe grows the process's anonymous memory by the held count (its packed
+    copy: codes, scales and a float per block and column; x1.2 the stored bytes), not by the stored bytes alone: if
+    ONNX Runtime packs differently, the held figures of the roofline are wrong and this fails."""
+    p = roofline.probe_int4_kernel(buffer_mib=64, threads=1, repeats=1, huge_pages=False)
+    if p["anon_growth_at_load_bytes"] is None:
+        pytest.skip("no /proc/self/smaps_rollup")
+    assert p["held_bytes"] == pytest.approx(1.2 * p["bytes"], rel=1e-3)
+    assert p["anon_growth_at_load_bytes"] == pytest.approx(p["held_bytes"], rel=0.05)
 
 
 def test_main_on_a_tiny_engine(tiny_engine, tmp_path):
