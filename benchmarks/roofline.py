@@ -28,7 +28,7 @@ usage: python -m benchmarks.roofline ENGINE_DIR [ENGINE_DIR ...] [--batch-sizes 
 Writes benchmarks/results/roofline_<cpukind>_<date>.json (machine, load average before/after, git commit, probe,
 rows) and .png. Weights ONNX Runtime prepacks at load (MatMul B, MatMulNBits blocks) are counted at their stored size;
 beside that, ``held``: what ONNX Runtime's CPU int8-compute kernel for ``MatMulNBits`` (``accuracy_level`` 4, every
-int4/int8/GGUF-exact engine's) keeps at load and reads every call (:func:`kernel_held_bytes`): each block's codes and
+int4/int8/GGUF-exact engine's) keeps at load and reads every call (:func:`kernel_extra_bytes`): each block's codes and
 scale plus a float per block and column, the block's scale times its zero point, which a second pass (an fp32 GEMM of
 the activation's block sums by these) adds; zero points themselves are folded into it. For blocks of 32 of 4-bit
 codes that is 24 bytes a block against the 20 stored (x1.2; ONNX Runtime 1.32's MLAS, measured by the int4 probe's
@@ -202,7 +202,7 @@ def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repe
     if not np.all(y[0, :4] == k):  # every weight 1, x all ones: each output is K
         raise RuntimeError(f"int4 probe wrote {y[0, :4]}, expected {k}")
     nbytes = n * (k // 2 + blocks * 4)
-    held = nbytes + n * blocks * 4  # + a float per block and column (see kernel_held_bytes)
+    held = nbytes + n * blocks * 4  # + a float per block and column (see kernel_extra_bytes)
     return {"op": f"MatMulNBits(x [1, {k}], {n} columns, blocks of {block_size}, accuracy_level 4)",
             "threads": threads, "threads_effective": threads or _physical_cores(), "bytes": nbytes,
             "held_bytes": held, "anon_growth_at_load_bytes": anon_growth, "gb_s_held": held / min(times) / 1e9,
@@ -219,7 +219,7 @@ def int4_probes(buffer_mib: float = 1024, threads: int | None = None, repeats: i
 def int4_ceilings(probes: list[dict[str, Any]]) -> dict[str, float]:
     """``int4``: the best GB/s of the :func:`int4_probes` on huge pages (the ceiling int4 rows are set against);
     ``int4_4k``: the best on 4 KiB pages (recorded: what huge pages gain); ``int4_held``: the huge-page best counted
-    in the bytes the kernel holds and reads (:func:`kernel_held_bytes`), the basis of rows' ``fraction_of_read_held``."""
+    in the bytes the kernel holds and reads (:func:`kernel_extra_bytes`), the basis of rows' ``fraction_of_read_held``."""
     best: dict[str, float] = {}
     for p in probes:
         name = "int4" if p["huge_pages"] else "int4_4k"
@@ -278,7 +278,7 @@ def decode_bytes(engine_dir: str | Path, batch_size: int = 1, kv_len: float = 0.
                 first.setdefault(key, name)
                 uses.setdefault(key, []).append((node, i))
     whole, gathered, tables = 0, 0, []
-    held_extra = sum(kernel_held_bytes(node, inits) for node in model.graph.node if node.op_type == "MatMulNBits")
+    held_extra = sum(kernel_extra_bytes(node, inits) for node in model.graph.node if node.op_type == "MatMulNBits")
     for key, used in uses.items():
         name = first[key]
         size = _nbytes(inits[name])
@@ -301,7 +301,7 @@ def decode_bytes(engine_dir: str | Path, batch_size: int = 1, kv_len: float = 0.
             "held_extra_bytes": held_extra, "total_held": whole + gathered + kv + held_extra}
 
 
-def kernel_held_bytes(node: Any, inits: dict[str, Any]) -> int:
+def kernel_extra_bytes(node: Any, inits: dict[str, Any]) -> int:
     """Bytes ONNX Runtime's CPU kernel reads for one ``MatMulNBits`` beyond the initializers it stores: at
     ``accuracy_level`` 4 (int8 compute) MLAS packs, beside each block's codes and scale, one float per block and column
     (the block's scale x its zero point: 8 for symmetric 4-bit codes), which it reads in a second pass over every
