@@ -202,7 +202,7 @@ def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repe
     if not np.all(y[0, :4] == k):  # every weight 1, x all ones: each output is K
         raise RuntimeError(f"int4 probe wrote {y[0, :4]}, expected {k}")
     nbytes = n * (k // 2 + blocks * 4)
-    held = nbytes + n * blocks * 4  # + a float per block and column (see kernel_extra_bytes)
+    held = nbytes + kernel_extra_bytes(node, {})  # + a float per block and column
     return {"op": f"MatMulNBits(x [1, {k}], {n} columns, blocks of {block_size}, accuracy_level 4)",
             "threads": threads, "threads_effective": threads or _physical_cores(), "bytes": nbytes,
             "held_bytes": held, "anon_growth_at_load_bytes": anon_growth, "gb_s_held": held / min(times) / 1e9,
@@ -343,14 +343,15 @@ def roofline_row(engine_dir: Path, batch_size: int, prompt_len: int, new_tokens:
     step_s = batch_size / res.decode_tok_s
     counted = decode_bytes(engine_dir, batch_size, prompt_len + new_tokens / 2)  # steps 1..N-1 hold prompt+k
     achieved = counted["total"] / step_s / 1e9
+    achieved_held = counted["total_held"] / step_s / 1e9
     raw = read_manifest(engine_dir).raw
     return {"engine": engine_dir.name, "path": str(engine_dir), "model": raw["source"].get("model"),
             "precision": raw.get("precision"), "kv_layout": raw.get("kv_layout"), "batch_size": batch_size,
             "decode_tok_s": res.decode_tok_s, "step_ms": step_s * 1000, "bytes_per_step": counted["total"],
             "counted": counted, "achieved_gb_s": achieved, "fraction_of_read": achieved / ceiling["read"],
             "fraction_of_copy": achieved / ceiling["copy"], "first_tokens": res.first_tokens,
-            "bytes_per_step_held": counted["total_held"], "achieved_gb_s_held": counted["total_held"] / step_s / 1e9,
-            "fraction_of_read_held": counted["total_held"] / step_s / 1e9 / ceiling["read"],
+            "bytes_per_step_held": counted["total_held"], "achieved_gb_s_held": achieved_held,
+            "fraction_of_read_held": achieved_held / ceiling["read"],
             **({"fraction_of_int4_kernel": achieved / ceiling["int4"]}
                if "int4" in ceiling and raw.get("precision") == "int4" else {})}
 
