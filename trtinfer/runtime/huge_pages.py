@@ -89,18 +89,26 @@ def _ranges_to_collapse(mappings: dict[int, tuple[int, int, int]]) -> Iterator[t
 def collapse_resident_memory() -> int:
     """Collapse into huge pages this process's resident anonymous memory not yet on them (after a session has
     loaded: its packed weights; whether the allocator put them in new mappings or reused freed ones, as it does for
-    an engine loaded again); returns the bytes collapsed (0 where the kernel cannot)."""
+    an engine loaded again); returns the bytes that moved onto huge pages (0 where the kernel cannot).
+
+    A range the kernel refuses does not stop the others: ``MADV_COLLAPSE`` fails with ``EINVAL`` both where the
+    kernel lacks it and for a range holding a page never written, only read (the shared zero page: the heap of a
+    process that read memory ``calloc`` gave it, numpy's zeros), after collapsing the rest of that range. So what
+    moved is read back from ``/proc/self/smaps``, not inferred from the return codes."""
     madvise = libc_madvise()
     if madvise is None or thp_mode() != "madvise":  # "always": the kernel gave the buffers huge pages as they filled
         return 0
-    t0, done = time.perf_counter(), 0
-    for start, length in _ranges_to_collapse(anonymous_mappings()):
+    t0 = time.perf_counter()
+    before = anonymous_mappings()
+    refused: dict[int, int] = {}
+    for start, length in _ranges_to_collapse(before):
         madvise(start, length, MADV_HUGEPAGE)  # later faults in the range: huge pages too
-        if madvise(start, length, MADV_COLLAPSE) == 0:
-            done += length
-        elif ctypes.get_errno() == 22:  # EINVAL: no MADV_COLLAPSE in this kernel
-            break
-    if done:
-        log.debug("collapsed %.0f MiB of resident memory (packed weights) into huge pages in %.2f s", done / 2**20,
-                  time.perf_counter() - t0)
+        if madvise(start, length, MADV_COLLAPSE) != 0:
+            errno = ctypes.get_errno()
+            refused[errno] = refused.get(errno, 0) + 1
+    after = anonymous_mappings()
+    done = max(0, sum(m[2] for m in after.values()) - sum(m[2] for m in before.values()))
+    if done or refused:
+        log.debug("collapsed %.0f MiB of resident memory (packed weights) into huge pages in %.2f s; ranges refused "
+                  "(errno: count): %s", done / 2**20, time.perf_counter() - t0, refused or "none")
     return done
