@@ -104,6 +104,15 @@ def real_engine(tmp_path_factory, in_user_cache):
     return get
 
 
+#: pytest-xdist workers for ``-n auto`` (pyproject's addopts): two overlap one worker's Python and I/O with the
+#: other's compute on two cores; more would multiply the real-model builds' few GiB each, not the cores they share.
+MAX_WORKERS = 2
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    return min(MAX_WORKERS, os.cpu_count() or 1)
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark GPU tests skipped with a reason when no CUDA provider is present."""
     try:
