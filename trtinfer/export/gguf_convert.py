@@ -20,9 +20,12 @@ models stay whole fp32 folders, which any tool reads (transformers' ``from_pretr
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,22 @@ def _load_config_and_tokenizer(gguf: Path) -> tuple[Any, Any]:
     return config, tok
 
 
+@contextmanager
+def _name_maps_built_once() -> Iterator[None]:
+    """Inside the block gguf-py's ``get_tensor_name_map`` builds each architecture's map once. transformers'
+    ``get_gguf_hf_weights_map`` calls it again for every submodule it recurses into (SmolLM2: 397 times, ~9 s of a
+    conversion's 25), and each call builds the same map; it reads the function from ``gguf`` at every call, so the
+    memoized one is what it gets here, and ``gguf`` is left as it was after."""
+    import gguf
+
+    built = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(built)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = built
+
+
 def _row_probe(processor: Any, name: str, n: int, key_map: dict[str, str], config: dict[str, Any]) -> np.ndarray | None:
     """The row order ``processor`` gives GGUF tensor ``name`` of ``n`` rows, if processing it only reorders rows."""
     probe = np.stack([np.arange(n, dtype=np.float64), np.arange(n, dtype=np.float64) * 2 + 0.5], axis=1)
@@ -98,7 +117,8 @@ def convert_gguf(gguf: Path, out: Path, views: bool | None = None) -> None:
     arch = str(file.metadata.get("general.architecture") or config.model_type)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     try:
-        key_map = get_gguf_hf_weights_map(model, processor)
+        with _name_maps_built_once():
+            key_map = get_gguf_hf_weights_map(model, processor)
     except NotImplementedError as e:
         raise ModelSourceError(f"{gguf}: {e}") from e
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
