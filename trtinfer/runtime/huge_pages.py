@@ -20,6 +20,7 @@ tok/s), at bs8 4-5%; the collapse costs ~2.6 s of load per GiB of packed weights
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -86,17 +87,27 @@ def _ranges_to_collapse(mappings: dict[int, tuple[int, int, int]]) -> Iterator[t
             yield lo, hi - lo
 
 
+@functools.cache
+def kernel_collapses() -> bool:
+    """Whether this kernel knows ``MADV_COLLAPSE`` (Linux 6.1+): asked with an empty range, which a kernel that
+    knows the advice accepts before looking at any memory and one that does not refuses with ``EINVAL``."""
+    madvise = libc_madvise()
+    return madvise is not None and madvise(0, 0, MADV_COLLAPSE) == 0
+
+
 def collapse_resident_memory() -> int:
     """Collapse into huge pages this process's resident anonymous memory not yet on them (after a session has
     loaded: its packed weights; whether the allocator put them in new mappings or reused freed ones, as it does for
-    an engine loaded again); returns the bytes that moved onto huge pages (0 where the kernel cannot).
+    an engine loaded again). Returns how much the process's anonymous memory on huge pages grew during the call, for
+    logs and tests (another thread's memory counts too); 0 where the kernel cannot collapse.
 
-    A range the kernel refuses does not stop the others: ``MADV_COLLAPSE`` fails with ``EINVAL`` both where the
-    kernel lacks it and for a range holding a page never written, only read (the shared zero page: the heap of a
-    process that read memory ``calloc`` gave it, numpy's zeros), after collapsing the rest of that range. So what
-    moved is read back from ``/proc/self/smaps``, not inferred from the return codes."""
+    A range the kernel refuses does not stop the others: ``MADV_COLLAPSE`` refuses with ``EINVAL`` a 2 MiB piece
+    with no written page in it (only read, the shared zero page: a mapping never written) and collapses the rest of
+    the range, so what moved is read back from ``/proc/self/smaps``, not inferred from the return codes. A kernel
+    without ``MADV_COLLAPSE`` is told apart once (:func:`kernel_collapses`) and nothing is advised there."""
     madvise = libc_madvise()
-    if madvise is None or thp_mode() != "madvise":  # "always": the kernel gave the buffers huge pages as they filled
+    # "always": the kernel gave the buffers huge pages as they filled
+    if madvise is None or thp_mode() != "madvise" or not kernel_collapses():
         return 0
     t0 = time.perf_counter()
     before = anonymous_mappings()
@@ -104,8 +115,8 @@ def collapse_resident_memory() -> int:
     for start, length in _ranges_to_collapse(before):
         madvise(start, length, MADV_HUGEPAGE)  # later faults in the range: huge pages too
         if madvise(start, length, MADV_COLLAPSE) != 0:
-            errno = ctypes.get_errno()
-            refused[errno] = refused.get(errno, 0) + 1
+            code = ctypes.get_errno()
+            refused[code] = refused.get(code, 0) + 1
     after = anonymous_mappings()
     done = max(0, sum(m[2] for m in after.values()) - sum(m[2] for m in before.values()))
     if done or refused:
