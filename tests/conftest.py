@@ -109,8 +109,14 @@ def real_engine(tmp_path_factory, in_user_cache):
 MAX_WORKERS = 2
 
 
-def pytest_xdist_auto_num_workers(config) -> int:
-    return min(MAX_WORKERS, os.cpu_count() or 1)
+@pytest.hookimpl(optionalhook=True)  # pytest without pytest-xdist: `-o addopts=-ra` runs the suite in one process
+def pytest_xdist_auto_num_workers(config) -> int | None:
+    """``-n auto``: the CPUs this process may use, at most :data:`MAX_WORKERS`; ``PYTEST_XDIST_AUTO_NUM_WORKERS``,
+    where set, decides instead (None: xdist reads it)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(MAX_WORKERS, cpus)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,11 +23,12 @@ def test_lean_only_for_big_weights_or_when_asked(tmp_path):
     assert prepacks(so)
     so = ort.SessionOptions()
     assert lean_weights(so, small, always=True) and not prepacks(so)
-    # a sparse file larger than half the available memory: no prepacked copy
+    # a sparse file larger than half the available memory: no prepacked copy (0.95 of it: the suite's other worker
+    # may free memory between this reading and lean_weights' own)
     big = tmp_path / "big" / "model.onnx"
     big.parent.mkdir()
     big.write_bytes(b"x")
     with open(big.parent / "model.onnx.data", "wb") as f:
-        f.truncate(int(available_memory() * 0.6))
+        f.truncate(int(available_memory() * 0.95))
     so = ort.SessionOptions()
     assert lean_weights(so, big) and not prepacks(so)
