@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,6 +68,9 @@ def _load_config_and_tokenizer(gguf: Path) -> tuple[Any, Any]:
     return config, tok
 
 
+_NAME_MAPS = threading.Lock()
+
+
 @contextmanager
 def _name_maps_built_once() -> Iterator[None]:
     """Inside the block gguf-py's ``get_tensor_name_map`` builds each architecture's map once. transformers'
@@ -75,12 +79,13 @@ def _name_maps_built_once() -> Iterator[None]:
     memoized one is what it gets here, and ``gguf`` is left as it was after."""
     import gguf
 
-    built = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(built)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = built
+    with _NAME_MAPS:  # two conversions in threads: the second waits, so the first one's restore is the last word
+        built = gguf.get_tensor_name_map
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(built)
+        try:
+            yield
+        finally:
+            gguf.get_tensor_name_map = built
 
 
 def _row_probe(processor: Any, name: str, n: int, key_map: dict[str, str], config: dict[str, Any]) -> np.ndarray | None:
