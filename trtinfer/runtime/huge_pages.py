@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from trtinfer.runtime.memory import libc_madvise
+from trtinfer.runtime.memory import libc_madvise, proc_kib
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,11 @@ def _ranges_to_collapse(mappings: dict[int, tuple[int, int, int]]) -> Iterator[t
             yield lo, hi - lo
 
 
+def _anon_huge_bytes() -> int:
+    """This process's anonymous memory on huge pages now (the kernel's one-line total, not a walk of every mapping)."""
+    return (proc_kib("/proc/self/smaps_rollup", "AnonHugePages") or 0) * 1024
+
+
 @functools.cache
 def kernel_collapses() -> bool:
     """Whether this kernel knows ``MADV_COLLAPSE`` (Linux 6.1+): asked with an empty range, which a kernel that
@@ -103,22 +108,20 @@ def collapse_resident_memory() -> int:
 
     A range the kernel refuses does not stop the others: ``MADV_COLLAPSE`` refuses with ``EINVAL`` a 2 MiB piece
     with no written page in it (only read, the shared zero page: a mapping never written) and collapses the rest of
-    the range, so what moved is read back from ``/proc/self/smaps``, not inferred from the return codes. A kernel
+    the range, so what moved is read back from ``/proc/self/smaps_rollup``, not inferred from the return codes. A kernel
     without ``MADV_COLLAPSE`` is told apart once (:func:`kernel_collapses`) and nothing is advised there."""
     madvise = libc_madvise()
     # "always": the kernel gave the buffers huge pages as they filled
     if madvise is None or thp_mode() != "madvise" or not kernel_collapses():
         return 0
-    t0 = time.perf_counter()
-    before = anonymous_mappings()
+    t0, huge_before = time.perf_counter(), _anon_huge_bytes()
     refused: dict[int, int] = {}
-    for start, length in _ranges_to_collapse(before):
+    for start, length in _ranges_to_collapse(anonymous_mappings()):
         madvise(start, length, MADV_HUGEPAGE)  # later faults in the range: huge pages too
         if madvise(start, length, MADV_COLLAPSE) != 0:
             code = ctypes.get_errno()
             refused[code] = refused.get(code, 0) + 1
-    after = anonymous_mappings()
-    done = max(0, sum(m[2] for m in after.values()) - sum(m[2] for m in before.values()))
+    done = max(0, _anon_huge_bytes() - huge_before)
     if done or refused:
         log.debug("collapsed %.0f MiB of resident memory (packed weights) into huge pages in %.2f s; ranges refused "
                   "(errno: count): %s", done / 2**20, time.perf_counter() - t0, refused or "none")
