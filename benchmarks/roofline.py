@@ -14,7 +14,9 @@ usage: python -m benchmarks.roofline ENGINE_DIR [ENGINE_DIR ...] [--batch-sizes 
    how many the kernel grants varies run to run and moves the figures a lot (measured on a 2-vCPU AMD EPYC VM: read
    ~35 GB/s on 4 KiB pages, ~58 GB/s on huge pages), so each probe records ``anon_huge_pages_mib``. Beside them,
    the int4 kernel's own ceiling (:func:`probe_int4_kernel`: one ``MatMulNBits`` at batch 1 over ``--buffer-mib``
-   of packed weights), before and after the engines too: int4 rows also say what fraction of it they reach.
+   of packed weights), before and after the engines too: int4 rows also say what fraction of it they reach. And the
+   same columns split into one single-thread session per thread, run at once (``int4_split``, recorded only): each
+   thread then streams one contiguous half, not ONNX Runtime's interleaved tiles.
 2. Bytes one decode step reads (:func:`decode_bytes`), from the decoder graph (``onnx.load(load_external_data=False)``,
    sizes from the initializers and their external-data lengths): every initializer a node uses is read whole, except
    tables that are only gathered from (``Gather`` data, ``GatherBlockQuantized`` data/scales/zero points): one slice
@@ -149,7 +151,7 @@ def probe_bandwidth(buffer_mib: float = 1024, threads: int | None = None, repeat
 
 
 def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repeats: int = 5,
-                      block_size: int = 32, huge_pages: bool = True) -> dict[str, Any]:
+                      block_size: int = 32, huge_pages: bool = True, split: bool = False) -> dict[str, Any]:
     """GB/s at which ONNX Runtime's int4 kernel streams weights at batch 1: one ``MatMulNBits`` node (K 4096, blocks
     of ``block_size``, fp32 scales, ``accuracy_level`` 4 as int4 engines build it) over ``buffer_mib`` MiB of packed
     weights, stored as the engines store them (external data: ONNX Runtime packs them once at load, as it packs an
@@ -158,73 +160,102 @@ def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repe
     whatever the graph around it; beside :func:`probe_bandwidth` it says how much of the memory's bandwidth the
     kernel itself leaves unused (2-vCPU AMD EPYC: 25 GB/s on 2 threads and 15-17 on one, whether the read probe gave
     37 or 60 GB/s: compute-bound). ``huge_pages``: the packed blocks moved onto 2 MiB pages as engine sessions
-    move theirs (:mod:`trtinfer.runtime.huge_pages`), else left on the 4 KiB pages ONNX Runtime allocates."""
+    move theirs (:mod:`trtinfer.runtime.huge_pages`), else left on the 4 KiB pages ONNX Runtime allocates.
+    ``split``: the columns cut into one session per thread (1 intra-op thread each), run at once from as many Python
+    threads, so each thread streams one contiguous part instead of ONNX Runtime's tiles of both (recorded: whether
+    the kernel's rate is its access pattern's or its arithmetic's)."""
     import tempfile
+    from concurrent.futures import ThreadPoolExecutor
 
-    import onnx
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
 
     from trtinfer.runtime.memory import proc_kib, return_freed_memory
     from trtinfer.runtime.page_out import cpu_session
 
     threads = engine_threads() if threads is None else threads
+    parts = (threads or _physical_cores()) if split else 1
     k, blocks = 4096, 4096 // block_size
-    n = max(1, int(buffer_mib * 2**20) // (k // 2 + blocks * 4))
-    codes = np.full((n, blocks, block_size // 2), 0x99, np.uint8)  # every weight 9 - zero point 8 = 1
-    scales = np.ones(n * blocks, np.float32)
-    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=block_size, accuracy_level=4)
-    graph = helper.make_graph([node], "int4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
-                              initializer=[numpy_helper.from_array(codes, "b"), numpy_helper.from_array(scales, "s")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    n = max(parts, int(buffer_mib * 2**20) // (k // 2 + blocks * 4) // parts * parts)
     so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
+    so.intra_op_num_threads = 1 if split else threads
     so.log_severity_level = 3
     with tempfile.TemporaryDirectory(prefix="trtinfer-int4-probe-") as tmp:
-        path = Path(tmp) / "int4.onnx"
-        onnx.save(model, str(path), save_as_external_data=True, location="int4.data", size_threshold=0)
-        del model, graph, codes
+        written = [_write_int4(k, n // parts, block_size, Path(tmp) / f"int4-{i}.onnx") for i in range(parts)]
         return_freed_memory()
         anon_before = proc_kib("/proc/self/smaps_rollup", "Anonymous")
-        sess = cpu_session(str(path), so, Path(tmp), huge_pages=huge_pages)
-    x = np.ones((1, k), np.float32)
-    y = np.zeros((1, n), np.float32)
-    io = sess.io_binding()
-    io.bind_cpu_input("x", x)
-    io.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_numpy(y))
-    sess.run_with_iobinding(io)
+        sessions = [cpu_session(str(path), so, Path(tmp), huge_pages=huge_pages) for path, _ in written]
+    runs = []
+    for sess in sessions:
+        x, y = np.ones((1, k), np.float32), np.zeros((1, n // parts), np.float32)
+        io = sess.io_binding()
+        io.bind_cpu_input("x", x)
+        io.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_numpy(y))
+        sess.run_with_iobinding(io)
+        runs.append((sess, io, y, x))  # x kept: the binding reads its buffer
     return_freed_memory()  # what the load freed (the blocks read in to be packed) is not what it holds
     anon_after = proc_kib("/proc/self/smaps_rollup", "Anonymous")
     anon_growth = None if anon_before is None or anon_after is None else (anon_after - anon_before) * 1024
-    times = timed_runs(sess, io, repeats)
-    if not np.all(y[0, :4] == k):  # every weight 1, x all ones: each output is K
-        raise RuntimeError(f"int4 probe wrote {y[0, :4]}, expected {k}")
+    if not split:
+        times = timed_runs(*runs[0][:2], repeats)
+    else:
+        with ThreadPoolExecutor(parts) as pool:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                list(pool.map(lambda run: run[0].run_with_iobinding(run[1]), runs))
+                times.append(time.perf_counter() - t0)
+    for _, _, y, _ in runs:
+        if not np.all(y[0, :4] == k):  # every weight 1, x all ones: each output is K
+            raise RuntimeError(f"int4 probe wrote {y[0, :4]}, expected {k}")
     nbytes = n * (k // 2 + blocks * 4)
-    held = nbytes + kernel_extra_bytes(node, {})  # + a float per block and column
-    return {"op": f"MatMulNBits(x [1, {k}], {n} columns, blocks of {block_size}, accuracy_level 4)",
-            "threads": threads, "threads_effective": threads or _physical_cores(), "bytes": nbytes,
+    held = nbytes + sum(kernel_extra_bytes(node, {}) for _, node in written)  # + a float per block and column
+    form = f"{parts} sessions of 1 thread, run at once, {n // parts} columns each" if split else f"{n} columns"
+    return {"op": f"MatMulNBits(x [1, {k}], {form}, blocks of {block_size}, accuracy_level 4)",
+            "threads": threads, "threads_effective": threads or _physical_cores(), "split": split, "bytes": nbytes,
             "held_bytes": held, "anon_growth_at_load_bytes": anon_growth, "gb_s_held": held / min(times) / 1e9,
             "huge_pages": huge_pages, "anon_huge_pages_mib": _anon_huge_mib(),
             "best_s": min(times), "gb_s": nbytes / min(times) / 1e9,
             "all_gb_s": [round(nbytes / t / 1e9, 2) for t in times]}
 
 
-def int4_probes(buffer_mib: float = 1024, threads: int | None = None, repeats: int = 5) -> list[dict[str, Any]]:
-    """:func:`probe_int4_kernel` with its packed blocks on huge pages (as engines run) and on 4 KiB pages."""
-    return [probe_int4_kernel(buffer_mib, threads, repeats, huge_pages=h) for h in (True, False)]
+def _write_int4(k: int, n: int, block_size: int, path: Path) -> tuple[Path, Any]:
+    """(``path``, node): one ``MatMulNBits`` over ``n`` columns of 4-bit weights all 1, saved with its weights as
+    external data (as engines store theirs)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    blocks = k // block_size
+    codes = np.full((n, blocks, block_size // 2), 0x99, np.uint8)  # every weight 9 - zero point 8 = 1
+    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=block_size, accuracy_level=4)
+    graph = helper.make_graph([node], "int4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+                              initializer=[numpy_helper.from_array(codes, "b"),
+                                           numpy_helper.from_array(np.ones(n * blocks, np.float32), "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(path), save_as_external_data=True, location=path.stem + ".data", size_threshold=0)
+    return path, node
+
+
+def int4_probes(buffer_mib: float = 1024, threads: int | None = None, repeats: int = 5,
+                split: bool = False) -> list[dict[str, Any]]:
+    """:func:`probe_int4_kernel` with its packed blocks on huge pages (as engines run) and on 4 KiB pages; with
+    ``split``, also split into one single-thread session per thread (on huge pages), right after them."""
+    return ([probe_int4_kernel(buffer_mib, threads, repeats, huge_pages=h) for h in (True, False)]
+            + ([probe_int4_kernel(buffer_mib, threads, repeats, split=True)] if split else []))
 
 
 def int4_ceilings(probes: list[dict[str, Any]]) -> dict[str, float]:
     """``int4``: the best GB/s of the :func:`int4_probes` on huge pages (the ceiling int4 rows are set against);
-    ``int4_4k``: the best on 4 KiB pages (recorded: what huge pages gain); ``int4_held``: the huge-page best counted
-    in the bytes the kernel holds and reads (:func:`kernel_extra_bytes`), the basis of rows' ``fraction_of_read_held``."""
+    ``int4_4k``: the best on 4 KiB pages (recorded: what huge pages gain); ``int4_split``: the best split into one
+    session per thread (recorded: whether another division of the work streams faster); ``int4_held``: the
+    huge-page best counted in the bytes the kernel holds and reads (:func:`kernel_extra_bytes`), the basis of rows'
+    ``fraction_of_read_held``."""
     best: dict[str, float] = {}
     for p in probes:
-        name = "int4" if p["huge_pages"] else "int4_4k"
+        name = "int4_split" if p.get("split") else "int4" if p["huge_pages"] else "int4_4k"
         best[name] = max(best.get(name, 0.0), p["gb_s"])
-        if p["huge_pages"]:
+        if name == "int4":
             best["int4_held"] = max(best.get("int4_held", 0.0), p["gb_s_held"])
     return best
 
@@ -433,11 +464,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     load_before = os.getloadavg()
     machine = machine_info()
     probe = probe_bandwidth(args.buffer_mib, args.threads, args.repeats)
-    int4 = int4_probes(args.buffer_mib, args.threads, args.repeats)
+    int4 = int4_probes(args.buffer_mib, args.threads, args.repeats, split=True)
     measured = [(e, bs, measure_decode(e, bs, args.prompt_len, args.new_tokens)) for e in args.engines
                 for bs in args.batch_sizes]
     probe_after = probe_bandwidth(args.buffer_mib, args.threads, args.repeats)  # the bandwidth drifts: probe again
-    int4 += int4_probes(args.buffer_mib, args.threads, args.repeats)
+    int4 += int4_probes(args.buffer_mib, args.threads, args.repeats, split=True)
     ceiling = {**ceilings(probe, probe_after), **int4_ceilings(int4)}
     rows = [roofline_row(e, bs, args.prompt_len, args.new_tokens, res, ceiling) for e, bs, res in measured]
     extra = {str(t): {**{k: round(v["gb_s"], 2) for k, v in probe_bandwidth(args.buffer_mib, t, args.repeats)

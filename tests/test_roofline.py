@@ -125,6 +125,16 @@ def test_int4_kernel_probe_on_a_small_buffer():
     assert p["gb_s_held"] == pytest.approx(p["held_bytes"] / p["best_s"] / 1e9)
 
 
+def test_int4_kernel_probe_split_into_one_session_per_thread():
+    """split: the same columns in one single-thread session per thread, run at once; every part's output is checked
+    (the probe raises otherwise) and the bytes are the whole matrix's."""
+    p = roofline.probe_int4_kernel(buffer_mib=4, threads=2, repeats=2, split=True)
+    columns = 4 * 2**20 // (4096 // 2 + 4096 // 32 * 4) // 2 * 2
+    assert p["split"] and p["bytes"] == columns * (4096 // 2 + 4096 // 32 * 4)
+    assert f"2 sessions of 1 thread, run at once, {columns // 2} columns each" in p["op"]
+    assert p["held_bytes"] == p["bytes"] + columns * 4096 // 32 * 4 and p["gb_s"] > 0
+
+
 def test_int4_kernel_holds_what_the_held_count_says():
     """ONNX Runtime's load of the int4 probe grows the process's anonymous memory by the held count (its packed
     copy: codes, scales and a float per block and column; x1.2 the stored bytes), not by the stored bytes alone: if
@@ -149,12 +159,13 @@ def test_main_on_a_tiny_engine(tiny_engine, tmp_path):
     assert [(r["precision"], r["batch_size"]) for r in report["rows"]] == [("fp32", 1), ("fp32", 2), ("int4", 1),
                                                                           ("int4", 2)]
     # the int4 kernel's ceiling: the best of its probes before and after the engines with the packed blocks on huge
-    # pages, as engines run (int4 rows are set against it); on 4 KiB pages recorded beside it
+    # pages, as engines run (int4 rows are set against it); on 4 KiB pages and split one session per thread recorded
     probes = report["int4_kernel_probes"]
-    assert [p["huge_pages"] for p in probes] == [True, False, True, False]
+    assert [(p["huge_pages"], p["split"]) for p in probes] == [(True, False), (False, False), (True, True)] * 2
     assert all("int4" in kv for kv in report["probe_other_threads"].values())  # 1 thread, where the engine uses more
-    assert report["ceiling_gb_s"]["int4"] == max(p["gb_s"] for p in probes if p["huge_pages"])
+    assert report["ceiling_gb_s"]["int4"] == max(p["gb_s"] for p in probes if p["huge_pages"] and not p["split"])
     assert report["ceiling_gb_s"]["int4_4k"] == max(p["gb_s"] for p in probes if not p["huge_pages"])
+    assert report["ceiling_gb_s"]["int4_split"] == max(p["gb_s"] for p in probes if p["split"])
     for r in report["rows"]:
         assert ("fraction_of_int4_kernel" in r) == (r["precision"] == "int4")
         if r["precision"] == "int4":
