@@ -27,6 +27,7 @@ import trtinfer
 from trtinfer.cli import main
 from trtinfer.errors import BackendUnavailableError, ConfigError, InputError
 from trtinfer.runtime.scheduler import Scheduler
+from trtinfer.serving.config import ServeConfig
 from trtinfer.serving.triton import (
     INPUT_NAMES,
     TritonConfig,
@@ -368,6 +369,9 @@ def _model_py(decoder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, co
 
 def test_model_py_in_harness(decoder: Path, engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model_py(decoder, tmp_path, monkeypatch, {"parameters": {"provider": {"string_value": "cpu"}}})
+    # the KV cache `trtinfer serve` reserves by default, from the one policy (ServeConfig)
+    assert model.scheduler.stats()["slots_total"] == ServeConfig().slots_for(engine.manifest.max_batch_size)
+    assert model.scheduler.max_seq_len == ServeConfig().model_len_for(engine.manifest.max_seq_len)
     ok = _StandInRequest({"text_input": _s(PROMPT), "max_tokens": np.array([10], np.int32)})
     bad = _StandInRequest({"text_input": _s(PROMPT), "top_p": np.array([2.0], np.float32)})
     assert model.execute([ok, bad]) is None  # decoupled: everything goes through the senders

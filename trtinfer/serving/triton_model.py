@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 import trtinfer
 from trtinfer.runtime.scheduler import Scheduler
+from trtinfer.serving.config import ServeConfig
 from trtinfer.serving.triton import ENGINE_FOLDER, INPUT_NAMES, parse_request, response_texts, submit, text_tensor
 
 
@@ -31,10 +32,10 @@ class TritonPythonModel:
         folder = Path(args["model_repository"]) / args["model_version"] / ENGINE_FOLDER
         device = int(args.get("model_instance_device_id") or 0)
         self.engine = trtinfer.load(folder, provider=params.get("provider", "cpu"), device_id=device)
-        # as `trtinfer serve` sizes its KV cache: at most 8 rows of at most 2048 positions
-        m = self.engine.manifest
-        self.scheduler = Scheduler(self.engine, max_slots=min(8, int(m.max_batch_size)),
-                                   max_model_len=min(2048, int(m.max_seq_len))).start()
+        # the KV cache `trtinfer serve` reserves by default (its rows and positions per row)
+        m, serve = self.engine.manifest, ServeConfig()
+        self.scheduler = Scheduler(self.engine, max_slots=serve.slots_for(int(m.max_batch_size)),
+                                   max_model_len=serve.model_len_for(int(m.max_seq_len))).start()
 
     def execute(self, requests):
         """Queue every request on the batcher and return None (decoupled): each request's responses are sent by its
