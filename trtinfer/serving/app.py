@@ -273,8 +273,7 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
     config = config or ServeConfig()
     service = Service(engine, config)
     metrics = ServerMetrics(service.model_name, service.stats)
-    service.on_finish.append(lambda done: metrics.finished(done.t_submit, done.t_first_token, done.token_times,
-                                                           done.t_end))
+    service.on_finish.append(metrics.finished)
     handler = Handler(service)
 
     @asynccontextmanager

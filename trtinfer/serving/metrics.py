@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from trtinfer.runtime.request import Finished
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: the scheduler's finish reasons as vLLM names them
@@ -88,15 +91,13 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, submit to last token (or cancellation).",
                              E2E_BUCKETS)
 
-    def finished(self, t_submit: float | None, t_first: float | None, token_times: Sequence[float] | None,
-                 t_end: float | None) -> None:
+    def finished(self, done: Finished) -> None:
         """Record one finished request's TTFT, inter-token gaps and end-to-end latency (one clock, in seconds)."""
-        if t_submit is not None and t_first is not None:
-            self.ttft.observe(max(0.0, t_first - t_submit))
-        for a, b in itertools.pairwise(token_times or ()):
+        if done.t_first_token is not None:
+            self.ttft.observe(max(0.0, done.t_first_token - done.t_submit))
+        for a, b in itertools.pairwise(done.token_times):
             self.itl.observe(max(0.0, b - a))
-        if t_submit is not None and t_end is not None:
-            self.e2e.observe(max(0.0, t_end - t_submit))
+        self.e2e.observe(max(0.0, done.t_end - done.t_submit))
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
