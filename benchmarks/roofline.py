@@ -16,7 +16,7 @@ usage: python -m benchmarks.roofline ENGINE_DIR [ENGINE_DIR ...] [--batch-sizes 
    the int4 kernel's own ceiling (:func:`probe_int4_kernel`: one ``MatMulNBits`` at batch 1 over ``--buffer-mib``
    of packed weights), before and after the engines too: int4 rows also say what fraction of it they reach. And the
    same columns split into one single-thread session per thread, run at once (``int4_split``, recorded only): each
-   thread then streams one contiguous half, not ONNX Runtime's interleaved tiles.
+   thread then streams one contiguous part, not ONNX Runtime's interleaved tiles.
 2. Bytes one decode step reads (:func:`decode_bytes`), from the decoder graph (``onnx.load(load_external_data=False)``,
    sizes from the initializers and their external-data lengths): every initializer a node uses is read whole, except
    tables that are only gathered from (``Gather`` data, ``GatherBlockQuantized`` data/scales/zero points): one slice
@@ -199,6 +199,7 @@ def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repe
         times = timed_runs(*runs[0][:2], repeats)
     else:
         with ThreadPoolExecutor(parts) as pool:
+            list(pool.map(lambda run: run[0].run_with_iobinding(run[1]), runs))  # the pool's threads started
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -232,7 +233,8 @@ def _write_int4(k: int, n: int, block_size: int, path: Path) -> tuple[Path, Any]
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
                               initializer=[numpy_helper.from_array(codes, "b"),
                                            numpy_helper.from_array(np.ones(n * blocks, np.float32), "s")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     onnx.save(model, str(path), save_as_external_data=True, location=path.stem + ".data", size_threshold=0)
     return path, node
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -229,10 +230,20 @@ def test_gguf_py_sped_up_reads_the_same_fields_and_restores_gguf(tmp_path: Path)
     stock_reader, stock_map = gguf.GGUFReader, gguf.get_tensor_name_map
     stock = stock_reader(path)
     stock_parse = load_gguf_checkpoint(str(path), return_tensors=False)
+    made: list[Any] = []
     with _gguf_py_sped_up():
         fast = gguf.GGUFReader(path)
+        sped_up = gguf.GGUFReader
+
+        class Seen(sped_up):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                made.append(self)
+
+        gguf.GGUFReader = Seen  # what transformers' parse builds (restored by the block)
         fast_parse = load_gguf_checkpoint(str(path), return_tensors=False)
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert [type(r.data) for r in made] == [np.ndarray]  # transformers read the file through the sped-up reader
     assert type(fast.data) is np.ndarray and isinstance(stock.data, np.memmap)
     assert list(fast.fields) == list(stock.fields)
     for a, b in zip(fast.fields.values(), stock.fields.values(), strict=True):

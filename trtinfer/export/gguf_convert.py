@@ -47,9 +47,9 @@ COPY_LIMIT = 2 << 30
 
 def _load_config_and_tokenizer(gguf: Path) -> tuple[Any, Any]:
     """transformers' config and tokenizer of ``gguf``. Its config reader parses every metadata array through gguf-py
-    (Gemma-3's 262k-token vocabulary: ~13 s, ~5 s inside :func:`_gguf_py_sped_up`), and ``AutoTokenizer`` parses them all again only to learn the model
-    type, so the tokenizer is asked for by the type the config already gave (the same class and files: Gemma-3's
-    tokenizer 18.8 -> 3.6 s), where transformers names a tokenizer for it."""
+    (Gemma-3's 262k-token vocabulary: ~13 s, ~5 s inside :func:`_gguf_py_sped_up`), and ``AutoTokenizer`` parses
+    them all again only to learn the model type, so the tokenizer is asked for by the type the config already gave
+    (the same class and files: Gemma-3's tokenizer 18.8 -> 3.6 s), where transformers names a tokenizer for it."""
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
@@ -68,7 +68,7 @@ def _load_config_and_tokenizer(gguf: Path) -> tuple[Any, Any]:
     return config, tok
 
 
-_GGUF_PY = threading.Lock()
+_GGUF_PY = threading.RLock()
 
 
 @contextmanager
@@ -77,7 +77,8 @@ def _gguf_py_sped_up() -> Iterator[None]:
 
     - ``GGUFReader`` slices its file's bytes as a plain ndarray, not as the ``np.memmap`` it maps (the same pages, no
       copy): it slices once per metadata item, and a memmap slice runs Python code of numpy's each time (Gemma-3's
-      262,144-token vocabulary: transformers' config reader 13.2 -> 5.0 s, the same fields and tensors).
+      262,144-token vocabulary: transformers' config reader 13.2 -> 5.0 s, the same fields and tensors). While a
+      block runs, ``gguf.GGUFReader`` is this subclass for every thread of the process (same values).
     - ``get_tensor_name_map`` builds each architecture's map once: transformers' ``get_gguf_hf_weights_map`` calls it
       for every submodule it recurses into (SmolLM2: 397 times, ~9 s of a conversion's 25), each building the same map.
 
