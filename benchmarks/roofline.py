@@ -43,7 +43,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +105,15 @@ def _kernel_graph(kernel: str, rows: int, cols: int) -> bytes:
 
 def timed_runs(sess: Any, io: Any, repeats: int) -> list[float]:
     """Seconds of each of ``repeats`` runs of ONNX Runtime session ``sess`` over its bound ``io``."""
+    return timed(lambda: sess.run_with_iobinding(io), repeats)
+
+
+def timed(call: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``call``."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        sess.run_with_iobinding(io)
+        call()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -199,12 +204,11 @@ def probe_int4_kernel(buffer_mib: float = 1024, threads: int | None = None, repe
         times = timed_runs(*runs[0][:2], repeats)
     else:
         with ThreadPoolExecutor(parts) as pool:
-            list(pool.map(lambda run: run[0].run_with_iobinding(run[1]), runs))  # the pool's threads started
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
+            def run_all() -> None:
                 list(pool.map(lambda run: run[0].run_with_iobinding(run[1]), runs))
-                times.append(time.perf_counter() - t0)
+
+            run_all()  # the pool's threads started before the clock runs
+            times = timed(run_all, repeats)
     for _, _, y, _ in runs:
         if not np.all(y[0, :4] == k):  # every weight 1, x all ones: each output is K
             raise RuntimeError(f"int4 probe wrote {y[0, :4]}, expected {k}")
