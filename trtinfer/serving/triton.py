@@ -53,12 +53,13 @@ DECODER_INPUTS: dict[str, tuple[str, list[int]]] = {
 INPUT_NAMES = tuple(DECODER_INPUTS)
 DECODER_OUTPUTS: dict[str, tuple[str, list[int]]] = {"text_output": ("TYPE_STRING", [-1])}
 
-# request tensor -> GenerationConfig field (the tensors not listed need more than a rename)
-_SHARED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
-           **{k: k for k in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")}}
+# request tensor -> GenerationConfig field (temperature is then read as vLLM reads it; the tensors not listed need
+# more than a rename)
+_SHARED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", **{k: k for k in (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")}}
 _TENSOR_FIELDS = {**_SHARED, "random_seed": "seed"}
 # vLLM SamplingParams name -> GenerationConfig field
-_VLLM_FIELDS = {**_SHARED, **{k: k for k in ("seed", "stop", "ignore_eos", "temperature")}}
+_VLLM_FIELDS = {**_SHARED, **{k: k for k in ("seed", "stop", "ignore_eos")}}
 
 _TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "int8": "TYPE_INT8", "int16": "TYPE_INT16",
                  "int32": "TYPE_INT32", "int64": "TYPE_INT64", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16",
@@ -269,17 +270,6 @@ def _strings(name: str, value: np.ndarray) -> tuple[str, ...]:
     return tuple(_text(name, v) if isinstance(v, bytes) else str(v) for v in np.asarray(value).reshape(-1))
 
 
-def _temperature(fields: dict[str, Any], temperature: Any) -> None:
-    """vLLM's and TensorRT-LLM's meaning: temperature 0 is greedy decoding; above 0, sampling at that temperature.
-    Anything but a finite number >= 0 is an InputError (NaN or -1 would otherwise pass as greedy)."""
-    if not (is_number(temperature) and temperature >= 0):
-        raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-    if temperature > 0:
-        fields.update(do_sample=True, temperature=float(temperature))
-    else:
-        fields["do_sample"] = False
-
-
 def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig | None = None,
                   defaults_set: frozenset[str] = frozenset()) -> TritonRequest:
     """A decoder request's tensors (name -> numpy array, as Triton gives them) -> :class:`TritonRequest`.
@@ -306,18 +296,16 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
             raise InputError(f"input sampling_parameters should be a JSON object, found {type(params).__name__}")
         if bad := sorted(set(params) - set(_VLLM_FIELDS)):
             raise InputError(f"unknown sampling_parameters {bad}; known: {sorted(_VLLM_FIELDS)}")
-        for key, value in params.items():
-            if value is None:  # an explicit null is the default, as in the OpenAI server
-                continue
-            if key == "temperature":
-                _temperature(fields, value)
-            else:
-                fields[_VLLM_FIELDS[key]] = value
-    for tname, field in _TENSOR_FIELDS.items():
-        if tname in inputs:
-            fields[field] = _scalar(tname, inputs[tname])
-    if "temperature" in inputs:
-        _temperature(fields, _scalar("temperature", inputs["temperature"]))
+        # an explicit null is the default, as in the OpenAI server
+        fields.update({_VLLM_FIELDS[key]: value for key, value in params.items() if value is not None})
+    fields.update({field: _scalar(tname, inputs[tname]) for tname, field in _TENSOR_FIELDS.items() if tname in inputs})
+    if "temperature" in fields:  # vLLM's and TensorRT-LLM's meaning: 0 is greedy; above 0, sampling at it
+        temperature = fields.pop("temperature")
+        if not (is_number(temperature) and temperature >= 0):  # NaN or -1 would otherwise pass as greedy
+            raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        fields["do_sample"] = temperature > 0
+        if fields["do_sample"]:
+            fields["temperature"] = float(temperature)
     if "stop_words" in inputs:
         fields["stop"] = _strings("stop_words", inputs["stop_words"])
     if isinstance(fields.get("top_k"), int) and fields["top_k"] < 0:
