@@ -256,7 +256,6 @@ class Handler:
         carries the final usage. ``tools``: text that may be a ``<tool_call>`` is held back and the calls go as one
         ``tool_calls`` delta at the choice's end (finish reason ``"tool_calls"``).
         """
-        kind: Literal["completion", "chat"] = "chat" if chat else "completion"
         model, created, pieces = self.service.model_name, P.now(), self.service.pieces
         states = [_Streamed() for _ in requests]
         filters = [T.StreamFilter() for _ in requests] if tools else None
@@ -264,7 +263,7 @@ class Handler:
         def sse(choices: list[dict[str, Any]], last: bool = False) -> str:
             so_far = P.usage(prompt_tokens, sum(len(s.token_ids) for s in states)) \
                 if usage == "continuous" or last else None
-            data = P.chunk(kind, rid, model, created, choices, so_far, usage is not None)
+            data = P.chunk(chat, rid, model, created, choices, so_far, usage is not None)
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         try:

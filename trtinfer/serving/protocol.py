@@ -181,8 +181,7 @@ def check_unsupported(req: _Sampling, max_n: int) -> None:
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
     if isinstance(req, CompletionRequest):
-        prompts = 1 if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) \
-            else len(req.prompt)
+        prompts = len(_prompt_list(req.prompt))
         if prompts * req.n > MAX_SEQUENCES:  # each queues whole: a 1 MiB body of [[1],[1],...] x n=16 was millions
             raise BadRequest(f"a request holds at most {MAX_SEQUENCES} sequences (prompts x n), got {prompts} x "
                              f"{req.n}; split it", param="prompt")
@@ -217,10 +216,14 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    """A completion's ``prompt`` (a text, token ids, or a batch of either) as a list of prompts."""
+    return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+
+
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     """The prompts of a completion request: each a text or a list of token ids."""
-    p: Any = req.prompt
-    prompts: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    prompts = _prompt_list(req.prompt)
     if not prompts:
         raise BadRequest("prompt must not be empty", param="prompt")
     for i, one in enumerate(prompts):
@@ -388,11 +391,10 @@ def _message(c: Choice) -> dict[str, Any]:
     return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
 
 
-def chunk(kind: Literal["completion", "chat"], rid: str, model: str, created: int,
-          choices: list[dict[str, Any]], usage_: dict[str, int] | None = None,
-          with_usage: bool = False) -> dict[str, Any]:
+def chunk(chat: bool, rid: str, model: str, created: int, choices: list[dict[str, Any]],
+          usage_: dict[str, int] | None = None, with_usage: bool = False) -> dict[str, Any]:
     """One streamed chunk; ``with_usage`` adds ``"usage"`` (null but on the last chunk), as OpenAI does."""
-    return {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion.chunk",
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model, "choices": choices, **({"usage": usage_} if with_usage else {})}
 
 
