@@ -67,8 +67,8 @@ class Service:
     """The engine and its scheduler: ``loading`` until :meth:`start`'s thread is done, then ``ready`` or ``failed``.
 
     ``on_failure`` callbacks run (on the loading thread) when loading fails: ``trtinfer serve`` stops there.
-    ``on_finish`` callbacks run (on the scheduler's thread) as each request finishes or is cancelled, before the
-    scheduler counts it (the :class:`Scheduler`'s ``on_finish``): the latency histograms.
+    ``on_finish`` (set before :meth:`start`) is the :class:`Scheduler`'s: it runs on the scheduler's thread as each
+    request finishes or is cancelled, before the scheduler counts it: the latency histograms.
     """
 
     def __init__(self, source: Engine | str | Path, config: ServeConfig) -> None:
@@ -83,7 +83,7 @@ class Service:
         self.error: BaseException | None = None
         self.created = P.now()
         self.on_failure: list[Callable[[BaseException], None]] = []
-        self.on_finish: list[Callable[[Finished], None]] = []
+        self.on_finish: Callable[[Finished], None] | None = None
         self.chat_template: str | None = None
         self._closing = False
         self._lock = threading.Lock()
@@ -112,7 +112,7 @@ class Service:
             scheduler = Scheduler(engine, max_queue=self.config.max_queue, prefill_chunk=self.config.prefill_chunk,
                                   max_slots=self.config.slots_for(m.max_batch_size),
                                   max_model_len=self.config.model_len_for(m.max_seq_len),
-                                  on_finish=self._finished, prefix_caching=self.config.prefix_caching)
+                                  on_finish=self.on_finish, prefix_caching=self.config.prefix_caching)
             scheduler.start()
         except Exception as e:  # reported through /health and on_failure, never lost
             if engine is not None and self._owns_engine:
@@ -151,10 +151,6 @@ class Service:
             scheduler.close()
         if engine is not None and self._owns_engine:
             engine.close()
-
-    def _finished(self, done: Finished) -> None:
-        for fn in self.on_finish:
-            fn(done)
 
     def stats(self) -> dict[str, Any] | None:
         """The scheduler's stats, or None while loading."""
@@ -273,7 +269,7 @@ def create_app(engine: Engine | str | Path, config: ServeConfig | None = None) -
     config = config or ServeConfig()
     service = Service(engine, config)
     metrics = ServerMetrics(service.model_name, service.stats)
-    service.on_finish.append(metrics.finished)
+    service.on_finish = metrics.finished
     handler = Handler(service)
 
     @asynccontextmanager
