@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from trtinfer.errors import ConfigError
 from trtinfer.runtime.config import PROVIDERS, RuntimeConfig, describe, is_int
@@ -54,12 +55,9 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.host, str) and self.host):
             raise ConfigError(f"host must be a host name or address, got {describe(self.host)}", field="host")
-        for name, low in (("port", 0), ("max_queue", 1), ("max_body_bytes", 1), ("prefill_chunk", 1), ("max_n", 1),
-                          ("intra_op_threads", 0), ("speculative_ngram", 0), ("max_slots", 1), ("max_model_len", 2)):
-            value, optional = getattr(self, name), name in ("max_slots", "max_model_len")
-            if not (is_int(value) and value >= low or optional and value is None):
-                raise ConfigError(f"{name} must be an integer >= {low}{' or None' * optional}, got {describe(value)}",
-                                  field=name)
+        check_ints(self, {"port": 0, "max_queue": 1, "max_body_bytes": 1, "prefill_chunk": 1, "max_n": 1,
+                          "intra_op_threads": 0, "speculative_ngram": 0, "max_slots": 1, "max_model_len": 2},
+                   optional=("max_slots", "max_model_len"))
         for name in ("prefix_caching", "prefill_graph", "huge_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {describe(getattr(self, name))}", field=name)
@@ -93,6 +91,16 @@ class ServeConfig:
         _within("max_model_len (--max-model-len)", self.max_model_len, max_seq_len, "max sequence length",
                 "--max-seq-len")
         return min(self.max_model_len or 2048, max_seq_len)
+
+
+def check_ints(config: Any, lows: dict[str, int], optional: tuple[str, ...] = ()) -> None:
+    """Raise :class:`ConfigError` for the first field of ``config`` named in ``lows`` that is not an integer at least
+    its low (or None, where ``optional`` names it)."""
+    for name, low in lows.items():
+        value, may_be_none = getattr(config, name), name in optional
+        if not (is_int(value) and value >= low or may_be_none and value is None):
+            raise ConfigError(f"{name} must be an integer >= {low}{' or None' * may_be_none}, got {describe(value)}",
+                              field=name)
 
 
 def _within(name: str, value: int | None, limit: int, what: str, flag: str) -> None:

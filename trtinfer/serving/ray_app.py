@@ -40,10 +40,10 @@ except ModuleNotFoundError:  # the [ray] extra is optional; name "ray" lets the 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trtinfer.errors import ConfigError, EngineLoadError, InputError
-from trtinfer.runtime.config import describe, is_int
+from trtinfer.runtime.config import describe, is_number
 from trtinfer.runtime.engine import Engine
 from trtinfer.serving import app as app_module
-from trtinfer.serving.config import ServeConfig
+from trtinfer.serving.config import ServeConfig, check_ints
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +73,11 @@ class RayConfig:
     graceful_shutdown_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
-        if not (is_int(self.replicas) and self.replicas >= 1):
-            raise ConfigError(f"replicas must be an integer >= 1, got {describe(self.replicas)}", field="replicas")
+        check_ints(self, {"replicas": 1, "max_ongoing_requests": 1}, optional=("max_ongoing_requests",))
         for name in ("replica_cpus", "health_check_period_s", "graceful_shutdown_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
+            if not (is_number(value) and value > 0):
                 raise ConfigError(f"{name} must be a number > 0, got {describe(value)}", field=name)
-        ongoing = self.max_ongoing_requests
-        if ongoing is not None and not (is_int(ongoing) and ongoing >= 1):
-            raise ConfigError(f"max_ongoing_requests must be an integer >= 1 or None, got {describe(ongoing)}",
-                              field="max_ongoing_requests")
         for name in ("address", "app_name"):
             value = getattr(self, name)
             if (value is not None or name == "app_name") and not (isinstance(value, str) and value.strip()):

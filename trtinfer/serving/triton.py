@@ -34,7 +34,8 @@ import numpy as np
 from trtinfer._outputs import atomic_dir
 from trtinfer.artifact import GraphIO, Manifest, read_manifest
 from trtinfer.errors import BackendUnavailableError, ConfigError, EngineLoadError, InputError
-from trtinfer.runtime.config import GenerationConfig, is_number
+from trtinfer.runtime.config import PROVIDERS, GenerationConfig, is_number
+from trtinfer.serving.config import check_ints
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +90,9 @@ class TritonConfig:
         if self.model_name is not None and not re.fullmatch(r"(?!\.+$)[A-Za-z0-9_.-]+", self.model_name or ""):
             raise ConfigError(f"model_name must be letters, digits, '_', '-' or '.' and not only dots (a folder of "
                               f"the repository), got {self.model_name!r}", field="model_name")
-        for name, low in (("version", 1), ("instances", 1), ("max_queue_delay_us", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}", field=name)
-        if self.provider is not None and self.provider not in ("cpu", "cuda", "tensorrt"):
-            raise ConfigError(f"provider must be one of cpu, cuda, tensorrt, got {self.provider!r}", field="provider")
+        check_ints(self, {"version": 1, "instances": 1, "max_queue_delay_us": 0})
+        if self.provider is not None and self.provider not in PROVIDERS:
+            raise ConfigError(f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}", field="provider")
 
 
 def _pb2() -> Any:
