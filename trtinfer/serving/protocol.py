@@ -293,18 +293,14 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
     try:
         return GenerationConfig(**fields)
     except ConfigError as e:
-        name = e.field or ""
-        param: str | None = PARAM_OF.get(name, name) or None
-        if name == "top_logprobs" and isinstance(req, ChatCompletionRequest):
-            param = "top_logprobs"
-        elif name == "max_new_tokens":
-            param = max_param
-        elif name == "response_format":  # the field the client wrote (guided_regex, ...), not what it became
-            param = format_field(req) or name
+        # the parameter the client wrote (max_completion_tokens, chat's top_logprobs, guided_regex, ...)
+        params = {**PARAM_OF, "max_new_tokens": max_param, "response_format": format_field(req) or "response_format"}
+        if isinstance(req, ChatCompletionRequest):
+            params["top_logprobs"] = "top_logprobs"
         message = str(e)
         for field, shown in PARAM_OF.items():
             message = message.replace(field, shown)
-        raise BadRequest(message, param=param) from e
+        raise BadRequest(message, param=params.get(e.field or "", e.field) or None) from e
 
 
 # ------------------------------------------------------------------------------------------------------------------
