@@ -33,6 +33,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from trtinfer.artifact import Manifest, read_manifest
 from trtinfer.errors import InputError, QueueFullError, TrtInferError
 from trtinfer.runtime.engine import Engine
 from trtinfer.runtime.request import Finished
@@ -173,15 +174,18 @@ class Service:
                                param="model", status=404, code="model_not_found")
 
 
-def load_engine(path: str | Path, config: ServeConfig) -> Engine:
-    """The engine of a directory (a seam for tests that hold loading back)."""
-    from trtinfer.runtime.engine import load
-
-    engine = load(path, config=config.runtime())
-    if not isinstance(engine, Engine):
-        engine.close()
+def decoder_manifest(path: str | Path) -> Manifest:
+    """The manifest of the engine at ``path``, which must be a decoder's: ``trtinfer serve`` serves those."""
+    manifest = read_manifest(Path(path))
+    if manifest.kind != "decoder":
         raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
-    return engine
+    return manifest
+
+
+def load_engine(path: str | Path, config: ServeConfig) -> Engine:
+    """The engine of a directory (a seam for tests that hold loading back); an encoder's is refused unloaded."""
+    decoder_manifest(path)
+    return Engine(path, config.runtime())
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ except ModuleNotFoundError:  # the [ray] extra is optional; name "ray" lets the 
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trtinfer.errors import ConfigError, EngineLoadError, InputError
+from trtinfer.errors import ConfigError, EngineLoadError
 from trtinfer.runtime.config import describe, is_number
 from trtinfer.runtime.engine import Engine
 from trtinfer.serving import app as app_module
@@ -158,13 +158,9 @@ def build(engine_dir: str | Path, config: ServeConfig | None = None, ray_config:
     ``engine_dir`` is checked here (a decoder engine's manifest) and handed to replicas as an absolute path: every
     node that runs one must see the engine there.
     """
-    from trtinfer.artifact import read_manifest
-
     config, ray_config = config or ServeConfig(), ray_config or RayConfig()
     path = Path(engine_dir).resolve()
-    manifest = read_manifest(path)
-    if manifest.kind != "decoder":
-        raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
+    manifest = app_module.decoder_manifest(path)
     ongoing = ray_config.max_ongoing_requests or max_ongoing(config.slots_for(manifest.max_batch_size),
                                                              config.max_queue)
     # ONNX Runtime intra-op threads per replica: the config's, else one per reserved CPU (at least 1)
