@@ -44,28 +44,25 @@ class _SchedulerCollector(Collector):
         self.stats, self.model_name = stats, model_name
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats() or {}
-        names, values = ["model_name"], [self.model_name]
+        s = dict(self.stats() or {})
         total = s.get("slots_total") or 0
+        s["kv_cache_usage"] = s.get("slots_used", 0) / total if total else 0.0
+        names, values = ["model_name"], [self.model_name]
         G, C = GaugeMetricFamily, CounterMetricFamily
-        for cls, name, doc, value in (
-                (G, "num_requests_running", "Requests holding a batch slot.", s.get("running", 0)),
-                (G, "num_requests_waiting", "Requests queued for a batch slot.", s.get("waiting", 0)),
-                (G, "kv_cache_usage_perc", "Fraction of KV cache slots in use (1 = full).",
-                 (s.get("slots_used", 0) / total) if total else 0.0),
+        for cls, name, doc, key in (
+                (G, "num_requests_running", "Requests holding a batch slot.", "running"),
+                (G, "num_requests_waiting", "Requests queued for a batch slot.", "waiting"),
+                (G, "kv_cache_usage_perc", "Fraction of KV cache slots in use (1 = full).", "kv_cache_usage"),
                 (C, "prompt_tokens", "Prompt tokens processed (prefilled, or reused from the prefix cache).",
-                 s.get("prompt_tokens", 0)),
-                (C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 s.get("prefix_cache_queries", 0)),
-                (C, "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
-                 s.get("prefix_cache_hits", 0)),
-                (C, "spec_decode_num_draft_tokens", "Prompt-lookup draft tokens proposed.",
-                 s.get("spec_decode_draft_tokens", 0)),
+                 "prompt_tokens"),
+                (C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+                (C, "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).", "prefix_cache_hits"),
+                (C, "spec_decode_num_draft_tokens", "Prompt-lookup draft tokens proposed.", "spec_decode_draft_tokens"),
                 (C, "spec_decode_num_accepted_tokens", "Prompt-lookup draft tokens accepted.",
-                 s.get("spec_decode_accepted_tokens", 0)),
-                (C, "generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))):
+                 "spec_decode_accepted_tokens"),
+                (C, "generation_tokens", "Tokens generated.", "generation_tokens")):
             family = cls(f"trtinfer:{name}", doc, labels=names)
-            family.add_metric(values, value)
+            family.add_metric(values, s.get(key, 0))
             yield family
         done = CounterMetricFamily("trtinfer:request_success", "Finished requests by finish reason (abort: cancelled, "
                                    "e.g. the client went away).", labels=[*names, "finished_reason"])
