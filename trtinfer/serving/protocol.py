@@ -3,8 +3,9 @@
 Requests are pydantic models that accept OpenAI's fields and vLLM's extra sampling fields (``top_k``, ``min_p``,
 ``min_tokens``, ``ignore_eos``, ``repetition_penalty``); unknown fields are ignored with a warning, as vLLM does.
 Values are checked where one rule lives: :class:`GenerationConfig` (``ConfigError.field`` is mapped back to the
-request's parameter name), plus the few rules that are OpenAI's own (``temperature`` 0 means greedy, ``n``, what is
-not supported). Responses are plain dicts shaped as OpenAI's, which the ``openai`` client parses.
+request's parameter name), plus the few rules that are OpenAI's own (``n``, what is not supported); the sampling
+fields are read as Triton's are (:mod:`trtinfer.serving.sampling`: ``temperature`` 0 means greedy, ...). Responses
+are plain dicts shaped as OpenAI's, which the ``openai`` client parses.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
-from trtinfer.errors import ConfigError, ServingError
-from trtinfer.runtime.config import GREEDY_BELOW, GenerationConfig
+from trtinfer.errors import ConfigError, InputError, ServingError
+from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.generator import TokenLogprob
+from trtinfer.serving.sampling import VLLM_FIELDS, sampling_fields
 
 #: the most sequences (prompts x n) one request may queue (OpenAI caps a batch of inputs at 2048)
 MAX_SEQUENCES = 2048
@@ -260,25 +262,14 @@ def generation_config(req: _Sampling, defaults: GenerationConfig, *, prompt_len:
                          f"{max_param} to at most {room} or shorten the prompt", param=max_param,
                          code="context_length_exceeded")
     fields: dict[str, Any] = {
-        "max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens, "do_sample": defaults.do_sample,
-        "temperature": defaults.temperature, "top_p": defaults.top_p,
-        "top_k": defaults.top_k if "top_k" in defaults_set else 0,
-        "min_p": defaults.min_p, "repetition_penalty": defaults.repetition_penalty,
-        "no_repeat_ngram_size": defaults.no_repeat_ngram_size, "presence_penalty": req.presence_penalty,
-        "frequency_penalty": req.frequency_penalty, "seed": req.seed, "ignore_eos": req.ignore_eos,
-        "stop": [] if req.stop is None else req.stop,
+        "max_new_tokens": max_tokens, "do_sample": defaults.do_sample, "temperature": defaults.temperature,
+        "top_p": defaults.top_p, "top_k": defaults.top_k if "top_k" in defaults_set else 0, "min_p": defaults.min_p,
+        "repetition_penalty": defaults.repetition_penalty, "no_repeat_ngram_size": defaults.no_repeat_ngram_size,
     }
-    fields.update(req.model_dump(include={"top_p", "min_p", "repetition_penalty"}, exclude_none=True))
-    if req.top_k is not None:
-        fields["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM: -1 (or 0) turns top-k off
-    if req.temperature is not None:
-        if not req.temperature >= 0:  # NaN too: it would compare below GREEDY_BELOW and pass as greedy
-            raise BadRequest(f"temperature must be >= 0 (0: greedy), got {req.temperature}", param="temperature")
-        fields["do_sample"] = req.temperature >= GREEDY_BELOW
-        if fields["do_sample"]:
-            fields["temperature"] = req.temperature
-    elif any(getattr(req, name) is not None for name in ("top_p", "top_k", "min_p")):
-        fields["do_sample"] = True
+    try:
+        fields.update(sampling_fields(req.model_dump(include=VLLM_FIELDS.keys() - {"max_tokens"})))
+    except InputError as e:
+        raise BadRequest(str(e), param="temperature") from e
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
     if req.use_beam_search and req.n > 1:  # vLLM: n is the beam width, and every beam is a choice

@@ -34,8 +34,9 @@ import numpy as np
 from trtinfer._outputs import atomic_dir
 from trtinfer.artifact import GraphIO, Manifest, read_manifest
 from trtinfer.errors import BackendUnavailableError, ConfigError, EngineLoadError, InputError
-from trtinfer.runtime.config import PROVIDERS, GenerationConfig, is_number
+from trtinfer.runtime.config import PROVIDERS, GenerationConfig
 from trtinfer.serving.config import check_ints
+from trtinfer.serving.sampling import VLLM_FIELDS, sampling_fields
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +55,8 @@ DECODER_INPUTS: dict[str, tuple[str, list[int]]] = {
 INPUT_NAMES = tuple(DECODER_INPUTS)
 DECODER_OUTPUTS: dict[str, tuple[str, list[int]]] = {"text_output": ("TYPE_STRING", [-1])}
 
-# request tensor -> GenerationConfig field (temperature is then read as vLLM reads it; the tensors not listed need
-# more than a rename)
-_SHARED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", **{k: k for k in (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")}}
-_TENSOR_FIELDS = {**_SHARED, "random_seed": "seed"}
-# vLLM SamplingParams name -> GenerationConfig field
-_VLLM_FIELDS = {**_SHARED, **{k: k for k in ("seed", "stop", "ignore_eos")}}
+# request tensor -> the vLLM sampling parameter it sets (stop_words, a list, is read apart)
+_TENSOR_PARAMS = {**{k: k for k in VLLM_FIELDS if k in DECODER_INPUTS}, "random_seed": "seed"}
 
 _TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "int8": "TYPE_INT8", "int16": "TYPE_INT16",
                  "int32": "TYPE_INT32", "int64": "TYPE_INT64", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16",
@@ -273,7 +269,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
     """A decoder request's tensors (name -> numpy array, as Triton gives them) -> :class:`TritonRequest`.
 
     Settings left out keep ``defaults`` (the engine's ``generation_config.json``); ``sampling_parameters`` (vLLM's
-    JSON) comes first and the single tensors override it. ``top_k`` <= 0 means no top-k; ``temperature`` 0 means
+    JSON) comes first and the single tensors override it. ``top_k`` 0 or -1 means no top-k; ``temperature`` 0 means
     greedy, above 0 sampling. Bad values raise :class:`InputError` / :class:`ConfigError`.
     """
     if unknown := sorted(set(inputs) - set(INPUT_NAMES)):
@@ -283,7 +279,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
     prompt = _scalar("text_input", inputs["text_input"])
     if not isinstance(prompt, str):
         raise InputError(f"input text_input should be a string, found {type(prompt).__name__}")
-    fields: dict[str, Any] = {}
+    params: dict[str, Any] = {}
     if "sampling_parameters" in inputs:
         raw = _scalar("sampling_parameters", inputs["sampling_parameters"])
         try:
@@ -292,33 +288,18 @@ def parse_request(inputs: Mapping[str, np.ndarray], defaults: GenerationConfig |
             raise InputError(f"input sampling_parameters should be a JSON object, found {str(raw)[:60]!r}") from e
         if not isinstance(params, dict):
             raise InputError(f"input sampling_parameters should be a JSON object, found {type(params).__name__}")
-        if bad := sorted(set(params) - set(_VLLM_FIELDS)):
-            raise InputError(f"unknown sampling_parameters {bad}; known: {sorted(_VLLM_FIELDS)}")
-        # an explicit null is the default, as in the OpenAI server
-        fields.update({_VLLM_FIELDS[key]: value for key, value in params.items() if value is not None})
-    fields.update({field: _scalar(tname, inputs[tname]) for tname, field in _TENSOR_FIELDS.items() if tname in inputs})
-    if "temperature" in fields:  # vLLM's and TensorRT-LLM's meaning: 0 is greedy; above 0, sampling at it
-        temperature = fields.pop("temperature")
-        if not (is_number(temperature) and temperature >= 0):  # NaN or -1 would otherwise pass as greedy
-            raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-        fields["do_sample"] = temperature > 0
-        if fields["do_sample"]:
-            fields["temperature"] = float(temperature)
+        if bad := sorted(set(params) - set(VLLM_FIELDS)):
+            raise InputError(f"unknown sampling_parameters {bad}; known: {sorted(VLLM_FIELDS)}")
+    params.update({param: _scalar(tname, inputs[tname]) for tname, param in _TENSOR_PARAMS.items() if tname in inputs})
     if "stop_words" in inputs:
-        fields["stop"] = _strings("stop_words", inputs["stop_words"])
-    if isinstance(fields.get("top_k"), int) and fields["top_k"] < 0:
-        fields["top_k"] = 0  # vLLM's -1: no top-k
-    if isinstance(fields.get("stop"), str):
-        fields["stop"] = (fields["stop"],)
-    if "do_sample" not in fields and any(k in fields for k in ("top_p", "top_k", "min_p")):
-        fields["do_sample"] = True  # as the OpenAI server: a sampling knob without a temperature samples
+        params["stop"] = _strings("stop_words", inputs["stop_words"])
     stream = bool(_scalar("stream", inputs["stream"])) if "stream" in inputs else True
     base = defaults or GenerationConfig()
     # one streamed sequence per request; top-k only where the model's generation_config.json (``defaults_set``) or
     # the request sets it (vLLM's rule; transformers' own default of 50 is not applied)
     base = dataclasses.replace(base, num_beams=1, num_return_sequences=1,
                                top_k=base.top_k if "top_k" in defaults_set else 0)
-    return TritonRequest(prompt, dataclasses.replace(base, **fields), stream)
+    return TritonRequest(prompt, dataclasses.replace(base, **sampling_fields(params)), stream)
 
 
 def submit(scheduler: Any, request: TritonRequest) -> Any:
