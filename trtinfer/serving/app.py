@@ -132,7 +132,7 @@ class Service:
             self.engine, self.scheduler = engine, scheduler
             closing = self._closing
         if closing:  # the server stopped while the engine loaded
-            self._shutdown()
+            self.close()
             return
         log.info("model %s ready in %.1f s (%d slots of %d positions, %.0f MiB of KV cache reserved)",
                  self.model_name, time.perf_counter() - t0, scheduler.cache.slots, scheduler.max_seq_len,
@@ -142,10 +142,6 @@ class Service:
         """Stop the scheduler (its requests end) and close the engine when this service loaded it."""
         with self._lock:
             self._closing = True
-        self._shutdown()
-
-    def _shutdown(self) -> None:
-        with self._lock:
             scheduler, engine = self.scheduler, self.engine
             self.scheduler = self.engine = None
         if scheduler is not None:
