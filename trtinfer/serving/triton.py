@@ -53,7 +53,6 @@ DECODER_INPUTS: dict[str, tuple[str, list[int]]] = {
     "stream": ("TYPE_BOOL", [1]), "sampling_parameters": ("TYPE_STRING", [1]),
 }
 INPUT_NAMES = tuple(DECODER_INPUTS)
-DECODER_OUTPUTS: dict[str, tuple[str, list[int]]] = {"text_output": ("TYPE_STRING", [-1])}
 
 # request tensor -> the vLLM sampling parameter it sets (stop_words, a list, is read apart)
 _TENSOR_PARAMS = {**{k: k for k in VLLM_FIELDS if k in DECODER_INPUTS}, "random_seed": "seed"}
@@ -130,8 +129,7 @@ def decoder_config(manifest: Manifest, name: str, config: TritonConfig) -> Any:
                                       "engine_backend": {"string_value": manifest.backend}})
     for tname, (dtype, dims) in DECODER_INPUTS.items():
         msg.input.add(name=tname, data_type=dtype, dims=dims, optional=tname != "text_input")
-    for tname, (dtype, dims) in DECODER_OUTPUTS.items():
-        msg.output.add(name=tname, data_type=dtype, dims=dims)
+    msg.output.add(name="text_output", data_type="TYPE_STRING", dims=[-1])  # its one output: the text
     msg.instance_group.add(count=config.instances, kind="KIND_GPU" if gpu else "KIND_CPU")
     return msg
 
