@@ -316,16 +316,11 @@ def _encode(engine: Engine, req: P.CompletionRequest | P.ChatCompletionRequest, 
         except InputError as e:  # the template's refusal (no tools in it, a bad message) is the request's 400
             raise P.BadRequest(str(e), param="tools" if tools and "tools" in str(e) else "messages") from e
     vocab = int(engine.manifest.geometry["vocab_size"])
-    out = []
-    for i, p in enumerate(P.completion_prompts(req)):
-        if isinstance(p, str):
-            out.append(tok.encode(p))
-            continue
-        try:
-            out.append(token_ids(p, f"prompt {i}", vocab))
-        except InputError as e:
-            raise P.BadRequest(str(e), param="prompt") from e
-    return out
+    try:  # a token id the vocabulary lacks (or text the tokenizer refuses) is the prompt's 400
+        return [tok.encode(p) if isinstance(p, str) else token_ids(p, f"prompt {i}", vocab)
+                for i, p in enumerate(P.completion_prompts(req))]
+    except InputError as e:
+        raise P.BadRequest(str(e), param="prompt") from e
 
 
 def status_of(e: BaseException) -> tuple[int, str]:
