@@ -146,7 +146,7 @@ class StreamFilter:
         self.text += delta
         at = self.text.find(OPEN)
         safe = at if at >= 0 else _safe_end(self.text)
-        out = self.text[self.sent:safe] if safe > self.sent else ""
+        out = self.text[self.sent:safe]  # empty while safe has not passed what was sent
         self.sent = max(self.sent, safe)
         return out
 
