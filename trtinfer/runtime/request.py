@@ -142,11 +142,13 @@ class Request:
     (an HTTP client that disconnected): call :meth:`cancel` then, or it runs to its end.
     """
 
-    def __init__(self, rid: int, prompt_ids: list[int], cfg: GenerationConfig, eos: tuple[int, ...],
+    def __init__(self, prompt_ids: list[int], cfg: GenerationConfig, eos: tuple[int, ...],
                  decoder: IncrementalDecoder | None, matcher: Matcher | None = None, *,
                  seed: np.random.SeedSequence | None = None, proposer: Proposer | None = None,
-                 logits_processor: LogitsProcessor | None = None, keep_logits: bool = False) -> None:
-        self.id, self.prompt_ids, self.cfg = rid, prompt_ids, cfg
+                 logits_processor: LogitsProcessor | None = None, keep_logits: bool = False,
+                 min_reuse: int = MIN_REUSE, decode_tail: bool = False, internal: bool = False) -> None:
+        self.id = -1  # set when it queues (arrival order)
+        self.prompt_ids, self.cfg = prompt_ids, cfg
         self.t_submit = time.perf_counter()
         self.t_admit: float | None = None
         self.t_first_token: float | None = None
@@ -173,11 +175,11 @@ class Request:
         self.matcher = matcher  # the response_format's grammar state (structured outputs)
         self.logits_processor = logits_processor  # the user's hook, run on this request's logits
         #: a part of a larger request (a beam search step): not counted, nor reported to ``on_finish``, by itself
-        self.internal = False
+        self.internal = internal
         #: with ``keep_logits``, the raw logits ``[V]`` the last token was chosen from (beam search reads them)
         self.keep_logits = keep_logits
-        self.min_reuse = MIN_REUSE  # the shortest cached prefix this request takes (the scheduler sets it)
-        self.decode_tail = False  # its prompt's last token may be fed alone in a decode call (the scheduler sets it)
+        self.min_reuse = min_reuse  # the shortest cached prefix this request takes
+        self.decode_tail = decode_tail  # its prompt's last token may be fed alone in a decode call
         self.last_logits: np.ndarray | None = None
         self._batch_size = 1
         # --- shared with readers -----------------------------------------------------------------------------------
@@ -329,7 +331,5 @@ def new_request(engine: Any, cache: SlotCache, max_seq_len: int, prompt_ids: Seq
     proposer: Proposer | None = (
         AssistantProposer(assistant, cfg, eos, min(cache.capacity, len(ids) + cfg.max_new_tokens + 1))
         if assistant is not None else NgramProposer(cfg) if cfg.prompt_lookup_num_tokens is not None else None)
-    req = Request(-1, ids, cfg, eos, decoder, matcher, seed=seed, proposer=proposer,
-                  logits_processor=logits_processor, keep_logits=keep_logits)
-    req.min_reuse, req.decode_tail, req.internal = min_reuse, decode_tail, internal
-    return req
+    return Request(ids, cfg, eos, decoder, matcher, seed=seed, proposer=proposer, logits_processor=logits_processor,
+                   keep_logits=keep_logits, min_reuse=min_reuse, decode_tail=decode_tail, internal=internal)

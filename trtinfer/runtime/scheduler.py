@@ -17,9 +17,9 @@ Automatic prefix caching (``prefix_caching``, on by default): a finished request
 request starts from the longest prefix any row holds (:class:`~trtinfer.runtime.prefix_cache.PrefixIndex`): a free
 row holding it is taken as it is, a running row's prefix is copied into a free row (on the session's device);
 only the rest is prefilled, at least the prompt's last two tokens (see :meth:`Scheduler.submit`'s ``decode_tail``).
-With no match of at least :data:`MIN_REUSE` tokens the least recently used free row is evicted. A
-request sharing a prefix with one still prefilling it waits until it is in that row (``n`` choices of one prompt
-share one prefill). Only KV that a prompt's prefill computed is reused, not decoded tokens' (a one-token pass may
+With no match of at least :data:`~trtinfer.runtime.prefix_cache.MIN_REUSE` tokens the least recently used free
+row is evicted. A request sharing a prefix with one still prefilling it waits until it is in that row (``n``
+choices of one prompt share one prefill). Only KV that a prompt's prefill computed is reused, not decoded tokens' (a one-token pass may
 round differently); a started scheduler with nothing to run recomputes finished answers that way, a chunk at a time
 (:meth:`Scheduler._refill`), so a conversation's next turn reuses its answer.
 
@@ -38,14 +38,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from trtinfer.errors import InputError, QueueFullError, ServingError
 from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.emission import Emission
-from trtinfer.runtime.generator import GenerationResult, LogitsProcessor, Timings
+from trtinfer.runtime.generator import GenerationResult, Timings
 from trtinfer.runtime.prefill_plan import chunk_size, fresh_runs, head, tail_due
-from trtinfer.runtime.prefix_cache import MIN_REUSE, common_prefix
+from trtinfer.runtime.prefix_cache import common_prefix
 from trtinfer.runtime.request import Event, Finished, Request, new_request
 from trtinfer.runtime.slots import SlotCache
 
@@ -193,10 +191,7 @@ class Scheduler(Emission):
                 self.cache.keep(row, self.cache.index.prefilled[row])
 
     # --- submitting -------------------------------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None = None, *, clip: bool = False,
-               seed: np.random.SeedSequence | None = None, logits_processor: LogitsProcessor | None = None,
-               assistant: Any = None, text: bool = True, keep_logits: bool = False,
-               min_reuse: int = MIN_REUSE, decode_tail: bool = False, internal: bool = False) -> Request:
+    def submit(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None = None, **options: Any) -> Request:
         """Queue a prompt (token ids) with its settings (default: the engine's generation defaults).
 
         Raises InputError for a prompt that does not fit (prompt + ``max_new_tokens`` over the model length, unless
@@ -204,37 +199,29 @@ class Scheduler(Emission):
         settings a scheduler does not run (beam search, several sequences in one request); QueueFullError when the
         waiting queue is full. Thread-safe.
 
-        ``seed``: the request's seed sequence (default ``SeedSequence(cfg.seed).spawn(1)[0]``); ``logits_processor``:
-        the user's hook (see :meth:`trtinfer.Engine.generate`); ``assistant``: an engine drafting for it (assisted
-        decoding); ``text=False``: no incremental text (events carry ``""``; the result's text is decoded once, at
-        the end), which stop strings override; ``keep_logits``: keep the logits of the last choice
-        (:attr:`Request.last_logits`); ``min_reuse``: the shortest cached prefix worth taking (beam search's
-        continuations reuse any); ``decode_tail``: the prompt's last token may follow a reused prefix alone, fed in
-        the step's decode call (beam search's continuations: one call a step). Otherwise a prompt's last token is
-        always prefilled with at least one token before it (:mod:`~trtinfer.runtime.prefill_plan` says why).
-        ``internal``: a part of a larger request (beam search's steps), not counted by itself (:meth:`report`).
+        ``options`` (keywords of :func:`~trtinfer.runtime.request.new_request`): ``clip``; ``seed``: the request's
+        seed sequence (default ``SeedSequence(cfg.seed).spawn(1)[0]``); ``logits_processor``: the user's hook (see
+        :meth:`trtinfer.Engine.generate`); ``assistant``: an engine drafting for it (assisted decoding);
+        ``text=False``: no incremental text (events carry ``""``; the result's text is decoded once, at the end),
+        which stop strings override; ``keep_logits``: keep the logits of the last choice (:attr:`Request.last_logits`);
+        ``min_reuse``: the shortest cached prefix worth taking (beam search's continuations reuse any);
+        ``decode_tail``: the prompt's last token may follow a reused prefix alone, fed in the step's decode call (beam
+        search's continuations: one call a step). Otherwise a prompt's last token is always prefilled with at least
+        one token before it (:mod:`~trtinfer.runtime.prefill_plan` says why). ``internal``: a part of a larger
+        request (beam search's steps), not counted by itself (:meth:`report`).
         """
-        return self._enqueue([self._request(prompt_ids, cfg, clip=clip, seed=seed, logits_processor=logits_processor,
-                                            assistant=assistant, text=text, keep_logits=keep_logits,
-                                            min_reuse=min_reuse, decode_tail=decode_tail, internal=internal)])[0]
+        return self.submit_all([(prompt_ids, cfg)], **options)[0]
 
     def submit_all(self, items: Sequence[tuple[Sequence[int], GenerationConfig | None]], *,
                    queue_limit: bool = True, **options: Any) -> list[Request]:
         """Queue several sequences as ONE request (a server request's prompts x ``n`` choices, a beam step's
-        continuations): every item is checked first, then all queue together or none does. ``max_queue`` refuses
-        the group only when that many sequences were already waiting, so an idle scheduler takes a group of any
-        size (were each sequence checked alone, a request of more choices than ``max_queue`` would be refused
-        forever, and a refusal would leave its first choices queued). ``queue_limit=False``: no refusal (the rest of
-        a request already admitted, such as beam search's later steps). ``options``: :meth:`submit`'s, for every
-        item."""
-        return self._enqueue([self._request(ids, cfg, **options) for ids, cfg in items], queue_limit=queue_limit)
-
-    def _request(self, prompt_ids: Sequence[int], cfg: GenerationConfig | None, **options: Any) -> Request:
-        """A checked request, not queued yet (its id is set when it queues)."""
-        return new_request(self.engine, self.cache, self.max_seq_len, prompt_ids, cfg, **options)
-
-    def _enqueue(self, reqs: list[Request], queue_limit: bool = True) -> list[Request]:
-        """Give ``reqs`` their ids (arrival order) and queue them together, or raise and queue none."""
+        continuations): every item is checked first, then all queue together (ids in arrival order) or none does.
+        ``max_queue`` refuses the group only when that many sequences were already waiting, so an idle scheduler
+        takes a group of any size (were each sequence checked alone, a request of more choices than ``max_queue``
+        would be refused forever, and a refusal would leave its first choices queued). ``queue_limit=False``: no
+        refusal (the rest of a request already admitted, such as beam search's later steps). ``options``:
+        :meth:`submit`'s, for every item."""
+        reqs = [new_request(self.engine, self.cache, self.max_seq_len, ids, cfg, **options) for ids, cfg in items]
         with self._cond:
             if self._closed:
                 raise ServingError("the scheduler is closed")
