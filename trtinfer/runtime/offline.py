@@ -14,6 +14,7 @@ Every row's length is its own: a row finishes with ``"length"`` when its prompt 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from typing import Any
 
 from trtinfer.errors import InputError
@@ -21,6 +22,15 @@ from trtinfer.runtime.config import GenerationConfig
 from trtinfer.runtime.generator import GenerationResult, LogitsProcessor, StreamEvent, check_hooks, check_prompts
 from trtinfer.runtime.request import Request
 from trtinfer.runtime.scheduler import Scheduler
+
+
+def _scheduler(engine: Any, prompts: list[list[int]], slots: int, max_new_tokens: int, **options: Any) -> Scheduler:
+    """A scheduler for one call's rows, stepped in the caller's thread: ``slots`` rows, KV room for every token a row
+    may feed (its last is never fed), every prompt prefilled in the first step (one call for neighbouring fresh
+    rows)."""
+    longest = max(map(len, prompts))
+    return Scheduler(engine, max_queue=slots, max_slots=slots, prefill_chunk=slots * longest, reserve=False,
+                     kv_capacity=min(int(engine.manifest.max_seq_len), longest + max_new_tokens + 1), **options)
 
 
 class _Stopper:
@@ -49,8 +59,8 @@ class Generation:
                              f"size {limit}; split the batch, ask for fewer sequences, or rebuild with a larger "
                              "--max-batch-size")
         self.engine, self.cfg, self.assistant, self.samples = engine, cfg, assistant, samples  # rows: prompt x sample
-        self.max_seq_len = int(engine.manifest.max_seq_len)
-        self.prompts = check_prompts(prompts, int(engine.manifest.geometry["vocab_size"]), self.max_seq_len)
+        self.prompts = check_prompts(prompts, int(engine.manifest.geometry["vocab_size"]),
+                                     int(engine.manifest.max_seq_len))
         self.logits_processor, self.should_stop = check_hooks(logits_processor, should_stop)
         self.results: list[GenerationResult] = []
 
@@ -66,13 +76,7 @@ class Generation:
 
     def _steps(self, text: bool) -> Iterator[StreamEvent]:
         cfg, prompts = self.cfg, self.prompts
-        longest = max(map(len, prompts))
-        # a slot per row, KV room for every token a row may feed (its last is never fed), every prompt prefilled
-        # in the first step (one call for neighbouring fresh rows)
-        sched = Scheduler(self.engine, max_queue=len(prompts), prefill_chunk=len(prompts) * longest,
-                          max_slots=len(prompts), kv_capacity=min(self.max_seq_len, longest + cfg.max_new_tokens + 1),
-                          prefix_caching=False, reserve=False)
-        try:
+        with closing(_scheduler(self.engine, prompts, len(prompts), cfg.max_new_tokens, prefix_caching=False)) as sched:
             stopper = None if self.should_stop is None else _Stopper(self.should_stop)
             reqs = [sched.submit(p, cfg.for_sample(i % self.samples), clip=True, logits_processor=self.logits_processor,
                                  assistant=self.assistant, text=text) for i, p in enumerate(prompts)]
@@ -83,8 +87,6 @@ class Generation:
                 yield from self._drain(reqs, read, text)
             yield from self._drain(reqs, read, text)
             self.results = [r.result() for r in reqs]
-        finally:
-            sched.close()
 
     @staticmethod
     def _drain(reqs: list[Request], read: list[int], text: bool) -> Iterator[StreamEvent]:
@@ -114,16 +116,11 @@ class BeamGeneration:
     def run(self) -> list[GenerationResult]:
         from trtinfer.runtime.beam import BeamSearch
 
-        limit, max_len = int(self.engine.manifest.max_batch_size), int(self.engine.manifest.max_seq_len)
+        limit = int(self.engine.manifest.max_batch_size)
         if self.cfg.num_beams > limit:
             raise InputError(f"num_beams={self.cfg.num_beams} exceeds the engine's max batch size {limit} (each beam "
                              "is a row of the batch); lower num_beams or rebuild with a larger --max-batch-size")
         slots = min(limit, self.cfg.num_beams * len(self.prompts))
-        longest = max((len(p) for p in self.prompts), default=1)
-        sched = Scheduler(self.engine, max_queue=slots, max_slots=slots, reserve=False, prefill_chunk=slots * longest,
-                          kv_capacity=min(max_len, longest + self.cfg.max_new_tokens + 1))
-        try:
+        with closing(_scheduler(self.engine, self.prompts, slots, self.cfg.max_new_tokens)) as sched:
             return BeamSearch(sched, self.prompts, self.cfg, drive=True, logits_processor=self.logits_processor,
                               should_stop=self.should_stop).run()
-        finally:
-            sched.close()
