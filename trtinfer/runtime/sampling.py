@@ -197,6 +197,18 @@ def _top_p_candidates(x: np.ndarray, top_p: float) -> list[_Kept]:
     return [*groups, _Kept(rest, None, _top_p_whole_rows(x[rest], m[rest], z[rest], top_p), e_all[rest])]
 
 
+def _block_sums(w: np.ndarray) -> np.ndarray:
+    """Running sums ``[R, blocks]`` (float64) of the weights ``w [R, V]`` by blocks of :data:`_BLOCK` tokens."""
+    return np.cumsum(np.add.reduceat(w, np.arange(0, w.shape[-1], _BLOCK), axis=-1, dtype=np.float64), axis=-1)
+
+
+def _block(w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The weights ``[R, _BLOCK]`` of block ``b[r]`` of each row of ``w [R, V]`` (0 past the vocabulary)."""
+    vocab = w.shape[-1]
+    cols = b[:, None] * _BLOCK + np.arange(_BLOCK)
+    return np.where(cols < vocab, w[np.arange(len(w))[:, None], np.minimum(cols, vocab - 1)], 0)
+
+
 def _top_p_whole_rows(x: np.ndarray, m: np.ndarray, z: np.ndarray, top_p: float) -> np.ndarray:
     """Top-p mask ``[R, V]`` for rows whose nucleus is large: sort the logits alone (no ids), find the boundary
     with block sums of their probabilities, then keep every logit above the boundary logit and, of the logits equal
@@ -205,12 +217,10 @@ def _top_p_whole_rows(x: np.ndarray, m: np.ndarray, z: np.ndarray, top_p: float)
     xs = np.sort(x, axis=-1)
     es = np.exp(xs - m)[:, ::-1]  # exp before reversing: numpy's exp is fastest on contiguous rows
     xs = xs[:, ::-1]
-    blocks = np.cumsum(np.add.reduceat(es, np.arange(0, vocab, _BLOCK), axis=-1, dtype=np.float64), axis=-1)
+    blocks = _block_sums(es)
     limit = top_p * z
     b = np.minimum((blocks < limit[:, None]).sum(axis=-1), blocks.shape[-1] - 1)  # the block the nucleus ends in
-    cols = b[:, None] * _BLOCK + np.arange(_BLOCK)
-    inner = np.where(cols < vocab, es[rows[:, None], np.minimum(cols, vocab - 1)], 0)
-    above = np.cumsum(inner, axis=-1)
+    above = np.cumsum(_block(es, b), axis=-1)
     above = np.where(b > 0, blocks[rows, b - 1], 0.0)[:, None] + np.concatenate(
         [np.zeros((len(x), 1)), above[:, :-1]], axis=-1)
     n_keep = np.clip(b * _BLOCK + (above < limit[:, None]).sum(axis=-1), 1, vocab)  # a token stays while above < limit
@@ -279,14 +289,12 @@ def _search(cum: np.ndarray, target: np.ndarray) -> np.ndarray:
 def _draw_blocked(w: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Inverse CDF over whole rows of weights ``w [R, V]``: the block of the vocabulary first, then the token in it
     (a running sum over all V in float64 costs more than the rest of a sampling step)."""
-    rows, vocab = np.arange(len(w)), w.shape[-1]
-    blocks = np.cumsum(np.add.reduceat(w, np.arange(0, vocab, _BLOCK), axis=-1, dtype=np.float64), axis=-1)
+    blocks = _block_sums(w)
     target = u * blocks[:, -1]
     b = _search(blocks, target)
-    target -= np.where(b > 0, blocks[rows, b - 1], 0.0)
-    cols = b[:, None] * _BLOCK + np.arange(_BLOCK)
-    inner = np.where(cols < vocab, w[rows[:, None], np.minimum(cols, vocab - 1)], 0)
-    return b * _BLOCK + _search(np.cumsum(inner, axis=-1, dtype=np.float64), target)  # type: ignore[no-any-return]
+    target -= np.where(b > 0, blocks[np.arange(len(w)), b - 1], 0.0)
+    inner = np.cumsum(_block(w, b), axis=-1, dtype=np.float64)
+    return b * _BLOCK + _search(inner, target)  # type: ignore[no-any-return]
 
 
 def sample(logits: np.ndarray, u: np.ndarray, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
