@@ -138,7 +138,7 @@ class Scheduler(Emission):
             self._thread.join()
         with self._step_lock:
             with self._cond:
-                left = [r for r in self._slots if r is not None] + list(self._waiting)
+                left = self._running() + list(self._waiting)
                 self._waiting.clear()
             for req in left:
                 self._fail(req, 503, "did not finish: the scheduler was closed")
@@ -162,7 +162,7 @@ class Scheduler(Emission):
             except Exception as e:  # not one request's failure (those end inside step): end every running one
                 log.exception("scheduler step failed")
                 with self._step_lock:
-                    for req in [r for r in self._slots if r is not None]:
+                    for req in self._running():
                         self._error(req, e)
 
     def _has_work(self) -> bool:
@@ -341,7 +341,9 @@ class Scheduler(Emission):
         running = self._running()
         one_call = any(r.next_token is not None for r in running)  # others decoding: they wait for this step
         budget, calls = self.prefill_chunk, 0
-        for run in self._fresh_runs(budget):
+        # none where the graph gives logits at the last position only: the rows of one call could not be read apart
+        fresh = [r for r in running if r.num_computed == 0 and r.slot is not None and not self.cache.length(r.slot)]
+        for run in fresh_runs(fresh, budget) if self.cache.every_position else []:
             if one_call and calls:
                 break
             rows = [r.prompt_ids for r in run]
@@ -371,14 +373,6 @@ class Scheduler(Emission):
                     self._emit_all([(req, logits)])
             except Exception as e:  # noqa: BLE001  one request's failure ends that request only
                 self._error(req, e)
-
-    def _fresh_runs(self, budget: int) -> list[list[Request]]:
-        """:func:`~trtinfer.runtime.prefill_plan.fresh_runs` over the admitted requests with empty rows (none where
-        the graph gives logits at the last position only: its rows could not be read apart)."""
-        if not self.cache.every_position:
-            return []
-        return fresh_runs([r for r in self._running() if r.num_computed == 0 and r.slot is not None
-                           and not self.cache.length(r.slot)], budget)
 
     def _prefilled(self, req: Request, n: int) -> bool:
         """``n`` more prompt tokens of ``req`` are in its row; True at the prompt's end (its first token is due)."""
