@@ -86,7 +86,7 @@ class BeamSearch:
     def __init__(self, scheduler: Any, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, *, drive: bool,
                  logits_processor: LogitsProcessor | None = None, should_stop: Callable[[], bool] | None = None) -> None:
         vocab = scheduler.vocab
-        slots = len(scheduler.cache.index.tokens)
+        slots = scheduler.cache.slots
         if cfg.num_beams > slots:
             raise InputError(f"num_beams={cfg.num_beams} exceeds the {slots} sequences that run at once (the engine's "
                              "max batch size, or the server's --max-slots; each beam is a row of the batch); lower "

@@ -125,8 +125,8 @@ class Grammars:
             if self._tok is None:
                 llg = _llguidance()
                 text = (self.engine_dir / "tokenizer.json").read_text(encoding="utf-8")
-                eos = list(self.eos_ids[:1]) or None
-                self._tok = llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos[0] if eos else None)
+                eos = self.eos_ids[0] if self.eos_ids else None
+                self._tok = llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
             return self._tok
 
     def matcher(self, fmt: str) -> Matcher:
