@@ -218,10 +218,10 @@ class Request:
             with self._cond:
                 while len(self._events) <= i and not self._done:
                     self._cond.wait()
-                batch, done = self._events[i:], self._done
+                batch, done = self._events[i:], self._done  # nothing is pushed after the end: done means all read
             i += len(batch)
             yield from batch
-            if done and i == len(self._events):
+            if done:
                 self._raise_error()
                 return
 
@@ -242,7 +242,7 @@ class Request:
                 i += len(batch)
                 for ev in batch:
                     yield ev
-                if done and i == len(self._events):
+                if done:
                     self._raise_error()
                     return
                 if not batch:
