@@ -146,14 +146,14 @@ def test_a_stop_string_keeps_its_tokens_and_leaves_the_text(tiny_engine):
 
 def test_generate_without_streaming_detokenizes_once_per_row(tiny_engine, monkeypatch):
     """No stream, no stop strings: no per-step text; each row's text is one decode of its ids at the end."""
-    from trtinfer.runtime import generator
+    from trtinfer.runtime.tokenizer import IncrementalDecoder
 
     with trtinfer.load(tiny_engine("llama")) as eng:
         want = [r.text for r in eng.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)]
         calls = []
         decode = eng.tokenizer.decode
         monkeypatch.setattr(eng.tokenizer, "decode", lambda ids, **kw: calls.append(len(ids)) or decode(ids, **kw))
-        monkeypatch.setattr(generator.IncrementalDecoder, "add", lambda *a: pytest.fail("decoded per step"))
+        monkeypatch.setattr(IncrementalDecoder, "add", lambda *a: pytest.fail("decoded per step"))
         gen = eng._generation(PROMPTS, None, False, None, {"max_new_tokens": 12, "ignore_eos": True})
         assert [r.text for r in gen.run()] == want
         assert calls == [12, 12, 12]

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from trtinfer.runtime.generator import row_finish, run_logits_processor, settle, token_logprobs
+from trtinfer.runtime.generator import run_logits_processor, token_logprobs
 from trtinfer.runtime.proposers import trim_draft
 from trtinfer.runtime.request import Event, Request, wake_once
 from trtinfer.runtime.sampling import select_next
@@ -127,8 +127,7 @@ class Emission:
         return select_next(logits, cfg, seen, len(first.generated), first.eos, rngs, hook=lambda x: masked(user(x)))
 
     def _record(self, req: Request, tok: int, logits: np.ndarray) -> None:
-        """The request's next token ``tok`` (chosen from ``logits [V]``): push its event, finish it if it ends here.
-        The stop rules of :func:`~trtinfer.runtime.generator.row_finish`, in their order."""
+        """The request's next token ``tok`` (chosen from ``logits [V]``): push its event, finish it if it ends here."""
         cfg = req.cfg
         if req.matcher is not None:
             req.matcher.consume(tok)
@@ -147,16 +146,28 @@ class Emission:
             self._generation_tokens += 1
         dec = req._decoder
         delta = "" if dec is None else dec.add(tok)
-        # out of time (max_time) first, then a halt the caller set (engine.generate's should_stop)
+        # out of time (max_time) first, then a halt the caller set (engine.generate's should_stop, asked every token)
         halt = ("length" if req._deadline is not None and now > req._deadline else
                 "cancelled" if req.should_stop is not None and req.should_stop(len(req.generated)) else None)
         if halt is None and req.matcher is not None and req.matcher.done:
             halt = "stop"  # the grammar is complete: nothing but EOS could follow
-        end, why = row_finish(tok, dec, req.eos, len(req.generated), len(req.prompt_ids) + len(req.generated),
-                              cfg.max_new_tokens, self.max_seq_len, halt)
-        if end is None:
+        # the first rule that holds: a stop string (the decoder saw it), an EOS id, the length budget (max_new_tokens,
+        # or the engine's max sequence length), else the halt
+        finish: str | None
+        stop: str | int | None = None
+        if dec is not None and dec.stopped:
+            finish, stop = "stop", dec.stop_string
+        elif tok in req.eos:
+            finish, stop = "stop", tok
+        elif len(req.generated) >= cfg.max_new_tokens or len(req.prompt_ids) + len(req.generated) >= self.max_seq_len:
+            finish = "length"
+        else:
+            finish = halt
+        if finish is None:
             req.next_token = tok
             req._push(Event(tok, delta, lp, None, None, now))
             return
-        tail, finish, stop = settle(dec, end, why)
+        tail = "" if dec is None else dec.finish()
+        if dec is not None and dec.stopped:  # finish() settles which stop string cut the text (the steps may not have
+            finish, stop = "stop", dec.stop_string  # seen it yet)
         self._finish(req, finish, stop, Event(tok, delta + tail, lp, finish, stop, now))

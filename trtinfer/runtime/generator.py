@@ -1,10 +1,10 @@
-"""What a generation gives and the rules every row follows: results, timings, logprobs, stream events, the prompt
-and hook checks, and the stop rules (:func:`row_finish`, :func:`settle`) of the one decode loop
-(:mod:`trtinfer.runtime.scheduler`)."""
+"""What a generation gives and the checks every row goes through: results, timings, logprobs, stream events, the
+prompt and hook checks of the one decode loop (:mod:`trtinfer.runtime.scheduler`; its stop rules are
+:meth:`~trtinfer.runtime.emission.Emission._record`'s)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,7 +12,7 @@ import numpy as np
 from trtinfer.errors import ConfigError, EngineLoadError, InputError
 from trtinfer.runtime.config import GenerationConfig, token_ids
 from trtinfer.runtime.probes import log_softmax, top_sorted
-from trtinfer.runtime.tokenizer import EngineTokenizer, IncrementalDecoder
+from trtinfer.runtime.tokenizer import EngineTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -170,30 +170,6 @@ def run_logits_processor(fn: LogitsProcessor, seen: list[np.ndarray], logits: np
         raise InputError(f"logits_processor returned {what}: no token can be chosen from that (mask tokens with "
                          "-inf, keep at least one finite or +inf)")
     return out
-
-
-def row_finish(tok: int, dec: IncrementalDecoder | None, eos: Collection[int], generated: int, total: int,
-               max_new_tokens: int, max_seq_len: int, halt: str | None = None) -> tuple[str | None, str | int | None]:
-    """How a row ends on ``tok``, its ``generated``-th new token (``total`` with the prompt), as ``(finish_reason,
-    stop_reason)``, or ``(None, None)`` while it goes on. First rule that holds: a stop string (``dec`` saw it), an
-    EOS id, the length budget (``max_new_tokens``, or the engine's max sequence length), else ``halt`` (``"length"``
-    past ``max_time``, ``"cancelled"``). The one order :class:`Generation` and the server's scheduler follow."""
-    if dec is not None and dec.stopped:
-        return "stop", dec.stop_string
-    if tok in eos:
-        return "stop", tok
-    if generated >= max_new_tokens or total >= max_seq_len:
-        return "length", None
-    return halt, None
-
-
-def settle(dec: IncrementalDecoder | None, finish: str, stop: str | int | None) -> tuple[str, str, str | int | None]:
-    """A finished row's last text (what the decoder held back) and its final reasons: ``finish()`` settles which stop
-    string cut the text, which the steps may not have seen yet."""
-    if dec is None:
-        return "", finish, stop
-    tail = dec.finish()
-    return (tail, "stop", dec.stop_string) if dec.stopped else (tail, finish, stop)
 
 
 def warn_length_budget(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int) -> None:
