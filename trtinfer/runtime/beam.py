@@ -132,12 +132,11 @@ class BeamSearch:
     def _search(self, prompts: list[list[int]]) -> list[GenerationResult]:
         cfg, nb = self.cfg, self.cfg.num_beams
         states = [_Prompt(p, nb, min(cfg.max_new_tokens, self.max_seq_len - len(p))) for p in prompts]
-        timings = [Timings(prompt_tokens=len(p), batch_size=len(prompts) * nb) for p in prompts]
         keep_k = max(2, 1 + len(self.eos)) * nb  # candidates kept per prompt (transformers' beams_to_keep)
-        t0 = t_submit = time.perf_counter()
+        t_submit = time.perf_counter()
         step_ends: list[list[float]] = [[] for _ in prompts]  # per prompt: when each of its steps ended
         try:
-            out = self._steps(prompts, states, timings, keep_k, t0, step_ends)
+            self._steps(prompts, states, keep_k, step_ends)
         except BaseException:  # its step requests are internal: the search is the request the scheduler counts
             for p, ends in zip(prompts, step_ends):
                 now = time.perf_counter()
@@ -147,10 +146,11 @@ class BeamSearch:
             reason = self._reason(st, st.finished[0]) if st.finished else "length"  # its best beam's
             self.sched.report(Finished(reason, len(p), t_submit, ends[0] if ends else None, tuple(ends),
                                        ends[-1] if ends else time.perf_counter()))
-        return out
+        return [r for p, st, ends in zip(prompts, states, step_ends)
+                for r in self._results(st, Timings.of_steps(len(p), len(prompts) * nb, t_submit, ends))]
 
-    def _steps(self, prompts: list[list[int]], states: list[_Prompt], timings: list[Timings], keep_k: int,
-               t0: float, step_ends: list[list[float]]) -> list[GenerationResult]:
+    def _steps(self, prompts: list[list[int]], states: list[_Prompt], keep_k: int,
+               step_ends: list[list[float]]) -> None:
         cfg, nb = self.cfg, self.cfg.num_beams
         logits = np.repeat(self._logits(prompts, continuations=False), nb, axis=0)  # every beam starts as its prompt
         active = list(range(len(prompts)))  # prompts whose beams run, in order
@@ -167,21 +167,17 @@ class BeamSearch:
                 if not states[i].done:
                     parents.extend((i, b) for b in src)
             now = time.perf_counter()
-            elapsed = (now - t0) * 1000.0
             for i in active:
-                timings[i].add_step(step, elapsed)
                 step_ends[i].append(now)
             step += 1
             active = [i for i in active if not states[i].done]
             if not active:
                 break
-            t0 = time.perf_counter()
             seqs = [states[i].ids + beam for i in active for beam in states[i].running]
             # each parent's first child first: it takes the parent's row in place before a sibling's copy evicts
             # anything (the rows of beams that died are the ones reused)
             order = sorted(range(len(seqs)), key=lambda j: parents.index(parents[j]) != j)
             logits = self._logits([seqs[j] for j in order])[np.argsort(order)]  # back in the beams' order
-        return [r for st, t in zip(states, timings) for r in self._results(st, t)]
 
     def _step(self, st: _Prompt, scores: np.ndarray, step: int, keep_k: int,
               cancelled: bool) -> list[int]:

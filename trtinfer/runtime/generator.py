@@ -3,6 +3,7 @@ prompt and hook checks of the one decode loop (:mod:`trtinfer.runtime.scheduler`
 :meth:`~trtinfer.runtime.emission.Emission._record`'s)."""
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,12 +30,12 @@ class Timings:
     prefill_ms: float = 0.0  # time to first token (prefill of the whole batch + first selection)
     decode_ms: list[float] = field(default_factory=list)  # one entry per decode step this row took part in
 
-    def add_step(self, step: int, ms: float) -> None:
-        """Record step ``step`` of this row: step 0 is the prefill (time to first token), later ones decode steps."""
-        if step == 0:
-            self.prefill_ms = ms
-        else:
-            self.decode_ms.append(ms)
+    @classmethod
+    def of_steps(cls, prompt_tokens: int, batch_size: int, start: float, ends: Sequence[float]) -> Timings:
+        """A row that started at ``start`` and made a step (a token) at each of ``ends`` (``time.perf_counter()``):
+        the first is the prefill (time to first token), later ones decode steps."""
+        return cls(prompt_tokens, batch_size, (ends[0] - start) * 1000.0 if ends else 0.0,
+                   [(b - a) * 1000.0 for a, b in itertools.pairwise(ends)])
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -452,10 +452,7 @@ class Scheduler(Emission):
         if not req.internal:
             self._report(Finished(finish, len(req.prompt_ids), req.t_submit, req.t_first_token,
                                  tuple(req.token_times), last.time))
-        times = [req.t_admit or req.t_submit, *req.token_times]
-        timings = Timings(prompt_tokens=len(req.prompt_ids), batch_size=req._batch_size,
-                          prefill_ms=(times[1] - times[0]) * 1000.0 if len(times) > 1 else 0.0,
-                          decode_ms=[(b - a) * 1000.0 for a, b in itertools.pairwise(times[1:])])
+        timings = Timings.of_steps(len(req.prompt_ids), req._batch_size, req.t_admit or req.t_submit, req.token_times)
         text = req._decoder.text if req._decoder is not None else self.tokenizer.decode(req.generated)
         result = GenerationResult(list(req.generated), text, finish, list(req.prompt_ids), timings, stop,
                                   None if req._logprobs is None else list(req._logprobs),
