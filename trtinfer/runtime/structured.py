@@ -94,8 +94,9 @@ def normalize_format(value: Any) -> str | None:
     return json.dumps({"type": kind, "value": inner}, separators=(",", ":"))  # schema order kept: it is the output order
 
 
+@lru_cache(maxsize=256)
 def grammar_text(fmt: str) -> str:
-    """llguidance's grammar for a canonical format (:func:`normalize_format`)."""
+    """llguidance's grammar for a canonical format (:func:`normalize_format`); the last 256 are kept."""
     llg = _llguidance()
     spec = json.loads(fmt)
     kind, value = spec["type"], spec["value"]
@@ -132,16 +133,11 @@ class Grammars:
     def matcher(self, fmt: str) -> Matcher:
         """A fresh grammar state for one sequence; InputError for a grammar llguidance refuses (with its reason)."""
         llg = _llguidance()
-        m = llg.LLMatcher(self.tokenizer(), _grammar_cached(fmt), log_level=0)
+        m = llg.LLMatcher(self.tokenizer(), grammar_text(fmt), log_level=0)
         if m.is_error():  # a grammar llguidance cannot build: the matcher says why (compiled once, not twice)
             reason = " ".join(str(m.get_error()).split())  # one line: llguidance's caret excerpt spans several
             raise GrammarError(f"response_format is not a usable grammar: {reason}", reason)
         return Matcher(m, self.vocab_size)
-
-
-@lru_cache(maxsize=256)
-def _grammar_cached(fmt: str) -> str:
-    return grammar_text(fmt)
 
 
 class Matcher:
