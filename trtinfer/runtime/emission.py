@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -108,23 +107,23 @@ class Emission:
 
     @staticmethod
     def _choose(reqs: list[Request], logits: np.ndarray) -> np.ndarray:
-        """The next token of each request (same settings, same step) from its row of ``logits [B, V]``: each grammar's
-        mask (a draft token outside it can then never be kept; after the user's processor where there is one, so no
-        processor can choose a token the grammar refuses), then :func:`select_next` with each request's own
-        generator."""
-        cfg, first = reqs[0].cfg, reqs[0]
+        """The next token of each request (same settings, same step) from its row of ``logits [B, V]``:
+        :func:`select_next` with each request's own generator, whose hook runs the user's processor where there is one
+        (after the built-in processors, before the warpers: transformers' order), then each grammar's mask (a draft
+        token outside it can then never be kept, and no processor can choose a token the grammar refuses; the
+        built-in processors before it keep -inf at -inf and read no other token's logit, so the numbers are those of
+        masking first)."""
+        first = reqs[0]
+        seen = [r._seen for r in reqs]
 
-        def masked(x: np.ndarray) -> np.ndarray:
+        def hook(x: np.ndarray) -> np.ndarray:
+            if first.logits_processor is not None:
+                x = run_logits_processor(first.logits_processor, seen, x)
             return x if all(r.matcher is None for r in reqs) else np.stack(
                 [row if r.matcher is None else r.matcher.mask(row) for r, row in zip(reqs, x)])
 
-        seen = [r._seen for r in reqs]
         rngs = [r._rng for r in reqs if r._rng is not None]
-        if first.logits_processor is None:
-            return select_next(masked(logits), cfg, seen, len(first.generated), first.eos, rngs)
-        # the user's processor runs after the built-in ones, before the warpers (transformers' order)
-        user = partial(run_logits_processor, first.logits_processor, seen)
-        return select_next(logits, cfg, seen, len(first.generated), first.eos, rngs, hook=lambda x: masked(user(x)))
+        return select_next(logits, first.cfg, seen, len(first.generated), first.eos, rngs, hook=hook)
 
     def _record(self, req: Request, tok: int, logits: np.ndarray) -> None:
         """The request's next token ``tok`` (chosen from ``logits [V]``): push its event, finish it if it ends here."""
