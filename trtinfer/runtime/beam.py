@@ -135,17 +135,14 @@ class BeamSearch:
         keep_k = max(2, 1 + len(self.eos)) * nb  # candidates kept per prompt (transformers' beams_to_keep)
         t_submit = time.perf_counter()
         step_ends: list[list[float]] = [[] for _ in prompts]  # per prompt: when each of its steps ended
+        reasons = ["error"] * len(prompts)
         try:
             self._steps(prompts, states, keep_k, step_ends)
-        except BaseException:  # its step requests are internal: the search is the request the scheduler counts
-            for p, ends in zip(prompts, step_ends):
-                now = time.perf_counter()
-                self.sched.report(Finished("error", len(p), t_submit, ends[0] if ends else None, tuple(ends), now))
-            raise
-        for p, st, ends in zip(prompts, states, step_ends):
-            reason = self._reason(st, st.finished[0]) if st.finished else "length"  # its best beam's
-            self.sched.report(Finished(reason, len(p), t_submit, ends[0] if ends else None, tuple(ends),
-                                       ends[-1] if ends else time.perf_counter()))
+            reasons = [self._reason(st, st.finished[0]) if st.finished else "length" for st in states]  # best beam's
+        finally:  # its step requests are internal: the search is the request the scheduler counts
+            for p, reason, ends in zip(prompts, reasons, step_ends):
+                end = ends[-1] if ends and reason != "error" else time.perf_counter()  # a failure: when it failed
+                self.sched.report(Finished(reason, len(p), t_submit, ends[0] if ends else None, tuple(ends), end))
         return [r for p, st, ends in zip(prompts, states, step_ends)
                 for r in self._results(st, Timings.of_steps(len(p), len(prompts) * nb, t_submit, ends))]
 
