@@ -315,8 +315,7 @@ class Scheduler(Emission):
 
     def _place(self, req: Request, free: list[int]) -> int:
         """The free row a request takes, holding the longest reusable prefix of its prompt (its ``num_computed``)."""
-        busy = [s for s, r in enumerate(self._slots) if r is not None]
-        row, n = self.cache.index.longest(head(req), free + busy, decoded=req.decode_tail)
+        row, n = self.cache.index.longest(head(req), range(len(self._slots)), decoded=req.decode_tail)  # any row
         if n < req.min_reuse:
             row, n = None, 0
         # a free row holding the prefix is taken as it is; else the least recently used one, the prefix copied in
