@@ -166,7 +166,7 @@ class Emission:
             req.next_token = tok
             req._push(Event(tok, delta, lp, None, None, now))
             return
-        tail = "" if dec is None else dec.finish()
-        if dec is not None and dec.stopped:  # finish() settles which stop string cut the text (the steps may not have
-            finish, stop = "stop", dec.stop_string  # seen it yet)
+        tail = "" if dec is None else dec.finish()  # which settles the stop string that cut the text, if any
+        if dec is not None and dec.stopped:
+            finish, stop = "stop", dec.stop_string
         self._finish(req, finish, stop, Event(tok, delta + tail, lp, finish, stop, now))

@@ -19,9 +19,9 @@ row holding it is taken as it is, a running row's prefix is copied into a free r
 only the rest is prefilled, at least the prompt's last two tokens (see :meth:`Scheduler.submit`'s ``decode_tail``).
 With no match of at least :data:`~trtinfer.runtime.prefix_cache.MIN_REUSE` tokens the least recently used free
 row is evicted. A request sharing a prefix with one still prefilling it waits until it is in that row (``n``
-choices of one prompt share one prefill). Only KV that a prompt's prefill computed is reused, not decoded tokens' (a one-token pass may
-round differently); a started scheduler with nothing to run recomputes finished answers that way, a chunk at a time
-(:meth:`Scheduler._refill`), so a conversation's next turn reuses its answer.
+choices of one prompt share one prefill). Only KV that a prompt's prefill computed is reused, not decoded tokens'
+(a one-token pass may round differently); a started scheduler with nothing to run recomputes finished answers that
+way, a chunk at a time (:meth:`Scheduler._refill`), so a conversation's next turn reuses its answer.
 
 A request's tokens depend on its own prompt, settings and seed only: selection runs per request with its own
 generator (``SeedSequence(seed).spawn(1)[0]``, as ``engine.generate`` seeds a batch of one), so its output equals
