@@ -12,10 +12,11 @@ import numpy as np
 from trtinfer.artifact import Manifest, read_manifest
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import RuntimeConfig
+from trtinfer.runtime.session import Closing
 from trtinfer.runtime.tokenizer import check_text, read_tokenizer
 
 
-class EncoderEngine:
+class EncoderEngine(Closing):
     """A loaded encoder engine; :meth:`embed` turns texts into sentence embeddings ``[N, hidden]``."""
 
     def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
@@ -35,12 +36,6 @@ class EncoderEngine:
         self.sess: Any = open_ort_session(self.path / self.manifest.files["encoder"], self.path, self.manifest,
                                           self.config)
         self._inputs = {i.name for i in self.sess.get_inputs()}
-
-    def __enter__(self) -> EncoderEngine:  # noqa: PYI034
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         """Release the ONNX Runtime session; :meth:`embed` is refused afterwards."""

@@ -19,9 +19,8 @@ import numpy as np
 from trtinfer.artifact import Manifest
 from trtinfer.errors import EngineLoadError
 from trtinfer.runtime.config import GPU_PROVIDERS, RuntimeConfig
-from trtinfer.runtime.kv_layouts import kv_layout
 from trtinfer.runtime.ort_env import PinnedInputs, open_ort_session, staging_memory_info, this_cpu_u8s8_exact
-from trtinfer.runtime.session import LOGITS_POSITIONS, DecoderSession, register_backend
+from trtinfer.runtime.session import DecoderSession, register_backend
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +62,11 @@ class OrtDecoderSession(DecoderSession):
         got = [i.name for i in self.sess.get_inputs()]
         if got != self.input_names:
             raise EngineLoadError(f"{model} inputs {got[:4]}... differ from the manifest's; rebuild the engine")
-        geo = manifest.geometry
-        self.kv_shape: tuple[int, int] = (int(geo["num_kv_heads"]), int(geo["head_dim"]))
-        self.kv_dtype = manifest.io.kv_dtype  # float16/bfloat16 in fp16/bf16 engines
-        self.needs_positions = "position_ids" in self.input_names
-        past = manifest.io.past
-        # scatter_buffer graphs fix their KV slot count (TensorRT needs it static): every buffer has exactly that many
-        self.scatter_capacity = int(past[0].shape[2]) if past and isinstance(past[0].shape[2], int) else 0
         # host inputs of CUDA runs go through a slot cache's own PinnedInputs; the CPU binds numpy arrays directly
         self._stage_inputs = self.device == "cuda"
         self._staging_info = staging_memory_info(ort, config.device_id) if self._stage_inputs else None
         self._stagings: weakref.WeakSet[PinnedInputs] = weakref.WeakSet()  # live caches' (for close, stats)
         self._stagings_lock = threading.Lock()
-        self.layout = kv_layout(self.kv_layout, self)
         # per graph: the numpy dtype and last dimension of its logits where that dimension is fixed (bound to a host
         # array each pass), else absent (ONNX Runtime allocates them)
         self._logits_out = {id(g): (_LOGITS_DTYPES[o.type], int(o.shape[-1]))
@@ -162,8 +153,7 @@ class OrtDecoderSession(DecoderSession):
                   staging: PinnedInputs | None) -> tuple[np.ndarray, list[Any]]:
         """One pass of a layout that returns new KV (concat): logits ``[B,K,V]`` at ``positions [B,K]`` and the
         presents as new values. Host inputs go through ``staging`` (None: bound from numpy)."""
-        if self.has_logits_positions:
-            feeds = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
+        feeds = self.position_feeds(feeds, positions)
         sess = self.session_for(feeds)
         io = sess.io_binding()
         self.bind_host_inputs(io, feeds, staging)
@@ -180,10 +170,6 @@ class OrtDecoderSession(DecoderSession):
     def slot_values(self, slots: int, capacity: int) -> list[Any]:
         kvh, hd = self.kv_shape
         return [self.kv_value((slots, kvh, capacity, hd)) for _ in self.past_names]
-
-    def kv_row_bytes(self, capacity: int) -> int:
-        kvh, hd = self.kv_shape
-        return kvh * capacity * hd * (4 if self.kv_dtype == "float32" else 2)
 
     def copy_rows(self, values: list[Any], src: int, into: list[Any], dst: int, n: int, capacity: int) -> None:
         """CUDA: one 2-D device-to-device copy per buffer (``kv_heads`` runs of ``n`` positions), complete before the
@@ -207,8 +193,7 @@ class OrtDecoderSession(DecoderSession):
         once: a step rebinds only the host feeds and the logits (60 pointer bindings fewer per SmolLM2 step), and
         the logits land in a fresh host array where their shape is known (a ``logits_positions`` graph), so nothing
         wraps the other outputs. On the CPU provider; CUDA binds everything afresh each pass."""
-        if self.has_logits_positions:
-            feeds = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
+        feeds = self.position_feeds(feeds, positions)
         sess = self.session_for(feeds)
         key = (id(sess), first_row, rows)
         if self.device != "cpu":  # CUDA binds afresh each pass, as before (reuse unmeasured on a GPU)

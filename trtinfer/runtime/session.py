@@ -21,19 +21,37 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from trtinfer.artifact import PRESENT_PREFIX, Manifest
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import RuntimeConfig
+from trtinfer.runtime.kv_layouts import kv_layout
+from trtinfer.runtime.trt_plan import DTYPE_BYTES
 
 #: graph input ``[B,K]`` int64: the positions whose logits the graph computes
 LOGITS_POSITIONS = "logits_positions"
 
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's own from Python 3.11
 
-class DecoderSession(ABC):
+
+class Closing:
+    """A context manager whose exit calls :meth:`close` (sessions, engines)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release backend resources."""
+
+
+class DecoderSession(Closing, ABC):
     """The one interface every backend implements (KV rows, a pass over rows, row copies). Use as a context
     manager."""
 
@@ -53,24 +71,24 @@ class DecoderSession(ABC):
         self.logits_every_position = self.has_logits_positions or (
             mode == "all" if mode is not None else
             logits is not None and len(logits.shape) == 3 and logits.shape[1] != 1)
-
-    def __enter__(self) -> DecoderSession:  # noqa: PYI034
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Release backend resources."""
+        geo = manifest.geometry
+        self.kv_shape: tuple[int, int] = (int(geo["num_kv_heads"]), int(geo["head_dim"]))
+        self.kv_dtype = io.kv_dtype  # float16/bfloat16 in fp16/bf16 engines
+        self.needs_positions = "position_ids" in self.input_names
+        # scatter_buffer graphs fix their KV slot count (TensorRT needs it static): every buffer has exactly that many
+        past = io.past
+        self.scatter_capacity = int(past[0].shape[2]) if past and isinstance(past[0].shape[2], int) else 0
+        self.layout = kv_layout(self.kv_layout, self)
 
     # --- KV rows, as a :class:`~trtinfer.runtime.slots.SlotCache` uses them ----------------------------------
     @abstractmethod
     def slot_values(self, slots: int, capacity: int) -> list[Any]:
         """One zeroed ``[slots, kv_heads, capacity, head_dim]`` KV buffer per past input, on the backend's device."""
 
-    @abstractmethod
     def kv_row_bytes(self, capacity: int) -> int:
         """Bytes of one row of a :meth:`slot_values` buffer (rows are contiguous: row r starts at r * this)."""
+        kvh, hd = self.kv_shape
+        return kvh * capacity * hd * DTYPE_BYTES[self.kv_dtype]
 
     @staticmethod
     def row_pointer(value: Any) -> int:
@@ -90,6 +108,12 @@ class DecoderSession(ABC):
         ``feeds`` are the layout's :meth:`~trtinfer.runtime.kv_layouts.KVLayout.buffer_feeds`; logits
         ``[rows, K, V]`` at ``positions [rows, K]``. ``bindings``: the caller's (one thread's, one set of
         ``values``') dict where a backend may keep what it bound for a row range, to reuse on the next pass."""
+
+    def position_feeds(self, feeds: dict[str, np.ndarray], positions: np.ndarray) -> dict[str, np.ndarray]:
+        """``feeds`` plus ``logits_positions`` (``positions``), where the graph takes that input."""
+        if not self.has_logits_positions:
+            return feeds
+        return {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
 
     def decoder_graph(self) -> contextlib.AbstractContextManager[None]:
         """Within this block, passes of this thread run on the decoder graph even where the engine has a prefill graph

@@ -33,9 +33,8 @@ from trtinfer.artifact import Manifest
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, InputError
 from trtinfer.runtime import cuda
 from trtinfer.runtime.config import RuntimeConfig
-from trtinfer.runtime.kv_layouts import kv_layout
 from trtinfer.runtime.session import LOGITS_POSITIONS, DecoderSession, register_backend
-from trtinfer.runtime.trt_plan import DTYPE_BYTES, ProfilePlan, check_compatible, select_profile
+from trtinfer.runtime.trt_plan import ProfilePlan, check_compatible, select_profile
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -160,21 +159,14 @@ class TrtDecoderSession(DecoderSession):
             self.contexts.append(ctx)
         self.stream.synchronize()
         self._check_aliases()
-        geo = manifest.geometry
-        io = manifest.io
-        past = io.past[0]
-        self.capacity = int(past.shape[2])
-        self._kv_shape = (int(geo["num_kv_heads"]), self.capacity, int(geo["head_dim"]))
-        self._kv_bytes_per_row = int(np.prod(self._kv_shape)) * DTYPE_BYTES[past.dtype]
-        logits = io.output("logits")
+        self.capacity = self.scatter_capacity  # the graph's fixed KV slot count
+        self._kv_bytes_per_row = self.kv_row_bytes(self.capacity)
+        logits = manifest.io.output("logits")
         assert logits is not None
         self._logits_dtype = _NP[logits.dtype]
-        self._vocab = int(geo["vocab_size"])
+        self._vocab = int(manifest.geometry["vocab_size"])
         self._lock = threading.Lock()
         self.device = "cuda"
-        self.scatter_capacity = self.capacity  # the graph's fixed KV slot count
-        # a slot cache takes the scatter layout's feeds for its rows (buffer_feeds)
-        self.layout = kv_layout("scatter_buffer", self)  # type: ignore[arg-type]
 
     def _check_aliases(self) -> None:
         """Each ``present.*`` must alias its ``past_key_values.*`` (ICudaEngine.get_aliased_input_tensor, TRT >= 10.15)."""
@@ -231,7 +223,7 @@ class TrtDecoderSession(DecoderSession):
             ctx.set_input_shape(name, arr.shape)
             ctx.set_tensor_address(name, st.device[name].ptr)
         for past, present, ptr in zip(self.past_names, self.present_names, rows):
-            ctx.set_input_shape(past, (b, *self._kv_shape))
+            ctx.set_input_shape(past, (b, self.kv_shape[0], self.capacity, self.kv_shape[1]))
             ctx.set_tensor_address(past, ptr)
             ctx.set_tensor_address(present, ptr)  # aliased: the update layer writes in place
         logits_bytes = b * k * self._vocab * np.dtype(self._logits_dtype).itemsize
@@ -262,23 +254,19 @@ class TrtDecoderSession(DecoderSession):
             self.stream.synchronize()
         return bufs
 
-    def kv_row_bytes(self, capacity: int) -> int:
-        return self._kv_bytes_per_row
-
     @staticmethod
     def row_pointer(value: Any) -> int:
         return int(value.ptr)
 
     def copy_rows(self, values: list[Any], src: int, into: list[Any], dst: int, n: int, capacity: int) -> None:
         """One 2-D device copy per buffer (``kv_heads`` runs of ``n`` positions) on the session's stream."""
-        kvh, cap, _ = self._kv_shape
-        row = self._kv_bytes_per_row
+        kvh, row = self.kv_shape[0], self._kv_bytes_per_row
         pitch = row // kvh
         with self._lock:
             cuda.set_device(self.config.device_id)
             for val, out in zip(values, into):
                 cuda.copy_2d_on_device(int(out.ptr) + dst * row, pitch, int(val.ptr) + src * row, pitch,
-                                       n * (pitch // cap), kvh, self.stream)
+                                       n * (pitch // self.capacity), kvh, self.stream)
             self.stream.synchronize()
 
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
@@ -287,6 +275,5 @@ class TrtDecoderSession(DecoderSession):
         """Rows ``first_row..`` of the slot buffers bound by address (a row's ``[KV, capacity, D]`` block is
         contiguous); a decode step of the same rows replays its CUDA graph."""
         ptrs = [int(v.ptr) + first_row * self._kv_bytes_per_row for v in values]
-        want = {**feeds, LOGITS_POSITIONS: np.ascontiguousarray(positions, dtype=np.int64)}
         with self._lock:
-            return self._run(want, ptrs, staging)
+            return self._run(self.position_feeds(feeds, positions), ptrs, staging)
