@@ -8,13 +8,12 @@
     scatter_buffer  fixed-size buffers, TensorScatter        written at position_ids[:,0] position_ids
 
 A layout owns what differs between them: the feeds of a pass over rows of KV buffers (a prefill, a chunk of one
-row, a decode step alike) and whether its graph writes them in place. Sessions only bind and run; the slot cache
+row, a decode step alike) that give each row's length, and whether its graph writes them in place. Sessions only bind and run; the slot cache
 (:mod:`trtinfer.runtime.slots`) binds rows. The manifest's ``kv_layout`` names the layout; :func:`kv_layout` looks
 it up in the registry (an unknown name is one line listing the known ones).
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from typing import ClassVar, Protocol
 
 import numpy as np
@@ -28,7 +27,7 @@ class KVRunner(Protocol):
     needs_positions: bool
 
 
-class KVLayout(ABC):
+class KVLayout:
     """One KV layout's feeds over a :class:`KVRunner`."""
 
     name: ClassVar[str]
@@ -39,11 +38,18 @@ class KVLayout(ABC):
     def __init__(self, runner: KVRunner) -> None:
         self.runner = runner
 
-    @abstractmethod
     def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
         """The feeds (without ``logits_positions``) of a pass over rows of preallocated buffers: row ``b``'s
         ``ids[b, :lengths[b]]`` go to positions ``starts[b]..`` (right padding after them). A prefill (``starts``
         0), a chunk of one row, or a decode step (one token a row) alike. Slot caches run on this."""
+        feeds = {"input_ids": ids, **self.length_feeds(ids, starts, lengths)}
+        if self.runner.needs_positions:
+            feeds["position_ids"] = starts[:, None] + np.arange(ids.shape[1], dtype=np.int64)
+        return feeds
+
+    def length_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+        """The feeds besides the ids and positions that give the graph each row's length (none: the positions do)."""
+        return {}
 
 
 def kv_layout(name: str, runner: KVRunner) -> KVLayout:
@@ -60,16 +66,14 @@ class ConcatLayout(KVLayout):
     name = "concat"
     in_place = False
 
-    def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+    def length_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
         """Rows kept in buffers, run through the concat graph: the past is ``max(starts)`` columns, each row's
         ``starts[b]`` positions right-aligned in them (gathered by the caller) and the columns before masked out,
         as left padding is; then the pass's tokens (right padding masked). A row's past ends where its new tokens
         begin, so a sliding window counted in columns (Gemma-3's local layers) sees the row's last tokens."""
-        width, past = ids.shape[1], int(starts.max())
-        cols = np.arange(past + width)
-        mask = ((cols >= past - starts[:, None]) & (cols < past + lengths[:, None])).astype(np.int64)
-        return {"input_ids": ids, "attention_mask": mask,
-                "position_ids": starts[:, None] + np.arange(width, dtype=np.int64)}
+        past = int(starts.max())
+        cols = np.arange(past + ids.shape[1])
+        return {"attention_mask": ((cols >= past - starts[:, None]) & (cols < past + lengths[:, None])).astype(np.int64)}
 
 
 class SharedBufferLayout(KVLayout):
@@ -78,14 +82,10 @@ class SharedBufferLayout(KVLayout):
 
     name = "shared_buffer"
 
-    def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
-        width = ids.shape[1]
+    def length_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
         # GroupQueryAttention: seqlens_k = each row's tokens after the pass - 1; total = the widest row's
-        feeds = {"input_ids": ids, "seqlens_k": (starts + lengths - 1).astype(np.int32),
-                 "total_sequence_length": np.array(int(starts.max()) + width, dtype=np.int32)}
-        if self.runner.needs_positions:
-            feeds["position_ids"] = starts[:, None] + np.arange(width, dtype=np.int64)
-        return feeds
+        return {"seqlens_k": (starts + lengths - 1).astype(np.int32),
+                "total_sequence_length": np.array(int(starts.max()) + ids.shape[1], dtype=np.int32)}
 
 
 class ScatterBufferLayout(KVLayout):
@@ -94,9 +94,6 @@ class ScatterBufferLayout(KVLayout):
     ``p`` unless ``j <= p``, so a short row's padding writes slots its next pass overwrites before anything reads them."""
 
     name = "scatter_buffer"
-
-    def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
-        return {"input_ids": ids, "position_ids": starts[:, None] + np.arange(ids.shape[1], dtype=np.int64)}
 
 
 #: the layouts by ``name`` (the manifest's ``kv_layout``)
