@@ -84,55 +84,47 @@ class Stream:
             self.raw = None
 
 
-class DeviceBuffer:
-    """``nbytes`` of device memory (cudaMalloc), freed by :meth:`free` or when collected."""
+class _Buffer:
+    """``nbytes`` of memory from CUDA runtime function ``_ALLOC``, given back by ``_FREE`` at :meth:`free` or when
+    collected."""
+
+    _ALLOC, _FREE = "cudaMalloc", "cudaFree"
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = max(int(nbytes), 1)
-        self.ptr: int = int(_ok(cudart().cudaMalloc(self.nbytes), f"cudaMalloc({self.nbytes} bytes)"))
+        self.ptr: int = int(_ok(getattr(cudart(), self._ALLOC)(self.nbytes), f"{self._ALLOC}({self.nbytes} bytes)"))
+
+    def free(self) -> None:
+        """Give the memory back."""
+        if self.ptr:
+            _ok(getattr(cudart(), self._FREE)(self.ptr), self._FREE)
+            self.ptr = 0
+
+    def __del__(self) -> None:
+        # at interpreter exit the CUDA context or the bindings may be gone already
+        try:
+            self.free()
+        except (CudaError, BackendUnavailableError, AttributeError, TypeError) as e:
+            log.debug("could not free a CUDA buffer of %d bytes: %s", self.nbytes, e)
+
+
+class DeviceBuffer(_Buffer):
+    """``nbytes`` of device memory (cudaMalloc), freed by :meth:`free` (cudaFree) or when collected."""
 
     def zero(self, stream: Stream) -> None:
         """Fill with zero bytes, queued on ``stream`` (cudaMemsetAsync)."""
         _ok(cudart().cudaMemsetAsync(self.ptr, 0, self.nbytes, stream.raw), "cudaMemsetAsync")
 
-    def free(self) -> None:
-        """Give the memory back (cudaFree)."""
-        if self.ptr:
-            _ok(cudart().cudaFree(self.ptr), "cudaFree")
-            self.ptr = 0
 
-    def __del__(self) -> None:
-        _free_quietly(self)
+class PinnedBuffer(_Buffer):
+    """``nbytes`` of page-locked host memory (cudaMallocHost, cudaFreeHost) with numpy views: DMA-able, so copies
+    between it and the device run asynchronously on a stream."""
 
-
-class PinnedBuffer:
-    """``nbytes`` of page-locked host memory (cudaMallocHost) with numpy views: DMA-able, so copies between it and the
-    device run asynchronously on a stream."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = max(int(nbytes), 1)
-        self.ptr: int = int(_ok(cudart().cudaMallocHost(self.nbytes), f"cudaMallocHost({self.nbytes} bytes)"))
+    _ALLOC, _FREE = "cudaMallocHost", "cudaFreeHost"
 
     def view(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """A numpy array over the first bytes of the buffer (no copy); raises if it does not fit."""
         return host_view(self.ptr, self.nbytes, shape, dtype)
-
-    def free(self) -> None:
-        """Give the memory back (cudaFreeHost)."""
-        if self.ptr:
-            _ok(cudart().cudaFreeHost(self.ptr), "cudaFreeHost")
-            self.ptr = 0
-
-    def __del__(self) -> None:
-        _free_quietly(self)
-
-
-def _free_quietly(buf: DeviceBuffer | PinnedBuffer) -> None:
-    """Free from ``__del__``: at interpreter exit the CUDA context or the bindings may be gone already."""
-    try:
-        buf.free()
-    except (CudaError, BackendUnavailableError, AttributeError, TypeError) as e:
-        log.debug("could not free a CUDA buffer of %d bytes: %s", buf.nbytes, e)
 
 
 def host_view(ptr: int, nbytes: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

@@ -7,7 +7,6 @@ it, :mod:`trtinfer.runtime.encoder` encoders, and the builder's engine checks bo
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import importlib.metadata
 import io as _io
@@ -21,6 +20,7 @@ import numpy as np
 from trtinfer.artifact import Manifest
 from trtinfer.errors import BackendUnavailableError, EngineLoadError, OutputError
 from trtinfer.runtime.config import RuntimeConfig
+from trtinfer.runtime.cuda import host_view
 from trtinfer.runtime.memory import lean_weights
 from trtinfer.runtime.page_out import ROW_PACKED_PRECISIONS, cpu_session
 
@@ -121,9 +121,7 @@ class PinnedInputs:
             val = self._ort.OrtValue.ortvalue_from_shape_and_type(list(arr.shape), arr.dtype.type,
                                                                    memory_info=self._memory_info)
             # a numpy view of its memory (host memory: writable in place)
-            raw = (ctypes.c_char * max(arr.nbytes, 1)).from_address(val.data_ptr())
-            view = np.frombuffer(memoryview(raw), dtype=arr.dtype, count=arr.size).reshape(arr.shape)
-            self.buffers[name] = (key, val, view)
+            self.buffers[name] = (key, val, host_view(val.data_ptr(), arr.nbytes, arr.shape, arr.dtype))
             self.allocations += 1
         _, val, view = self.buffers[name]
         view[...] = arr
