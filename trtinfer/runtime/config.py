@@ -48,14 +48,19 @@ def token_ids(row: Any, what: str, vocab: int | None = None) -> list[int]:
     return ids
 
 
-def _check_types(obj: Any, kinds: dict[str, str]) -> None:
-    """Raise ConfigError for the first field of ``obj`` whose value is not of its kind (int, number or bool)."""
-    tests = {"int": (is_int, "an integer"), "number": (is_number, "a finite number"),
-             "bool": (lambda v: isinstance(v, bool), "True or False")}
-    for name, kind in kinds.items():
-        ok, expected = tests[kind]
-        if not ok(value := getattr(obj, name)):
-            raise ConfigError(f"{name} must be {expected}, got {describe(value)}", field=name)
+#: the check of a field annotated with each of these types, and what its message says is expected
+_KINDS = {"int": (is_int, "an integer"), "float": (is_number, "a finite number"),
+          "bool": (lambda v: isinstance(v, bool), "True or False")}
+
+
+def _check_types(obj: Any) -> None:
+    """Raise ConfigError for the first field of dataclass ``obj`` annotated ``int``, ``float`` or ``bool`` whose value
+    is not of that kind (fields of other types, ``int | None`` included, are checked by their owner)."""
+    for f in dataclasses.fields(obj):
+        if f.type in _KINDS:
+            ok, expected = _KINDS[f.type]
+            if not ok(value := getattr(obj, f.name)):
+                raise ConfigError(f"{f.name} must be {expected}, got {describe(value)}", field=f.name)
 
 
 @dataclass(frozen=True)
@@ -101,9 +106,7 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.provider, str) or self.provider not in PROVIDERS:
             raise ConfigError(f"provider must be one of {PROVIDERS}, got {describe(self.provider)}", field="provider")
-        _check_types(self, {"device_id": "int", "intra_op_threads": "int", "trt_timing_cache": "bool",
-                            "trt_max_workspace_size": "int", "cuda_graphs": "bool", "prefill_graph": "bool",
-                            "huge_pages": "bool"})
+        _check_types(self)
         for name, note in (("device_id", ""), ("intra_op_threads", " (0: one per core)"),
                            ("trt_max_workspace_size", " bytes (0: ONNX Runtime's default)")):
             if getattr(self, name) < 0:
@@ -190,13 +193,7 @@ class GenerationConfig:
                 object.__setattr__(self, "response_format", normalize_format(self.response_format))
             except InputError as e:
                 raise ConfigError(str(e), field="response_format") from e
-        _check_types(self, {"max_new_tokens": "int", "min_new_tokens": "int", "do_sample": "bool",
-                            "temperature": "number", "top_k": "int", "top_p": "number",
-                            "repetition_penalty": "number", "min_p": "number", "presence_penalty": "number",
-                            "frequency_penalty": "number", "no_repeat_ngram_size": "int", "ignore_eos": "bool",
-                            "logprobs": "bool", "top_logprobs": "int", "num_beams": "int",
-                            "length_penalty": "number", "num_return_sequences": "int",
-                            "max_matching_ngram_size": "int", "num_assistant_tokens": "int"})
+        _check_types(self)
         schedule = self.num_assistant_tokens_schedule
         if schedule not in ("heuristic", "heuristic_transient", "constant"):
             raise ConfigError('num_assistant_tokens_schedule must be "heuristic", "heuristic_transient" or "constant", '
