@@ -281,6 +281,6 @@ class Context:
     def truncate(self, n: int) -> None:
         """Roll back to the first ``n`` tokens (e.g. rejected draft tokens); later passes continue from there."""
         self._check_alive()
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= len(self.tokens):
+        if not is_int(n) or not 0 <= n <= len(self.tokens):
             raise InputError(f"truncate({n}): the context holds {len(self.tokens)} tokens")
         self.cache.keep(self.slot, n)

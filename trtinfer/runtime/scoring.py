@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer.errors import InputError
-from trtinfer.runtime.config import RuntimeConfig, token_ids
+from trtinfer.runtime.config import RuntimeConfig, is_int, token_ids
 from trtinfer.runtime.probes import log_normalizer
 from trtinfer.runtime.session import DecoderSession
 from trtinfer.runtime.slots import SlotCache
@@ -142,7 +142,7 @@ def windowed_perplexity(session: DecoderSession, ids: Sequence[int], window: int
     """
     max_len = session.manifest.max_seq_len
     for name, v in (("window", window), ("stride", stride)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+        if v is not None and not is_int(v):
             raise InputError(f"{name} must be a whole number of tokens, got {v!r}")
     window = max_len if window is None else int(window)
     if not 2 <= window <= max_len:
