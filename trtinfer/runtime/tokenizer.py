@@ -295,12 +295,8 @@ class IncrementalDecoder:
 
 
 def _decode_stream() -> Any:
-    """A fresh ``tokenizers.decoders.DecodeStream`` skipping special tokens (tokenizers >= 0.21)."""
-    try:
-        from tokenizers.decoders import DecodeStream
-    except ImportError as e:
-        import tokenizers
+    """A fresh ``tokenizers.decoders.DecodeStream`` skipping special tokens (tokenizers >= 0.21, trtinfer's own
+    requirement)."""
+    from tokenizers.decoders import DecodeStream
 
-        raise EngineLoadError(f"incremental decoding needs tokenizers >= 0.21 (DecodeStream), found "
-                              f"{tokenizers.__version__}: pip install -U 'tokenizers>=0.21'") from e
     return DecodeStream(skip_special_tokens=True)
