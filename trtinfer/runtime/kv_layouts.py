@@ -14,36 +14,30 @@ it up in the registry (an unknown name is one line listing the known ones).
 """
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import numpy as np
 
 from trtinfer.errors import EngineLoadError
 
 
-class KVRunner(Protocol):
-    """What a layout needs of a session: whether the graph takes ``position_ids``."""
-
-    needs_positions: bool
-
-
 class KVLayout:
-    """One KV layout's feeds over a :class:`KVRunner`."""
+    """One KV layout's feeds, for a graph that takes ``position_ids`` or not (``needs_positions``)."""
 
     name: ClassVar[str]
     #: whether the graph writes the KV buffers in place (shared and scatter buffers); else (concat) the slot cache
     #: gathers each pass's past from host rows and writes the pass's new KV back
     in_place: ClassVar[bool] = True
 
-    def __init__(self, runner: KVRunner) -> None:
-        self.runner = runner
+    def __init__(self, needs_positions: bool) -> None:
+        self.needs_positions = needs_positions
 
     def buffer_feeds(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
         """The feeds (without ``logits_positions``) of a pass over rows of preallocated buffers: row ``b``'s
         ``ids[b, :lengths[b]]`` go to positions ``starts[b]..`` (right padding after them). A prefill (``starts``
         0), a chunk of one row, or a decode step (one token a row) alike. Slot caches run on this."""
         feeds = {"input_ids": ids, **self.length_feeds(ids, starts, lengths)}
-        if self.runner.needs_positions:
+        if self.needs_positions:
             feeds["position_ids"] = starts[:, None] + np.arange(ids.shape[1], dtype=np.int64)
         return feeds
 
@@ -52,12 +46,12 @@ class KVLayout:
         return {}
 
 
-def kv_layout(name: str, runner: KVRunner) -> KVLayout:
-    """The layout named ``name`` (a manifest's ``kv_layout``) over ``runner``, or one line listing the known ones."""
+def kv_layout(name: str, needs_positions: bool) -> KVLayout:
+    """The layout named ``name`` (a manifest's ``kv_layout``), or one line listing the known ones."""
     if name not in _LAYOUTS:
         raise EngineLoadError(f"KV layout '{name}' is unknown; known: {sorted(_LAYOUTS)}; rebuild the engine with "
                               "this trtinfer")
-    return _LAYOUTS[name](runner)
+    return _LAYOUTS[name](needs_positions)
 
 
 class ConcatLayout(KVLayout):

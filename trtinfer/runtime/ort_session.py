@@ -110,7 +110,7 @@ class OrtDecoderSession(DecoderSession):
             else:
                 staging.bind(io, name, arr)
 
-    # --- what the KV layouts run on (KVRunner) -----------------------------------------------------------------
+    # --- what the slot cache runs on ---------------------------------------------------------------------------
     def session_for(self, feeds: dict[str, np.ndarray]) -> Any:
         """The session that runs a pass: where the engine has a prefill graph, every pass of several tokens a row
         (prompts, whole or in chunks, and scoring) outside :meth:`decoder_graph`; else the decoder. Its activations are

@@ -78,7 +78,7 @@ class DecoderSession(Closing, ABC):
         # scatter_buffer graphs fix their KV slot count (TensorRT needs it static): every buffer has exactly that many
         past = io.past
         self.scatter_capacity = int(past[0].shape[2]) if past and isinstance(past[0].shape[2], int) else 0
-        self.layout = kv_layout(self.kv_layout, self)
+        self.layout = kv_layout(self.kv_layout, self.needs_positions)
 
     # --- KV rows, as a :class:`~trtinfer.runtime.slots.SlotCache` uses them ----------------------------------
     @abstractmethod

@@ -219,9 +219,8 @@ class TrtDecoderSession(DecoderSession):
               k: int) -> None:
         """set_input_shape / set_tensor_address for every I/O tensor of this step."""
         for name, arr in feeds.items():
-            st.out(name, arr.nbytes, host=True)
             ctx.set_input_shape(name, arr.shape)
-            ctx.set_tensor_address(name, st.device[name].ptr)
+            ctx.set_tensor_address(name, st.out(name, arr.nbytes, host=True))
         for past, present, ptr in zip(self.past_names, self.present_names, rows):
             ctx.set_input_shape(past, (b, self.kv_shape[0], self.capacity, self.kv_shape[1]))
             ctx.set_tensor_address(past, ptr)
