@@ -42,9 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GREEDY = "greedy_ids"
-_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
-
-
 MIN_TENSORRT = (10, 15)  # ONNX TensorScatter -> the in-place KV-cache update layer
 
 
@@ -163,7 +160,7 @@ class TrtDecoderSession(DecoderSession):
         self._kv_bytes_per_row = self.kv_row_bytes(self.capacity)
         logits = manifest.io.output("logits")
         assert logits is not None
-        self._logits_dtype = _NP[logits.dtype]
+        self._logits_dtype = np.dtype(logits.dtype)  # the graph's dtype names are numpy's
         self._vocab = int(manifest.geometry["vocab_size"])
         self._lock = threading.Lock()
         self.device = "cuda"
@@ -225,7 +222,7 @@ class TrtDecoderSession(DecoderSession):
             ctx.set_input_shape(past, (b, self.kv_shape[0], self.capacity, self.kv_shape[1]))
             ctx.set_tensor_address(past, ptr)
             ctx.set_tensor_address(present, ptr)  # aliased: the update layer writes in place
-        logits_bytes = b * k * self._vocab * np.dtype(self._logits_dtype).itemsize
+        logits_bytes = b * k * self._vocab * self._logits_dtype.itemsize
         ctx.set_tensor_address("logits", st.out("logits", logits_bytes, host=True))
         ctx.set_tensor_address(GREEDY, st.out(GREEDY, b * k * 4, host=False))  # the graph's output, unread here
 
