@@ -58,13 +58,9 @@ def staging_memory_info(ort: Any, device_id: int) -> Any:
                                               "register_execution_provider_library")):
             return None
         cuda = [d for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider"]
-        if not cuda:
+        if not cuda:  # ONNX Runtime's errors (Fail, InvalidArgument, ...) are RuntimeErrors, logged below
             lib = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
-            try:
-                ort.register_execution_provider_library("CUDAExecutionProvider", str(lib))
-            except RuntimeError as e:  # ONNX Runtime's errors (Fail, InvalidArgument, ...) are RuntimeErrors
-                log.debug("could not register %s for its pinned allocator: %s", lib, e)
-                return None
+            ort.register_execution_provider_library("CUDAExecutionProvider", str(lib))
             cuda = [d for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider"]
         if not cuda:
             return None
