@@ -172,18 +172,11 @@ class OrtDecoderSession(DecoderSession):
         return [self.kv_value((slots, kvh, capacity, hd)) for _ in self.past_names]
 
     def copy_rows(self, values: list[Any], src: int, into: list[Any], dst: int, n: int, capacity: int) -> None:
-        """CUDA: one 2-D device-to-device copy per buffer (``kv_heads`` runs of ``n`` positions), complete before the
-        next pass runs (rows in host memory are copied by the slot cache itself)."""
+        """CUDA: :meth:`copy_rows_on_device`, complete before the next pass runs (rows in host memory are copied by the
+        slot cache itself)."""
         if self.device == "cpu":
             raise EngineLoadError("the CPU provider's rows are host memory: the slot cache copies them")
-        from trtinfer.runtime import cuda  # cuda-python: the GPU extra's, never imported on the CPU path
-
-        row = self.kv_row_bytes(capacity)
-        pitch = row // self.kv_shape[0]
-        cuda.set_device(self.config.device_id)
-        for val, out in zip(values, into):
-            cuda.copy_2d_on_device(out.data_ptr() + dst * row, pitch, val.data_ptr() + src * row, pitch,
-                                   n * (pitch // capacity), self.kv_shape[0])
+        self.copy_rows_on_device(values, src, into, dst, n, capacity)
 
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
                  positions: np.ndarray, staging: Any, bindings: dict[Any, Any] | None = None) -> np.ndarray:

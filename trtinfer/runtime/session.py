@@ -101,6 +101,19 @@ class DecoderSession(Closing, ABC):
         :meth:`slot_values` of this session and ``capacity``), on the backend's device (a prefix cache hit on a row
         still in use, a forked context)."""
 
+    def copy_rows_on_device(self, values: list[Any], src: int, into: list[Any], dst: int, n: int, capacity: int,
+                            stream: Any = None) -> None:
+        """:meth:`copy_rows` on a CUDA device: one 2-D device-to-device copy per buffer (``kv_heads`` runs of ``n``
+        positions), queued on ``stream`` (None: complete on return, :func:`~trtinfer.runtime.cuda.copy_2d_on_device`)."""
+        from trtinfer.runtime import cuda  # cuda-python: the GPU extra's, never imported on the CPU path
+
+        kvh, row = self.kv_shape[0], self.kv_row_bytes(capacity)
+        pitch = row // kvh
+        cuda.set_device(self.config.device_id)
+        for val, out in zip(values, into):
+            cuda.copy_2d_on_device(self.row_pointer(out) + dst * row, pitch, self.row_pointer(val) + src * row, pitch,
+                                   n * (pitch // capacity), kvh, stream)
+
     @abstractmethod
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
                  positions: np.ndarray, staging: Any, bindings: dict[Any, Any] | None = None) -> np.ndarray:

@@ -255,14 +255,9 @@ class TrtDecoderSession(DecoderSession):
         return int(value.ptr)
 
     def copy_rows(self, values: list[Any], src: int, into: list[Any], dst: int, n: int, capacity: int) -> None:
-        """One 2-D device copy per buffer (``kv_heads`` runs of ``n`` positions) on the session's stream."""
-        kvh, row = self.kv_shape[0], self._kv_bytes_per_row
-        pitch = row // kvh
+        """:meth:`copy_rows_on_device` on the session's stream."""
         with self._lock:
-            cuda.set_device(self.config.device_id)
-            for val, out in zip(values, into):
-                cuda.copy_2d_on_device(int(out.ptr) + dst * row, pitch, int(val.ptr) + src * row, pitch,
-                                       n * (pitch // self.capacity), kvh, self.stream)
+            self.copy_rows_on_device(values, src, into, dst, n, capacity, self.stream)
             self.stream.synchronize()
 
     def run_rows(self, feeds: dict[str, np.ndarray], values: list[Any], first_row: int, rows: int, capacity: int,
