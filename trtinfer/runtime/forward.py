@@ -204,16 +204,13 @@ def execute(passes: Sequence[Forward]) -> list[Output]:
     passes = list(passes)
     if not all(isinstance(f, Forward) for f in passes):
         raise InputError("execute() takes a list of forward passes (ctx.forward()...)")
-    if len({id(f) for f in passes}) != len(passes) or len({id(f.ctx) for f in passes}) != len(passes):
+    if len({id(f.ctx) for f in passes}) != len(passes):  # a pass given twice shares its context too
         raise InputError("execute() takes one pass per context; run a context's second pass after the first")
     for f in passes:
         f._check_runnable()
-    group = passes[0].ctx.group if passes else None
-    if group is not None and len(passes) > 1:
-        outs = group.run(passes)
-        if outs is not None:
-            return outs
-    return [f.execute() for f in passes]
+    group = passes[0].ctx.group if len(passes) > 1 else None
+    outs = None if group is None else group.run(passes)
+    return outs if outs is not None else [f.execute() for f in passes]
 
 
 def check_capacity(capacity: Any, manifest: Any) -> None:
