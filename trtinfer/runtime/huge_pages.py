@@ -23,6 +23,7 @@ import ctypes
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,14 +116,13 @@ def collapse_resident_memory() -> int:
     if madvise is None or thp_mode() != "madvise" or not kernel_collapses():
         return 0
     t0, huge_before = time.perf_counter(), _anon_huge_bytes()
-    refused: dict[int, int] = {}
+    refused: Counter[int] = Counter()
     for start, length in _ranges_to_collapse(anonymous_mappings()):
         madvise(start, length, MADV_HUGEPAGE)  # later faults in the range: huge pages too
         if madvise(start, length, MADV_COLLAPSE) != 0:
-            code = ctypes.get_errno()
-            refused[code] = refused.get(code, 0) + 1
+            refused[ctypes.get_errno()] += 1
     done = max(0, _anon_huge_bytes() - huge_before)
     if done or refused:
         log.debug("collapsed %.0f MiB of resident memory (packed weights) into huge pages in %.2f s; ranges refused "
-                  "(errno: count): %s", done / 2**20, time.perf_counter() - t0, refused or "none")
+                  "(errno: count): %s", done / 2**20, time.perf_counter() - t0, dict(refused) or "none")
     return done
