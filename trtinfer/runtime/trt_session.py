@@ -112,10 +112,8 @@ class _Staging:
     def release(self) -> None:
         """Free every buffer of this cache (the slot cache gives its staging back by this name, as ONNX Runtime's)."""
         self.drop_graph()
-        for h in self.host.values():
-            h.free()
-        for d in self.device.values():
-            d.free()
+        for buf in [*self.host.values(), *self.device.values()]:
+            buf.free()
         self.host.clear()
         self.device.clear()
 
