@@ -79,12 +79,11 @@ class _Staging:
         self.graph: cuda.CudaGraph | None = None
         self.graph_key: tuple[Any, ...] | None = None
 
-    def put(self, name: str, arr: np.ndarray) -> int:
-        """Stage ``arr`` in its pinned buffer and queue the copy to the device; returns the device pointer."""
+    def put(self, name: str, arr: np.ndarray) -> None:
+        """Stage ``arr`` in its pinned buffer and queue the copy to the device."""
         ptr = self.out(name, arr.nbytes, host=True)
         self.host[name].view(arr.shape, arr.dtype)[...] = arr
         cuda.copy_to_device(ptr, self.host[name], arr.nbytes, self.stream)
-        return ptr
 
     def out(self, name: str, nbytes: int, host: bool) -> int:
         """A device buffer of at least ``nbytes`` for ``name`` (and a pinned twin for an input staged through it or an
@@ -97,11 +96,10 @@ class _Staging:
             self.host[name] = cuda.PinnedBuffer(self.device[name].nbytes)
         return self.device[name].ptr
 
-    def fetch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """Queue the device-to-host copy of output ``name``; the returned view is valid after the stream syncs."""
+    def fetch(self, name: str, shape: tuple[int, ...], dtype: Any) -> None:
+        """Queue the device-to-host copy of output ``name`` (``shape``, ``dtype``) into its pinned buffer."""
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         cuda.copy_to_host(self.host[name], self.device[name].ptr, nbytes, self.stream)
-        return self.host[name].view(shape, dtype)
 
     def drop_graph(self) -> None:
         """Forget the captured decode graph."""
