@@ -48,15 +48,12 @@ def mapped_ranges(files: set[str]) -> list[tuple[int, int]]:
     """``(start, length)`` of every mapping of this process whose file is in ``files`` (real paths); empty where
     ``/proc/self/maps`` cannot be read."""
     out = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].rstrip("\n") in files:
-                    start, end = (int(x, 16) for x in parts[0].split("-"))
-                    out.append((start, end - start))
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].rstrip("\n") in files:
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                out.append((start, end - start))
     return out
 
 
