@@ -18,7 +18,7 @@ from trtinfer.runtime.gen_defaults import read_generation_defaults_and_keys
 from trtinfer.runtime.generator import GenerationResult, StreamEvent, warn_length_budget
 from trtinfer.runtime.offline import BeamGeneration, Generation
 from trtinfer.runtime.scoring import PerplexityResult, ScoreResult, check_ids, score_ids, windowed_perplexity
-from trtinfer.runtime.session import DecoderSession, open_session
+from trtinfer.runtime.session import Closing, DecoderSession, open_session
 from trtinfer.runtime.tokenizer import EngineTokenizer, check_text
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ _GEN_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)}
 _HOOKS = frozenset({"logits_processor", "should_stop"})
 
 
-class Engine:
+class Engine(Closing):
     """A loaded engine. Generate with :meth:`generate`, stream with :meth:`stream`, score with :meth:`score` and
     :meth:`perplexity`; close or use ``with``."""
 
@@ -44,12 +44,6 @@ class Engine:
         #: and the fields that file itself set (the rest are transformers' defaults)
         self.generation_defaults, self.generation_defaults_set = read_generation_defaults_and_keys(self.path)
         self.closed = False
-
-    def __enter__(self) -> Engine:  # noqa: PYI034
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         """Release the backend session (its weights, buffers and device memory); the engine refuses work after."""

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from trtinfer.errors import EngineLoadError, InputError
+from trtinfer.runtime.cuda import host_view
 from trtinfer.runtime.prefix_cache import PrefixIndex
 
 
@@ -36,18 +37,14 @@ class SlotCache:
     """
 
     def __init__(self, session: Any, slots: int, capacity: int, reserve: bool = True) -> None:
-        layout = getattr(session, "layout", None)
-        if layout is None:
-            raise EngineLoadError(f"continuous batching needs a session that keeps KV rows; {type(session).__name__} "
-                                  "does not: serve the engine with ONNX Runtime or TensorRT")
-        self.layout = layout
+        self.layout = layout = session.layout
         # a layout that returns new KV each pass (concat) keeps its slot rows in host memory, whatever the device:
         # each pass gathers the rows' past from them and writes the new KV back
         self.host_rows = not layout.in_place
         if self.host_rows and str(session.kv_dtype) == "bfloat16" and session.device != "cpu":
             raise EngineLoadError(f"the {layout.name} KV layout's rows are kept in host memory, where numpy has no "
                                   "bfloat16: rebuild the engine with the default passes (shared_buffer) or fp16")
-        if getattr(session, "scatter_capacity", 0):
+        if session.scatter_capacity:
             if session.scatter_capacity < capacity:
                 raise InputError(f"the engine's KV buffers hold {session.scatter_capacity} positions; {capacity} "
                                  "were asked for: lower max_model_len")
@@ -83,9 +80,9 @@ class SlotCache:
         """A numpy view ``[S, kv_heads, capacity, bytes per position]`` of a host buffer's raw bytes."""
         if isinstance(val, np.ndarray):
             return val.view(np.uint8).reshape(self.slots, val.shape[1], self.capacity, -1)
-        raw = (ctypes.c_char * (self._row_bytes * self.slots)).from_address(self.session.row_pointer(val))
-        return np.frombuffer(memoryview(raw), dtype=np.uint8).reshape(self.slots, self.session.kv_shape[0],
-                                                                        self.capacity, -1)
+        nbytes = self._row_bytes * self.slots
+        return host_view(self.session.row_pointer(val), nbytes, (nbytes,), np.uint8).reshape(
+            self.slots, self.session.kv_shape[0], self.capacity, -1)
 
     def _run(self, feeds: dict[str, np.ndarray], first_row: int, rows: int, positions: np.ndarray) -> np.ndarray:
         """One pass over buffer rows ``first_row .. first_row + rows - 1``; logits ``[rows, K, V]`` at ``positions``.
