@@ -99,19 +99,16 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb."""
-    from trtinfer.artifact import read_manifest
-    from trtinfer.errors import InputError
+    from trtinfer.serving.app import decoder_manifest
 
     config = config_from_args(args)
     ray_config = ray_config_from_args(args)
     path = Path(args.engine)
-    manifest = read_manifest(path)  # a bad directory fails here, before anything listens
+    manifest = decoder_manifest(path)  # a bad directory or an encoder engine fails here, before anything listens
     if config.chat_template is not None:  # so does a template that is neither built in nor a readable jinja file
         from trtinfer.runtime.tokenizer import load_chat_template
 
         load_chat_template(config.chat_template)
-    if manifest.kind != "decoder":
-        raise InputError(f"{path} is an encoder engine (embeddings); trtinfer serve serves decoder engines")
     config.slots_for(manifest.max_batch_size)  # --max-slots / --max-model-len past the engine's: before any port opens
     config.model_len_for(manifest.max_seq_len)
     if ray_config is not None:  # the same create_app in every Ray replica
