@@ -273,6 +273,17 @@ def test_parse_request_refuses_bad_values(engine, inputs, says) -> None:
         parse_request({"text_input": _s("hi"), **inputs}, engine.generation_defaults)
 
 
+@pytest.mark.parametrize(("params", "says"), [
+    ('{"top_k": -1.0}', r"top_k must be an integer, got -1.0 \(float\)"),  # -1 (an int) alone means no top-k
+    ('{"top_k": -2}', "top_k must be >= 0"),
+])
+def test_parse_request_refuses_top_k_as_the_server_does(engine, params, says) -> None:
+    """Triton reads vLLM's sampling parameters through the server's one reading (serving.sampling): a top_k below
+    -1 or a float -1 is the config's error, not a silent "no top-k"."""
+    with pytest.raises(ConfigError, match=says):
+        parse_request({"text_input": _s("hi"), "sampling_parameters": _s(params)}, engine.generation_defaults)
+
+
 def test_parse_request_null_sampling_parameter_is_the_default(engine) -> None:
     defaults = engine.generation_defaults
     req = parse_request({"text_input": _s("hi"), "sampling_parameters": _s('{"temperature": null, "top_p": null}')},

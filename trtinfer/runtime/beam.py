@@ -138,13 +138,14 @@ class BeamSearch:
         reasons = ["error"] * len(prompts)
         try:
             self._steps(prompts, states, keep_k, step_ends)
+            results = [r for p, st, ends in zip(prompts, states, step_ends)
+                       for r in self._results(st, Timings.of_steps(len(p), len(prompts) * nb, t_submit, ends))]
             reasons = [self._reason(st, st.finished[0]) if st.finished else "length" for st in states]  # best beam's
         finally:  # its step requests are internal: the search is the request the scheduler counts
             for p, reason, ends in zip(prompts, reasons, step_ends):
                 end = ends[-1] if ends and reason != "error" else time.perf_counter()  # a failure: when it failed
                 self.sched.report(Finished(reason, len(p), t_submit, ends[0] if ends else None, tuple(ends), end))
-        return [r for p, st, ends in zip(prompts, states, step_ends)
-                for r in self._results(st, Timings.of_steps(len(p), len(prompts) * nb, t_submit, ends))]
+        return results
 
     def _steps(self, prompts: list[list[int]], states: list[_Prompt], keep_k: int,
                step_ends: list[list[float]]) -> None:

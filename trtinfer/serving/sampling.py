@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trtinfer.errors import InputError
-from trtinfer.runtime.config import GREEDY_BELOW, is_number
+from trtinfer.runtime.config import GREEDY_BELOW, is_int, is_number
 
 #: vLLM's ``SamplingParams`` name -> GenerationConfig field
 VLLM_FIELDS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", **{k: k for k in (
@@ -28,6 +28,6 @@ def sampling_fields(params: Mapping[str, Any]) -> dict[str, Any]:
             fields["temperature"] = float(temperature)
     elif any(k in fields for k in ("top_p", "top_k", "min_p")):
         fields["do_sample"] = True
-    if fields.get("top_k") == -1:
+    if is_int(fields.get("top_k")) and fields["top_k"] == -1:  # an int: -1.0 stays GenerationConfig's type error
         fields["top_k"] = 0
     return fields
