@@ -46,6 +46,8 @@ class KVLayoutKind(str, Enum):
 KV_LAYOUTS = tuple(k.value for k in KVLayoutKind)
 KINDS = ("decoder", "encoder")
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
+#: element sizes of the dtypes a :class:`TensorSpec` may name (as :func:`trtinfer.stages.graph_io` writes them)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
 
 
 @dataclass(frozen=True)

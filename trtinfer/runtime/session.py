@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trtinfer.artifact import PRESENT_PREFIX, Manifest
+from trtinfer.artifact import DTYPE_BYTES, PRESENT_PREFIX, Manifest
 from trtinfer.errors import EngineLoadError, InputError
 from trtinfer.runtime.config import RuntimeConfig
 from trtinfer.runtime.kv_layouts import kv_layout
-from trtinfer.runtime.trt_plan import DTYPE_BYTES
 
 #: graph input ``[B,K]`` int64: the positions whose logits the graph computes
 LOGITS_POSITIONS = "logits_positions"

@@ -23,9 +23,6 @@ from typing import Any
 
 from trtinfer.errors import ConfigError, EngineLoadError
 
-#: Element sizes of the dtypes an engine's I/O may have (names as :func:`trtinfer.stages.graph_io` writes them).
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
-
 #: Symbolic dimension names of the ``tensorrt`` pass target's graph (``scatter_buffer`` KV layout).
 BATCH, SEQUENCE, POSITIONS = "batch", "sequence", "positions"
 KNOWN_DIMS = (BATCH, SEQUENCE, POSITIONS)
