@@ -8,8 +8,8 @@
     scatter_buffer  fixed-size buffers, TensorScatter        written at position_ids[:,0] position_ids
 
 A layout owns what differs between them: the feeds of a pass over rows of KV buffers (a prefill, a chunk of one
-row, a decode step alike) that give each row's length, and whether its graph writes them in place. Sessions only bind and run; the slot cache
-(:mod:`trtinfer.runtime.slots`) binds rows. The manifest's ``kv_layout`` names the layout; :func:`kv_layout` looks
+row, a decode step alike) that give each row's length, and whether its graph writes them in place. Sessions only
+bind and run; the slot cache (:mod:`trtinfer.runtime.slots`) binds rows. The manifest's ``kv_layout`` names the layout; :func:`kv_layout` looks
 it up in the registry (an unknown name is one line listing the known ones).
 """
 from __future__ import annotations
@@ -67,7 +67,8 @@ class ConcatLayout(KVLayout):
         begin, so a sliding window counted in columns (Gemma-3's local layers) sees the row's last tokens."""
         past = int(starts.max())
         cols = np.arange(past + ids.shape[1])
-        return {"attention_mask": ((cols >= past - starts[:, None]) & (cols < past + lengths[:, None])).astype(np.int64)}
+        mask = (cols >= past - starts[:, None]) & (cols < past + lengths[:, None])
+        return {"attention_mask": mask.astype(np.int64)}
 
 
 class SharedBufferLayout(KVLayout):

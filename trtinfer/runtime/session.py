@@ -103,7 +103,8 @@ class DecoderSession(Closing, ABC):
     def copy_rows_on_device(self, values: list[Any], src: int, into: list[Any], dst: int, n: int, capacity: int,
                             stream: Any = None) -> None:
         """:meth:`copy_rows` on a CUDA device: one 2-D device-to-device copy per buffer (``kv_heads`` runs of ``n``
-        positions), queued on ``stream`` (None: complete on return, :func:`~trtinfer.runtime.cuda.copy_2d_on_device`)."""
+        positions), queued on ``stream`` (None: complete on return,
+        :func:`~trtinfer.runtime.cuda.copy_2d_on_device`)."""
         from trtinfer.runtime import cuda  # cuda-python: the GPU extra's, never imported on the CPU path
 
         kvh, row = self.kv_shape[0], self.kv_row_bytes(capacity)
