@@ -1,0 +1,207 @@
+"""How much of its own engine loop ``trtinfer serve`` delivers: guidellm against the server, beside the same workload
+driven through the same :class:`~trtinfer.runtime.scheduler.Scheduler` in process (no HTTP, no client), interleaved.
+
+usage: python -m benchmarks.serve_bound --engine DIR [--engine DIR ...] [--streams 8] [--requests 32] [--rounds 3]
+                                        [--prompt-tokens 128] [--output-tokens 64] [--out PATH]
+                                        [--serve-arg=--no-spinning ...]
+
+A round runs, per engine: (1) ``benchmarks.guidellm_serve`` at ``--streams`` streams (a fresh ``trtinfer serve`` on
+loopback, guidellm's synthetic ``--prompt-tokens``-token prompts, ``--output-tokens`` tokens each with ``ignore_eos``,
+``--requests`` requests); (2) in a child process, the scheduler the server builds (the ``ServeConfig`` that
+``trtinfer serve`` makes of the same ``--serve-arg`` flags: slots, prefill chunk, prefix caching, runtime settings) with ``--streams`` threads each submitting a
+prompt of ``--prompt-tokens`` random token ids (seeded; no two share a prefix, as guidellm's) as soon as its last
+one ended, ``--requests`` in all, after one warm-up request: output tokens over the wall time, TTFT p50 (submit ->
+first token). The in-process run is the server without its HTTP layer and without a client on the same cores: the
+ratio served / in-process says what the server and its client cost, and what is left for the loop to win is the
+model's step (see ``benchmarks.loop_overhead`` for the loop's host time per step).
+
+Writes PATH.json (machine, each run, a summary per engine: tok/s and TTFT p50 of both, served / in-process per round)
+and PATH.png (default PATH: benchmarks/results/serve_bound_<cpu kind>_<date>); prints the table. guidellm runs from
+``~/glvenv`` (``benchmarks.guidellm_serve --guidellm``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.guidellm_ab import one_run
+from benchmarks.machine import ROOT, git_commit, machine_info, result_path
+
+
+def serve_config(engine_dir: Path, serve_args: Sequence[str]) -> Any:
+    """The ``ServeConfig`` that ``trtinfer serve ENGINE SERVE_ARGS`` runs with."""
+    from trtinfer.cli.serve import add_parser, config_from_args
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    return config_from_args(sub.choices["serve"].parse_args([str(engine_dir), *serve_args]))
+
+
+def in_process(engine_dir: Path, streams: int, requests: int, prompt_tokens: int, output_tokens: int,
+               serve_args: Sequence[str] = ()) -> dict[str, Any]:
+    """The workload through the server's scheduler in this process: output tok/s, TTFT p50 (ms), steps."""
+    import numpy as np
+
+    from trtinfer.runtime.config import GenerationConfig
+    from trtinfer.runtime.scheduler import Scheduler
+    from trtinfer.serving.app import load_engine
+
+    config = serve_config(engine_dir, serve_args)
+    with load_engine(engine_dir, config) as engine:
+        m = engine.manifest
+        vocab = int(m.geometry["vocab_size"])
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(requests + 1)]
+        cfg = GenerationConfig(max_new_tokens=output_tokens, ignore_eos=True)
+        scheduler = Scheduler(engine, max_queue=config.max_queue, prefill_chunk=config.prefill_chunk,
+                              max_slots=config.slots_for(m.max_batch_size),
+                              max_model_len=config.model_len_for(m.max_seq_len),
+                              prefix_caching=config.prefix_caching).start()
+        try:
+            scheduler.submit(prompts[-1], cfg).result()  # warm-up, as guidellm_serve sends one request first
+            todo, lock = iter(prompts[:-1]), threading.Lock()
+            ttft: list[float] = []
+            tokens = [0]
+
+            def client() -> None:
+                while True:
+                    with lock:
+                        prompt = next(todo, None)
+                    if prompt is None:
+                        return
+                    t0, first, n = time.perf_counter(), float("nan"), 0
+                    for event in scheduler.submit(prompt, cfg):
+                        first = time.perf_counter() - t0 if n == 0 else first
+                        n += event.token_id is not None
+                    with lock:
+                        ttft.append(first)
+                        tokens[0] += n
+
+            steps0, t0 = scheduler.stats()["steps"], time.perf_counter()
+            threads = [threading.Thread(target=client) for _ in range(streams)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            steps = scheduler.stats()["steps"] - steps0
+        finally:
+            scheduler.close()
+    return {"output_tokens_per_s": round(tokens[0] / wall, 2), "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 1),
+            "wall_s": round(wall, 2), "steps": steps, "requests": len(ttft), "output_tokens": tokens[0]}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per engine: tok/s and TTFT p50 of each side by round, their means, served / in-process per round."""
+    summary: dict[str, Any] = {}
+    for r in runs:
+        e = summary.setdefault(r["engine"], {"served_tok_s": [], "in_process_tok_s": [], "served_ttft_p50_ms": [],
+                                            "in_process_ttft_p50_ms": []})
+        e[f"{r['side']}_tok_s"].append(r["output_tokens_per_s"])
+        e[f"{r['side']}_ttft_p50_ms"].append(r["ttft_p50_ms"])
+    for e in summary.values():
+        e["ratio_by_round"] = [round(a / b, 3) for a, b in zip(e["served_tok_s"], e["in_process_tok_s"], strict=False)]
+        e["ratio_of_means"] = round(statistics.mean(e["served_tok_s"]) / statistics.mean(e["in_process_tok_s"]), 3)
+    return summary
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    print(f"{'engine':<28} {'served tok/s':<24} {'in-process tok/s':<24} {'served/in-process':<22} "
+          f"{'TTFT p50 ms served / in-process'}")
+    def runs(values: list[float]) -> str:
+        return ", ".join(f"{v:.1f}" for v in values)
+
+    for engine, e in summary.items():
+        print(f"{Path(engine).name:<28} {runs(e['served_tok_s']):<24} {runs(e['in_process_tok_s']):<24} "
+              f"{', '.join(map(str, e['ratio_by_round'])):<22} "
+              f"{statistics.mean(e['served_ttft_p50_ms']):.0f} / {statistics.mean(e['in_process_ttft_p50_ms']):.0f}")
+
+
+def chart(summary: dict[str, Any], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    labels = [f"{Path(e).name}\n{side}" for e in summary for side in ("served", "in-process")]
+    for ax, key, what in ((axes[0], "tok_s", "output tok/s (each round)"), (axes[1], "ttft_p50_ms", "TTFT p50 ms")):
+        values = [e[f"{side}_{key}"] for e in summary.values() for side in ("served", "in_process")]
+        for i, vs in enumerate(values):
+            ax.bar(i, statistics.mean(vs), color="tab:blue" if i % 2 else "tab:gray", alpha=0.6)
+            ax.scatter([i] * len(vs), vs, color="black", s=12, zorder=3)
+        ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        ax.set_title(what)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", type=Path, action="append", required=True)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # the child's side of one round
+    ap.add_argument("--out", type=Path, default=None, help="output path without suffix")
+    ap.add_argument("--serve-arg", action="append", default=[], help="a trtinfer serve flag for both sides "
+                    "(--serve-arg=--no-spinning)")
+    args = ap.parse_args()
+    if args.in_process:
+        print(json.dumps(in_process(args.engine[0], args.streams, args.requests, args.prompt_tokens,
+                                    args.output_tokens, args.serve_arg)))
+        return
+    for engine in args.engine:
+        if not (engine / "manifest.json").is_file():
+            ap.error(f"--engine {engine}: no manifest.json there; build one with trtinfer build")
+    machine = machine_info()
+    out = (args.out or result_path("serve_bound", "", machine)).resolve()
+    work = out.with_name(out.name + "_runs")
+    work.mkdir(parents=True, exist_ok=True)
+    gl_args = argparse.Namespace(levels=[args.streams], requests_per_level=args.requests)
+    runs = []
+    for rnd in range(1, args.rounds + 1):
+        for engine in args.engine:
+            engine = engine.resolve()
+            record = one_run(f"served-{engine.name}", ROOT, engine, args.serve_arg, gl_args,
+                             work / f"{engine.name}-{rnd}")
+            level = record["levels"][0]
+            runs.append({"engine": str(engine), "side": "served", "round": rnd,
+                         "output_tokens_per_s": level["output_tokens_per_s"], "ttft_p50_ms": level["ttft_p50_ms"],
+                         "checks": record["checks"]})
+            cmd = [sys.executable, "-m", "benchmarks.serve_bound", "--in-process", "--engine", str(engine),
+                   "--streams", str(args.streams), "--requests", str(args.requests),
+                   "--prompt-tokens", str(args.prompt_tokens), "--output-tokens", str(args.output_tokens),
+                   *(f"--serve-arg={a}" for a in args.serve_arg)]
+            print(f"--- in-process {engine.name}", flush=True)
+            child = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+            runs.append({"engine": str(engine), "side": "in_process", "round": rnd,
+                         **json.loads(child.stdout.strip().splitlines()[-1])})
+            print(runs[-2]["output_tokens_per_s"], runs[-1], flush=True)
+    summary = summarize(runs)
+    print_table(summary)
+    record = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "code": git_commit(ROOT),
+              "streams": args.streams, "requests": args.requests, "rounds": args.rounds,
+              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "serve_args": args.serve_arg,
+              "command": [sys.executable, *sys.argv], "runs": runs, "summary": summary}
+    json_path, png_path = out.with_name(out.name + ".json"), out.with_name(out.name + ".png")
+    json_path.write_text(json.dumps(record, indent=1))
+    chart(summary, f"trtinfer serve (guidellm, {args.streams} streams) vs its scheduler in process, "
+          f"{git_commit(ROOT)}", png_path)
+    print(f"wrote {json_path}, {png_path}")
+
+
+if __name__ == "__main__":
+    main()
