@@ -8,9 +8,9 @@ from benchmarks import serve_bound
 
 def test_in_process_runs_the_servers_scheduler_on_the_same_flags(tiny_engine):
     engine = tiny_engine("llama")
-    assert serve_bound.serve_config(engine, ["--max-slots", "2"]).max_slots == 2
+    assert serve_bound.serve_config(engine, ["--no-spinning", "--max-slots", "2"]).runtime().spinning is False
     report = serve_bound.in_process(engine, streams=3, requests=5, prompt_tokens=9, output_tokens=4,
-                                    serve_args=["--max-slots", "2"])
+                                    serve_args=["--max-slots", "2", "--no-spinning"])
     assert report["requests"] == 5
     assert report["output_tokens_per_s"] > 0 and report["ttft_p50_ms"] > 0
     # 5 requests x 4 tokens on 2 rows, a row making at most 2 tokens a step (its prefill's, then a decode's)

@@ -175,3 +175,37 @@ def test_huge_pages_flag_reaches_the_session(tiny_engine, tmp_path, monkeypatch,
     add_parser(sub)
     for argv, want in ((["E"], True), (["E", "--no-huge-pages"], False)):
         assert config_from_args(sub.choices["serve"].parse_args(argv)).runtime().huge_pages is want
+
+
+def test_no_spinning_lets_the_workers_sleep_and_changes_no_token(tiny_engine, capsys):
+    """``--no-spinning`` (``RuntimeConfig.spinning=False``) sets ONNX Runtime's ``session.intra_op.allow_spinning`` to
+    0 on the engine's sessions, for serve (its config) and the one-off verbs; the default leaves ONNX Runtime's own
+    (spinning). The tokens are the same either way."""
+    import argparse
+
+    import trtinfer
+    from trtinfer.cli import main
+    from trtinfer.cli.serve import add_parser, config_from_args
+    from trtinfer.runtime.config import RuntimeConfig
+    from trtinfer.runtime.ort_env import NO_SPINNING
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    for argv, want in ((["E"], True), (["E", "--no-spinning"], False), (["E", "--spinning"], True)):
+        assert config_from_args(sub.choices["serve"].parse_args(argv)).runtime().spinning is want
+    path = tiny_engine("llama")
+    with trtinfer.load(path, RuntimeConfig(spinning=False)) as sleeping, trtinfer.load(path) as spinning:
+        assert sleeping.session.sess.get_session_options().get_session_config_entry(NO_SPINNING) == "0"
+        with pytest.raises(RuntimeError, match="does not have configuration"):
+            spinning.session.sess.get_session_options().get_session_config_entry(NO_SPINNING)
+        prompts = [[3, 5, 7, 11], [13, 17]]
+        got = sleeping.generate(input_ids=prompts, max_new_tokens=6)
+        assert [r.token_ids for r in got] == [r.token_ids for r in spinning.generate(input_ids=prompts,
+                                                                                     max_new_tokens=6)]
+    texts = []
+    for flag in ("--no-spinning", "--spinning"):
+        assert main(["generate", str(path), "--prompt", "hi", "--max-new-tokens", "4", flag]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
+    with pytest.raises(trtinfer.errors.ConfigError, match="spinning must be"):
+        RuntimeConfig(spinning="no")  # type: ignore[arg-type]

@@ -34,10 +34,10 @@ def add_provider_flag(parser: argparse.ArgumentParser, default: str | None = "cp
 
 
 def add_cpu_runtime_flags(parser: argparse.ArgumentParser, prefill_graph: bool | None = True,
-                          huge_pages: bool | None = False) -> None:
-    """``--prefill-graph/--no-prefill-graph`` and ``--huge-pages/--no-huge-pages`` (``RuntimeConfig.prefill_graph``,
-    ``.huge_pages``) on a verb that loads a decoder engine, with the verb's defaults (None where the verb's config
-    holds them). Huge pages are off by default for one-off verbs: moving the packed weights costs ~2.6 s per GiB at
+                          huge_pages: bool | None = False, spinning: bool | None = True) -> None:
+    """``--prefill-graph/--no-prefill-graph``, ``--huge-pages/--no-huge-pages`` and ``--spinning/--no-spinning``
+    (``RuntimeConfig.prefill_graph``, ``.huge_pages``, ``.spinning``) on a verb that loads a decoder engine, with the
+    verb's defaults (None where the verb's config holds them). Huge pages are off by default for one-off verbs: moving the packed weights costs ~2.6 s per GiB at
     load, more than a few hundred decoded tokens gain (Gemma-3-270M fp32, 48 tokens: 8.4 s against 5.3-5.9 s)."""
     parser.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=prefill_graph,
                         help="CPU: run prompts on the engine's int8 prefill graph where it has one (`build --prefill "
@@ -46,6 +46,11 @@ def add_cpu_runtime_flags(parser: argparse.ArgumentParser, prefill_graph: bool |
                         help="CPU: move the weights ONNX Runtime packs at load onto 2 MiB pages (Linux 6.1+, "
                              "transparent huge pages in 'madvise' mode): decode 3-11%% faster, the load ~2.6 s "
                              "longer per GiB packed (default: on for serve, off for generate and eval)")
+    parser.add_argument("--spinning", action=argparse.BooleanOptionalAction, default=spinning,
+                        help="CPU: ONNX Runtime's workers spin between the parallel sections of a run; "
+                             "--no-spinning lets them sleep, leaving the cores to other work (a load client or "
+                             "other services on the same cores: ~10%% more tokens/s served on 2 cores; alone, int4 "
+                             "decode 7-15%% slower) (default: on)")
 
 
 def config_from_flags(factory: Callable[..., T], flags: Mapping[str, str], **values: object) -> T:

@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--stride must be between 1 and the window, got {args.stride}")
     text = read_text_file(args.text_file)
     runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider,
-                                prefill_graph=args.prefill_graph, huge_pages=args.huge_pages)
+                                prefill_graph=args.prefill_graph, huge_pages=args.huge_pages,
+                                spinning=args.spinning)
     manifest = read_manifest(Path(args.engine))
     if manifest.kind == "encoder":
         raise InputError(f"{args.engine} is an encoder engine; `trtinfer eval` needs a decoder engine")

@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         if e.field not in _COMBINED:  # a rule that involves the engine's defaults is checked once they are known
             raise
     runtime = config_from_flags(RuntimeConfig, RUNTIME_FLAGS, provider=args.provider,
-                                prefill_graph=args.prefill_graph, huge_pages=args.huge_pages)
+                                prefill_graph=args.prefill_graph, huge_pages=args.huge_pages,
+                                spinning=args.spinning)
     if args.assistant is None and "num_assistant_tokens" in chosen:
         raise InputError("--num-assistant-tokens needs --assistant ENGINE_DIR")
     for flag, folder in (("ENGINE", args.engine), ("--assistant", args.assistant)):

@@ -25,7 +25,7 @@ SERVE_FLAGS = {"host": "--host", "port": "--port", "api_key": "--api-key", "mode
                "max_n": "--max-n", "provider": "--provider", "intra_op_threads": "--threads",
                "max_slots": "--max-slots", "max_model_len": "--max-model-len", "prefix_caching": "--prefix-caching",
                "speculative_ngram": "--speculative-ngram", "chat_template": "--chat-template",
-               "prefill_graph": "--prefill-graph", "huge_pages": "--huge-pages"}
+               "prefill_graph": "--prefill-graph", "huge_pages": "--huge-pages", "spinning": "--spinning"}
 #: RayConfig field -> flag (``--ray`` itself chooses Ray Serve)
 RAY_FLAGS = {"replicas": "--replicas", "replica_cpus": "--replica-cpus", "address": "--ray-address"}
 #: where --api-key is read from when the flag is not given (a key on the command line shows in `ps`)
@@ -67,7 +67,7 @@ def add_parser(sub: Any) -> None:
                         "calling) and parse <tool_call> blocks back")
     add_provider_flag(p, default=None, help="default cpu")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default 0: one per core)")
-    add_cpu_runtime_flags(p, prefill_graph=None, huge_pages=None)
+    add_cpu_runtime_flags(p, prefill_graph=None, huge_pages=None, spinning=None)
     ray = p.add_argument_group("scale-out on Ray Serve (pip install 'trtinfer[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve as a Ray Serve deployment: one engine per replica, each with its own batcher")

@@ -102,6 +102,11 @@ class RuntimeConfig:
     #: :mod:`trtinfer.runtime.huge_pages`): decode streams them faster, the load takes ~2.6 s longer per GiB (the
     #: CLI's one-off verbs turn it off: generate and eval unless ``--huge-pages``, embed always)
     huge_pages: bool = True
+    #: CPU: ONNX Runtime's worker threads spin while they wait for the next parallel section of a run (its default);
+    #: False: they sleep (``session.intra_op.allow_spinning=0``) and leave the cores to other threads and processes.
+    #: Serving SmolLM2 on 2 cores beside its load client, not spinning gave ~10% more tokens/s; with no other work on
+    #: the cores it cost int4 decode 7-15% (``docs/benchmarks/serving.md``)
+    spinning: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.provider, str) or self.provider not in PROVIDERS:

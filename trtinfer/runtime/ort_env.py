@@ -261,6 +261,10 @@ def row_packed(manifest: Manifest, graph: str = "decoder") -> bool:
     return graph != "prefill" and manifest.precision in ROW_PACKED_PRECISIONS and not manifest.kept_float
 
 
+#: ONNX Runtime's session setting that lets the intra-op workers spin between a run's parallel sections ("0": sleep)
+NO_SPINNING = "session.intra_op.allow_spinning"
+
+
 def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: RuntimeConfig, *,
                      stop_spinning: bool = False, graph: str = "decoder") -> Any:
     """An ``onnxruntime.InferenceSession`` on ``model`` for ``config.provider``, or one line saying what is missing.
@@ -287,6 +291,8 @@ def open_ort_session(model: Path, engine_dir: Path, manifest: Manifest, config: 
     so.log_severity_level = 3
     if stop_spinning:
         so.add_session_config_entry("session.force_spinning_stop", "1")
+    if not config.spinning:
+        so.add_session_config_entry(NO_SPINNING, "0")
     if config.provider == "cpu":
         if config.prepack_weights is not True:  # no second copy of a model that big
             lean_weights(so, model, always=config.prepack_weights is False)

@@ -21,7 +21,7 @@ class ServeConfig:
     ``max_body_bytes``: larger request bodies get 413. ``prefill_chunk``: prompt tokens a step may prefill (long
     prompts go in chunks between decode steps; in one call while others decode). ``max_n``: the most choices
     (``n``) one request may ask for.
-    ``provider``, ``intra_op_threads``, ``prefill_graph`` and ``huge_pages`` go to the engine's
+    ``provider``, ``intra_op_threads``, ``prefill_graph``, ``huge_pages`` and ``spinning`` go to the engine's
     :class:`~trtinfer.runtime.config.RuntimeConfig`.
     ``max_slots``: requests decoded at once (default: the engine's max batch size, at most 8); ``max_model_len``:
     positions per request, prompt + output (default: the engine's max sequence length, at most 2048). Both size the
@@ -51,6 +51,7 @@ class ServeConfig:
     chat_template: str | None = None
     prefill_graph: bool = True
     huge_pages: bool = True
+    spinning: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.host, str) and self.host):
@@ -78,7 +79,7 @@ class ServeConfig:
 
     def runtime(self) -> RuntimeConfig:
         return RuntimeConfig(provider=self.provider, intra_op_threads=self.intra_op_threads,
-                             prefill_graph=self.prefill_graph, huge_pages=self.huge_pages)
+                             prefill_graph=self.prefill_graph, huge_pages=self.huge_pages, spinning=self.spinning)
 
     def slots_for(self, max_batch_size: int) -> int:
         """Rows of the server's KV cache: ``max_slots``, which may not pass the engine's max batch size, or the
