@@ -49,8 +49,8 @@ def add_cpu_runtime_flags(parser: argparse.ArgumentParser, prefill_graph: bool |
     parser.add_argument("--spinning", action=argparse.BooleanOptionalAction, default=spinning,
                         help="CPU: ONNX Runtime's workers spin between the parallel sections of a run; "
                              "--no-spinning lets them sleep, leaving the cores to other work (a load client or "
-                             "other services on the same cores: ~10%% more tokens/s served on 2 cores; alone, int4 "
-                             "decode 7-15%% slower) (default: on)")
+                             "other services on the same cores: int4 served 12%% more tokens/s on 2 cores; alone, "
+                             "its decode ~8%% slower) (default: on)")
 
 
 def config_from_flags(factory: Callable[..., T], flags: Mapping[str, str], **values: object) -> T:

@@ -104,8 +104,8 @@ class RuntimeConfig:
     huge_pages: bool = True
     #: CPU: ONNX Runtime's worker threads spin while they wait for the next parallel section of a run (its default);
     #: False: they sleep (``session.intra_op.allow_spinning=0``) and leave the cores to other threads and processes.
-    #: Serving SmolLM2 on 2 cores beside its load client, not spinning gave ~10% more tokens/s; with no other work on
-    #: the cores it cost int4 decode 7-15% (``docs/benchmarks/serving.md``)
+    #: Serving SmolLM2 int4 on 2 cores beside its load client, not spinning gave 12% more tokens/s (fp32: within the
+    #: runs' spread); with no other work on the cores it cost int4 decode ~8% (``docs/benchmarks/serving.md``)
     spinning: bool = True
 
     def __post_init__(self) -> None:
