@@ -51,10 +51,11 @@ def rss_kib(pid: int) -> int:
 
 
 def start_server(engine: Path, model_name: str = "soak", extra: list[str] | None = None,
-                 ) -> tuple[subprocess.Popen[str], str]:
-    """``trtinfer serve ENGINE --port 0 [extra flags]`` as a child; its base URL once /health answers 200."""
+                 cwd: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+    """``trtinfer serve ENGINE --port 0 [extra flags]`` as a child; its base URL once /health answers 200. ``cwd``: a
+    trtinfer checkout whose server to start (``python -m`` imports the package of its working directory)."""
     proc = subprocess.Popen([sys.executable, "-m", "trtinfer.cli", "serve", str(engine), "--port", "0",
-                             "--model-name", model_name, *(extra or [])], stderr=subprocess.PIPE, text=True)
+                             "--model-name", model_name, *(extra or [])], stderr=subprocess.PIPE, text=True, cwd=cwd)
     assert proc.stderr is not None
     m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stderr.readline())
     if not m:

@@ -26,3 +26,14 @@ def test_summary_pairs_rounds():
     assert s["served_tok_s"] == [90.0, 120.0] and s["in_process_tok_s"] == [100.0, 150.0]
     assert s["ratio_by_round"] == [0.9, 0.8]
     assert s["ratio_of_means"] == round(105 / 125, 3)
+
+
+def test_openai_client_side_serves_every_request_to_its_length(tiny_engine):
+    """``--client openai``: a real ``trtinfer serve`` on loopback, streamed by the openai package from several threads,
+    the in-process side's prompts; each request's usage says it made every token asked for."""
+    engine = tiny_engine("llama")
+    report = serve_bound.openai_load(engine, streams=2, requests=3, prompt_tokens=9, output_tokens=4,
+                                     serve_args=["--max-slots", "2"])
+    assert report["requests"] == 3 and report["output_tokens"] == 12
+    assert report["checks"]["all_output_tokens_exact"]
+    assert report["output_tokens_per_s"] > 0 and report["ttft_p50_ms"] > 0
