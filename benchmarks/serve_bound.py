@@ -256,7 +256,8 @@ def main() -> None:
     machine = machine_info()
     out = (args.out or result_path("serve_bound", "", machine)).resolve()
     work = out.with_name(out.name + "_runs")
-    work.mkdir(parents=True, exist_ok=True)
+    if args.client == "guidellm":  # each guidellm run's record and log
+        work.mkdir(parents=True, exist_ok=True)
     gl_args = argparse.Namespace(levels=[args.streams], requests_per_level=args.requests)
     runs = []
     for rnd in range(1, args.rounds + 1):
