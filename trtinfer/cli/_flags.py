@@ -37,8 +37,9 @@ def add_cpu_runtime_flags(parser: argparse.ArgumentParser, prefill_graph: bool |
                           huge_pages: bool | None = False, spinning: bool | None = True) -> None:
     """``--prefill-graph/--no-prefill-graph``, ``--huge-pages/--no-huge-pages`` and ``--spinning/--no-spinning``
     (``RuntimeConfig.prefill_graph``, ``.huge_pages``, ``.spinning``) on a verb that loads a decoder engine, with the
-    verb's defaults (None where the verb's config holds them). Huge pages are off by default for one-off verbs: moving the packed weights costs ~2.6 s per GiB at
-    load, more than a few hundred decoded tokens gain (Gemma-3-270M fp32, 48 tokens: 8.4 s against 5.3-5.9 s)."""
+    verb's defaults (None where the verb's config holds them). Huge pages are off by default for one-off verbs:
+    moving the packed weights costs ~2.6 s per GiB at load, more than a few hundred decoded tokens gain (Gemma-3-270M
+    fp32, 48 tokens: 8.4 s against 5.3-5.9 s)."""
     parser.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=prefill_graph,
                         help="CPU: run prompts on the engine's int8 prefill graph where it has one (`build --prefill "
                              "int8`); --no-prefill-graph runs every pass on the decoder graph (default: on)")

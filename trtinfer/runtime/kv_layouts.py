@@ -9,8 +9,8 @@
 
 A layout owns what differs between them: the feeds of a pass over rows of KV buffers (a prefill, a chunk of one
 row, a decode step alike) that give each row's length, and whether its graph writes them in place. Sessions only
-bind and run; the slot cache (:mod:`trtinfer.runtime.slots`) binds rows. The manifest's ``kv_layout`` names the layout; :func:`kv_layout` looks
-it up in the registry (an unknown name is one line listing the known ones).
+bind and run; the slot cache (:mod:`trtinfer.runtime.slots`) binds rows. The manifest's ``kv_layout`` names the
+layout; :func:`kv_layout` looks it up in the registry (an unknown name is one line listing the known ones).
 """
 from __future__ import annotations
 
