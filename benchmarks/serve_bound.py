@@ -1,24 +1,25 @@
 """How much of its own engine loop ``trtinfer serve`` delivers: guidellm against the server, beside the same workload
 driven through the same :class:`~trtinfer.runtime.scheduler.Scheduler` in process (no HTTP, no client), interleaved.
 
-usage: python -m benchmarks.serve_bound --engine [CHECKOUT:]DIR [--engine ...] [--streams 8] [--requests 32] [--rounds 3]
-                                        [--prompt-tokens 128] [--output-tokens 64] [--out PATH]
+usage: python -m benchmarks.serve_bound --engine [CHECKOUT:]DIR [--engine ...] [--streams 8] [--requests 32]
+                                        [--rounds 3] [--prompt-tokens 128] [--output-tokens 64] [--out PATH]
                                         [--serve-arg=--no-spinning ...] [--client guidellm|openai]
 
 A round runs, per engine: (1) ``benchmarks.guidellm_serve`` at ``--streams`` streams (a fresh ``trtinfer serve`` on
-loopback, guidellm's synthetic ``--prompt-tokens``-token prompts, ``--output-tokens`` tokens each with ``ignore_eos``,
-``--requests`` requests); (2) in a child process, the scheduler the server builds (the ``ServeConfig`` that
-``trtinfer serve`` makes of the same ``--serve-arg`` flags: slots, prefill chunk, prefix caching, runtime settings) with ``--streams`` threads each submitting a
-prompt of ``--prompt-tokens`` random token ids (seeded; no two share a prefix, as guidellm's) as soon as its last
-one ended, ``--requests`` in all, after one warm-up request: output tokens over the wall time, TTFT p50 (submit ->
-first token). The in-process run is the server without its HTTP layer and without a client on the same cores: the
-ratio served / in-process says what the server and its client cost, and what is left for the loop to win is the
-model's step (see ``benchmarks.loop_overhead`` for the loop's host time per step). ``--client openai`` drives the
-server with a lighter client instead of guidellm: ``--streams`` threads of the ``openai`` package, each streaming
-``/v1/completions`` with the in-process side's prompts (the same random token ids), ``ignore_eos``, greedy; tokens
-from the usage of each stream's last chunk, TTFT to the first chunk. ``--engine CHECKOUT:DIR`` serves ``DIR`` with
-another trtinfer checkout's server (an earlier commit: ``git worktree add``; ``--client openai`` only, served side
-only: its scheduler is not this one), so the same light load compares two commits round by round.
+loopback, guidellm's synthetic ``--prompt-tokens``-token prompts, ``--output-tokens`` tokens each with
+``ignore_eos``, ``--requests`` requests); (2) in a child process, the scheduler the server builds (the
+``ServeConfig`` that ``trtinfer serve`` makes of the same ``--serve-arg`` flags: slots, prefill chunk, prefix
+caching, runtime settings) with ``--streams`` threads each submitting a prompt of ``--prompt-tokens`` random token
+ids (seeded; no two share a prefix, as guidellm's) as soon as its last one ended, ``--requests`` in all, after one
+warm-up request: output tokens over the wall time, TTFT p50 (submit -> first token). The in-process run is the server
+without its HTTP layer and without a client on the same cores: the ratio served / in-process says what the server and
+its client cost, and what is left for the loop to win is the model's step (see ``benchmarks.loop_overhead`` for the
+loop's host time per step). ``--client openai`` drives the server with a lighter client instead of guidellm:
+``--streams`` threads of the ``openai`` package, each streaming ``/v1/completions`` with the in-process side's
+prompts (the same random token ids), ``ignore_eos``, greedy; tokens from the usage of each stream's last chunk, TTFT
+to the first chunk. ``--engine CHECKOUT:DIR`` serves ``DIR`` with another trtinfer checkout's server (an earlier
+commit: ``git worktree add``; ``--client openai`` only, served side only: its scheduler is not this one), so the same
+light load compares two commits round by round.
 
 Writes PATH.json (machine, each run, a summary per engine: tok/s and TTFT p50 of both, served / in-process per round)
 and PATH.png (default PATH: benchmarks/results/serve_bound_<cpu kind>_<date>); prints the table. guidellm runs from
@@ -33,11 +34,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.guidellm_ab import one_run
+from benchmarks.guidellm_ab import one_run, runs_chart
 from benchmarks.machine import ROOT, git_commit, machine_info, result_path
 
 
@@ -50,54 +51,64 @@ def serve_config(engine_dir: Path, serve_args: Sequence[str]) -> Any:
     return config_from_args(sub.choices["serve"].parse_args([str(engine_dir), *serve_args]))
 
 
+def closed_loop(prompts: list[list[int]], streams: int, one: Callable[[list[int]], tuple[float, int]]
+                ) -> tuple[dict[str, Any], list[int]]:
+    """``streams`` threads, each sending the next of ``prompts`` through ``one`` (-> TTFT in seconds, tokens made) as
+    soon as its last one ended: (output tok/s over the wall time, TTFT p50 ms, wall, requests, tokens; the tokens
+    each request made)."""
+    todo, lock = iter(prompts), threading.Lock()
+    done: list[tuple[float, int]] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                prompt = next(todo, None)
+            if prompt is None:
+                return
+            result = one(prompt)
+            with lock:
+                done.append(result)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(n for _, n in done)
+    return ({"output_tokens_per_s": round(tokens / wall, 2),
+             "ttft_p50_ms": round(statistics.median(f for f, _ in done) * 1e3, 1), "wall_s": round(wall, 2),
+             "requests": len(done), "output_tokens": tokens}, [n for _, n in done])
+
+
 def in_process(engine_dir: Path, streams: int, requests: int, prompt_tokens: int, output_tokens: int,
                serve_args: Sequence[str] = ()) -> dict[str, Any]:
     """The workload through the server's scheduler in this process: output tok/s, TTFT p50 (ms), steps."""
     from trtinfer.runtime.config import GenerationConfig
-    from trtinfer.runtime.scheduler import Scheduler
     from trtinfer.serving.app import load_engine
 
     config = serve_config(engine_dir, serve_args)
     with load_engine(engine_dir, config) as engine:
-        m = engine.manifest
-        prompts = prompt_set(int(m.geometry["vocab_size"]), requests, prompt_tokens)
+        prompts = prompt_set(int(engine.manifest.geometry["vocab_size"]), requests, prompt_tokens)
         cfg = GenerationConfig(max_new_tokens=output_tokens, ignore_eos=True)
-        scheduler = Scheduler(engine, max_queue=config.max_queue, prefill_chunk=config.prefill_chunk,
-                              max_slots=config.slots_for(m.max_batch_size),
-                              max_model_len=config.model_len_for(m.max_seq_len),
-                              prefix_caching=config.prefix_caching).start()
+        scheduler = config.scheduler(engine).start()
+
+        def one(prompt: list[int]) -> tuple[float, int]:
+            t0, first, n = time.perf_counter(), float("nan"), 0
+            for event in scheduler.submit(prompt, cfg):
+                first = time.perf_counter() - t0 if n == 0 else first
+                n += event.token_id is not None
+            return first, n
+
         try:
-            scheduler.submit(prompts[-1], cfg).result()  # warm-up, as guidellm_serve sends one request first
-            todo, lock = iter(prompts[:-1]), threading.Lock()
-            ttft: list[float] = []
-            tokens = [0]
-
-            def client() -> None:
-                while True:
-                    with lock:
-                        prompt = next(todo, None)
-                    if prompt is None:
-                        return
-                    t0, first, n = time.perf_counter(), float("nan"), 0
-                    for event in scheduler.submit(prompt, cfg):
-                        first = time.perf_counter() - t0 if n == 0 else first
-                        n += event.token_id is not None
-                    with lock:
-                        ttft.append(first)
-                        tokens[0] += n
-
-            steps0, t0 = scheduler.stats()["steps"], time.perf_counter()
-            threads = [threading.Thread(target=client) for _ in range(streams)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            steps = scheduler.stats()["steps"] - steps0
+            one(prompts[-1])  # warm-up, as guidellm_serve sends one request first
+            steps0 = scheduler.stats()["steps"]
+            report, _ = closed_loop(prompts[:-1], streams, one)
+            report["steps"] = scheduler.stats()["steps"] - steps0
         finally:
             scheduler.close()
-    return {"output_tokens_per_s": round(tokens[0] / wall, 2), "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 1),
-            "wall_s": round(wall, 2), "steps": steps, "requests": len(ttft), "output_tokens": tokens[0]}
+    return report
 
 
 def prompt_set(vocab: int, requests: int, prompt_tokens: int) -> list[list[int]]:
@@ -115,6 +126,7 @@ def openai_load(engine_dir: Path, streams: int, requests: int, prompt_tokens: in
 
     from benchmarks.serve_soak import start_server
 
+    # the JSON, not trtinfer's manifest reader: the engine may be an earlier commit's build (``--engine CHECKOUT:DIR``)
     vocab = int(json.loads((engine_dir / "manifest.json").read_text())["geometry"]["vocab_size"])
     prompts = prompt_set(vocab, requests, prompt_tokens)
     proc, url = start_server(engine_dir, "bound", list(serve_args), cwd=checkout)
@@ -133,34 +145,11 @@ def openai_load(engine_dir: Path, streams: int, requests: int, prompt_tokens: in
             return float("nan") if first is None else first, made
 
         one(prompts[-1])  # warm-up
-        todo, lock = iter(prompts[:-1]), threading.Lock()
-        done: list[tuple[float, int]] = []
-
-        def worker() -> None:
-            while True:
-                with lock:
-                    prompt = next(todo, None)
-                if prompt is None:
-                    return
-                result = one(prompt)
-                with lock:
-                    done.append(result)
-
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker) for _ in range(streams)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        report, made = closed_loop(prompts[:-1], streams, one)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    tokens = sum(n for _, n in done)
-    return {"output_tokens_per_s": round(tokens / wall, 2),
-            "ttft_p50_ms": round(statistics.median(f for f, _ in done) * 1e3, 1), "wall_s": round(wall, 2),
-            "requests": len(done), "output_tokens": tokens,
-            "checks": {"all_output_tokens_exact": all(n == output_tokens for _, n in done)}}
+    return {**report, "checks": {"all_output_tokens_exact": all(n == output_tokens for n in made)}}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -202,25 +191,10 @@ def print_table(summary: dict[str, Any]) -> None:
 
 
 def chart(summary: dict[str, Any], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    sides = [(e, side) for e in summary for side in ("served", "in_process") if summary[e][f"{side}_tok_s"]]
-    labels = [f"{label(e)}\n{side.replace('_', '-')}" for e, side in sides]
-    for ax, key, what in ((axes[0], "tok_s", "output tok/s (each round)"), (axes[1], "ttft_p50_ms", "TTFT p50 ms")):
-        values = [summary[e][f"{side}_{key}"] for e, side in sides]
-        for i, vs in enumerate(values):
-            ax.bar(i, statistics.mean(vs), color="tab:gray" if sides[i][1] == "served" else "tab:blue", alpha=0.6)
-            ax.scatter([i] * len(vs), vs, color="black", s=12, zorder=3)
-        ax.set_xticks(range(len(labels)), labels, fontsize=7)
-        ax.set_title(what)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    bars = [(f"{label(e)}\n{side.replace('_', '-')}", "tab:gray" if side == "served" else "tab:blue",
+             s[f"{side}_tok_s"], s[f"{side}_ttft_p50_ms"])
+            for e, s in summary.items() for side in ("served", "in_process") if s[f"{side}_tok_s"]]
+    runs_chart(bars, title, path, tick_size=7)
 
 
 def main() -> None:

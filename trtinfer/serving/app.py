@@ -109,12 +109,7 @@ class Service:
             template = None if self.config.chat_template is None else load_chat_template(self.config.chat_template)
             engine = self._source if isinstance(self._source, Engine) else load_engine(self._source, self.config)
             self.chat_template = engine.tokenizer.chat_template if template is None else template
-            m = engine.manifest
-            scheduler = Scheduler(engine, max_queue=self.config.max_queue, prefill_chunk=self.config.prefill_chunk,
-                                  max_slots=self.config.slots_for(m.max_batch_size),
-                                  max_model_len=self.config.model_len_for(m.max_seq_len),
-                                  on_finish=self.on_finish, prefix_caching=self.config.prefix_caching)
-            scheduler.start()
+            scheduler = self.config.scheduler(engine, self.on_finish).start()
         except Exception as e:  # reported through /health and on_failure, never lost
             if engine is not None and self._owns_engine:
                 engine.close()

@@ -1,11 +1,17 @@
 """``ServeConfig``: every setting of ``trtinfer serve`` in one frozen, validated dataclass."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trtinfer.errors import ConfigError
 from trtinfer.runtime.config import PROVIDERS, RuntimeConfig, describe, is_int
+
+if TYPE_CHECKING:
+    from trtinfer.runtime.engine import Engine
+    from trtinfer.runtime.request import Finished
+    from trtinfer.runtime.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,17 @@ class ServeConfig:
     def runtime(self) -> RuntimeConfig:
         return RuntimeConfig(provider=self.provider, intra_op_threads=self.intra_op_threads,
                              prefill_graph=self.prefill_graph, huge_pages=self.huge_pages, spinning=self.spinning)
+
+    def scheduler(self, engine: Engine, on_finish: Callable[[Finished], None] | None = None) -> Scheduler:
+        """The batcher ``trtinfer serve`` runs ``engine`` with (not started): this config's queue, prefill chunk,
+        prefix caching, and KV rows and positions for the engine (:meth:`slots_for`, :meth:`model_len_for`)."""
+        from trtinfer.runtime.scheduler import Scheduler  # the loop's modules load with the engine, not the config
+
+        m = engine.manifest
+        return Scheduler(engine, max_queue=self.max_queue, prefill_chunk=self.prefill_chunk,
+                         max_slots=self.slots_for(int(m.max_batch_size)),
+                         max_model_len=self.model_len_for(int(m.max_seq_len)), on_finish=on_finish,
+                         prefix_caching=self.prefix_caching)
 
     def slots_for(self, max_batch_size: int) -> int:
         """Rows of the server's KV cache: ``max_slots``, which may not pass the engine's max batch size, or the

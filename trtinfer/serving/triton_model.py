@@ -17,7 +17,6 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 import trtinfer
-from trtinfer.runtime.scheduler import Scheduler
 from trtinfer.serving.config import ServeConfig
 from trtinfer.serving.triton import ENGINE_FOLDER, INPUT_NAMES, parse_request, response_texts, submit, text_tensor
 
@@ -33,9 +32,7 @@ class TritonPythonModel:
         device = int(args.get("model_instance_device_id") or 0)
         self.engine = trtinfer.load(folder, provider=params.get("provider", "cpu"), device_id=device)
         # the KV cache `trtinfer serve` reserves by default (its rows and positions per row)
-        m, serve = self.engine.manifest, ServeConfig()
-        self.scheduler = Scheduler(self.engine, max_slots=serve.slots_for(int(m.max_batch_size)),
-                                   max_model_len=serve.model_len_for(int(m.max_seq_len))).start()
+        self.scheduler = ServeConfig().scheduler(self.engine).start()
 
     def execute(self, requests):
         """Queue every request on the batcher and return None (decoupled): each request's responses are sent by its
